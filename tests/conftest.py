@@ -1,0 +1,67 @@
+"""Shared test fixtures: every test is checked for leaked shared memory, descriptors and
+child processes."""
+import gc
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+
+START_METHODS = ["fork", "spawn", "forkserver"]
+
+
+def shm_files():
+    """unienv_mp_ files under /dev/shm (the package must never leave any)."""
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("unienv_mp_")}
+    except FileNotFoundError:
+        return set()
+
+
+def own_segment_fds():
+    """This process's open descriptors on unienv_mp_ memfds."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if "unienv_mp_" in target:
+            out.add((int(fd), target))
+    return out
+
+
+def own_segment_maps():
+    """This process's mappings of unienv_mp_ memfds."""
+    with open("/proc/self/maps") as f:
+        return [line.split(None, 5)[-1].strip() for line in f if "unienv_mp_" in line]
+
+
+def wait_until(predicate, timeout=5.0, interval=0.01):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    """Fail a test that leaves /dev/shm files, memfd descriptors or mappings, or children."""
+    shm_before = shm_files()
+    fds_before = own_segment_fds()
+    yield
+    gc.collect()
+    for p in mp.active_children():
+        p.join(5)
+    assert wait_until(lambda: shm_files() <= shm_before), (
+        f"/dev/shm leaked: {shm_files() - shm_before}")
+    assert wait_until(lambda: not (own_segment_fds() - fds_before), timeout=2), (
+        f"descriptors leaked: {own_segment_fds() - fds_before}")
+    assert not mp.active_children(), f"children left running: {mp.active_children()}"
+
+
+@pytest.fixture(params=START_METHODS)
+def ctx(request):
+    return mp.get_context(request.param)

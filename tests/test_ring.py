@@ -1,0 +1,387 @@
+"""RingBuffer and Segment: behaviour, errors, and crossing processes."""
+import gc
+import os
+import pickle
+import queue
+import signal
+import threading
+import time
+
+import pytest
+
+from unienv_mp import RingBuffer, RingClosed, Segment
+from unienv_mp._ring import Event
+
+from conftest import own_segment_fds, own_segment_maps, wait_until
+
+
+# -- single process ------------------------------------------------------------------------
+
+def test_push_pop_fifo_and_len():
+    with RingBuffer(4, 16) as r:
+        assert len(r) == 0 and r.empty() and not r.full()
+        for i in range(4):
+            r.push(bytes([i]) * (i + 1))
+        assert len(r) == 4 and r.full()
+        assert [r.pop() for _ in range(4)] == [bytes([i]) * (i + 1) for i in range(4)]
+        assert r.capacity == 4 and r.entry_size == 16
+
+
+def test_accepts_any_bytes_like():
+    import numpy as np
+    with RingBuffer(8, 32) as r:
+        r.push(bytearray(b"ab"))
+        r.push(memoryview(b"xcdx")[1:3])
+        r.push(np.frombuffer(b"ef", dtype=np.uint8))
+        r.push(b"")
+        assert [r.pop() for _ in range(4)] == [b"ab", b"cd", b"ef", b""]
+
+
+def test_full_and_empty_nonblocking():
+    with RingBuffer(2, 8) as r:
+        with pytest.raises(queue.Empty):
+            r.pop_nowait()
+        r.push_nowait(b"a")
+        r.push_nowait(b"b")
+        with pytest.raises(queue.Full):
+            r.push_nowait(b"c")
+        with pytest.raises(queue.Full):
+            r.push(b"c", block=False)
+
+
+def test_timeouts():
+    with RingBuffer(1, 8) as r:
+        t = time.monotonic()
+        with pytest.raises(queue.Empty):
+            r.pop(timeout=0.1)
+        assert time.monotonic() - t >= 0.09
+        r.push(b"x")
+        t = time.monotonic()
+        with pytest.raises(queue.Full):
+            r.push(b"y", timeout=0.1)
+        assert time.monotonic() - t >= 0.09
+        with pytest.raises(queue.Full):
+            r.push(b"y", timeout=0)
+
+
+def test_wraps_around_many_laps():
+    with RingBuffer(3, 8) as r:
+        for i in range(1000):
+            r.push(i.to_bytes(8, "little"))
+            assert int.from_bytes(r.pop(), "little") == i
+
+
+def test_batch_push_pop():
+    with RingBuffer(8, 8) as r:
+        items = [bytes([i]) for i in range(12)]
+        assert r.push_many(items, block=False) == 8
+        assert r.pop_many(3) == items[:3]
+        assert r.push_many(items[8:], block=False) == 3
+        assert r.pop_many(100) == items[3:11]
+        assert r.pop_many(5, block=False) == []
+        assert r.push_many([]) == 0
+
+
+def test_batch_push_blocks_until_all_fit():
+    with RingBuffer(4, 8) as r:
+        got = []
+
+        def consume():
+            while len(got) < 10:
+                got.extend(r.pop_many(3, timeout=5))
+
+        t = threading.Thread(target=consume)
+        t.start()
+        assert r.push_many([bytes([i]) for i in range(10)], timeout=5) == 10
+        t.join(5)
+        assert got == [bytes([i]) for i in range(10)]
+
+
+@pytest.mark.parametrize("bad, exc", [
+    ((0, 8), ValueError), ((-1, 8), ValueError), ((4, 0), ValueError),
+    ((4.5, 8), TypeError), (("4", 8), TypeError), ((True, 8), TypeError),
+    ((4, None), TypeError), ((1 << 40, 8), ValueError),
+])
+def test_bad_construction_arguments(bad, exc):
+    with pytest.raises(exc) as info:
+        RingBuffer(*bad)
+    assert "capacity" in str(info.value) or "entry_size" in str(info.value)
+
+
+def test_bad_call_arguments():
+    with RingBuffer(2, 4) as r:
+        with pytest.raises(ValueError, match="entry_size is 4 bytes"):
+            r.push(b"12345")
+        with pytest.raises(ValueError, match="does not fit"):
+            r.push_many([b"1", b"12345"])
+        assert len(r) == 0  # nothing of a rejected batch was pushed
+        with pytest.raises(TypeError):
+            r.push("text")
+        with pytest.raises(TypeError):
+            r.push(12)
+        with pytest.raises(ValueError, match="non-negative"):
+            r.pop(timeout=-1)
+        with pytest.raises(TypeError, match="timeout"):
+            r.pop(timeout="1")
+        with pytest.raises(ValueError):
+            r.pop_many(0)
+        with pytest.raises(ValueError):
+            RingBuffer(2, 4, poll_interval=0)
+
+
+def test_shutdown_drains_then_raises():
+    r = RingBuffer(4, 8)
+    r.push(b"a")
+    r.shutdown()
+    assert r.is_shutdown
+    with pytest.raises(RingClosed):
+        r.push(b"b")
+    assert r.pop() == b"a"
+    with pytest.raises(RingClosed):
+        r.pop()
+    with pytest.raises(RingClosed):
+        r.pop_many(2)
+    r.close()
+
+
+def test_shutdown_wakes_blocked_waiters():
+    r = RingBuffer(1, 8, poll_interval=30)  # only the shutdown can wake them in time
+    r.push(b"x")
+    errors = []
+
+    def blocked_push():
+        try:
+            r.push(b"y")
+        except RingClosed as e:
+            errors.append(e)
+
+    t = threading.Thread(target=blocked_push)
+    t.start()
+    time.sleep(0.1)
+    r.shutdown()
+    t.join(5)
+    assert not t.is_alive() and len(errors) == 1
+    r.close()
+
+
+def test_close_detaches_and_calls_raise():
+    r = RingBuffer(2, 8)
+    r.close()
+    r.close()  # idempotent
+    assert r.closed
+    with pytest.raises(ValueError, match="closed"):
+        r.push(b"a")
+    with pytest.raises(ValueError, match="closed"):
+        len(r)
+    with pytest.raises(ValueError):
+        pickle.dumps(r)
+
+
+def test_blocking_releases_the_gil():
+    with RingBuffer(1, 8) as r:
+        ticks = []
+
+        def ticker():
+            for _ in range(20):
+                ticks.append(1)
+                time.sleep(0.005)
+
+        t = threading.Thread(target=ticker)
+        t.start()
+        with pytest.raises(queue.Empty):
+            r.pop(timeout=0.3)
+        t.join()
+        assert len(ticks) == 20
+
+
+def test_check_callback_runs_every_poll_interval_and_can_abort():
+    with RingBuffer(1, 8, poll_interval=0.02) as r:
+        calls = []
+
+        def check():
+            calls.append(time.monotonic())
+            if len(calls) == 3:
+                raise RuntimeError("peer died")
+
+        with pytest.raises(RuntimeError, match="peer died"):
+            r.pop(check=check)
+        assert len(calls) == 3
+
+
+def test_signal_interrupts_a_blocked_pop():
+    with RingBuffer(1, 8, poll_interval=60) as r:
+        old = signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.1)
+            t = time.monotonic()
+            with pytest.raises(KeyboardInterrupt):
+                r.pop()
+            assert time.monotonic() - t < 5
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+
+
+def test_segment_views_keep_memory_mapped_after_close():
+    seg = Segment.create(4096)
+    mv = memoryview(seg)
+    mv[:3] = b"abc"
+    seg.close()
+    assert seg.closed
+    assert bytes(mv[:3]) == b"abc"  # still mapped: a view is alive
+    assert own_segment_maps()
+    mv.release()
+    assert not own_segment_maps()
+    with pytest.raises(ValueError):
+        memoryview(seg)
+
+
+def test_segment_bad_size():
+    with pytest.raises(ValueError):
+        Segment.create(0)
+    with pytest.raises(TypeError):
+        Segment.create("10")
+
+
+def test_nothing_left_after_garbage_collection():
+    r = RingBuffer(16, 64)
+    assert own_segment_fds()
+    del r
+    gc.collect()
+    assert not own_segment_fds() and not own_segment_maps()
+
+
+def test_events_wake_a_waiter():
+    seg = Segment.create(128)
+    ev = Event(seg, 64, True)
+    flag = []
+
+    def later():
+        time.sleep(0.05)
+        flag.append(1)
+        ev.notify()
+
+    threading.Thread(target=later).start()
+    t = time.monotonic()
+    assert ev.wait_until(lambda: flag, timeout=5, poll_interval=30)
+    assert time.monotonic() - t < 5
+    assert ev.wait_until(lambda: False, timeout=0.05) is None
+    del ev
+    seg.close()
+
+
+# -- across processes ------------------------------------------------------------------------
+
+def _echo(inbox, outbox, n):
+    for _ in range(n):
+        outbox.push(inbox.pop(timeout=30))
+
+
+def _producer(ring, start, count):
+    for i in range(start, start + count):
+        ring.push(i.to_bytes(8, "little"), timeout=30)
+
+
+def test_ping_pong_under_every_start_method(ctx):
+    a, b = RingBuffer(4, 64), RingBuffer(4, 64)
+    p = ctx.Process(target=_echo, args=(a, b, 200))
+    p.start()
+    for i in range(200):
+        a.push(b"m%d" % i)
+        assert b.pop(timeout=30) == b"m%d" % i
+    p.join(30)
+    assert p.exitcode == 0
+    a.close()
+    b.close()
+
+
+def test_many_producers_one_consumer(ctx):
+    ring = RingBuffer(64, 8)
+    procs = [ctx.Process(target=_producer, args=(ring, k * 5000, 5000)) for k in range(4)]
+    for p in procs:
+        p.start()
+    got = []
+    while len(got) < 20000:
+        got.extend(int.from_bytes(x, "little") for x in ring.pop_many(64, timeout=30))
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    assert sorted(got) == list(range(20000))
+    # each producer's entries stay in its own order
+    for k in range(4):
+        mine = [x for x in got if k * 5000 <= x < (k + 1) * 5000]
+        assert mine == sorted(mine)
+    ring.close()
+
+
+def _attach_and_push(queue_of_handles):
+    ring = pickle.loads(queue_of_handles.pop(timeout=30))
+    ring.push(b"via /proc")
+
+
+def test_handle_sent_through_another_ring_attaches_via_proc(ctx):
+    # Outside process start-up the handle travels as (pid, fd, inode) and the receiver
+    # opens /proc/<pid>/fd/<fd>.
+    carrier = RingBuffer(2, 256)
+    target = RingBuffer(2, 64)
+    p = ctx.Process(target=_attach_and_push, args=(carrier,))
+    p.start()
+    carrier.push(pickle.dumps(target))
+    assert target.pop(timeout=30) == b"via /proc"
+    p.join(30)
+    assert p.exitcode == 0
+    carrier.close()
+    target.close()
+
+
+def test_unlinked_ring_cannot_be_shared_but_still_works():
+    r = RingBuffer(2, 8)
+    r.unlink()
+    with pytest.raises(ValueError, match="unlinked"):
+        pickle.dumps(r)
+    r.push(b"a")
+    assert r.pop() == b"a"
+    r.close()
+
+
+def _sleep_then_push(ring, delay):
+    time.sleep(delay)
+    ring.push(b"late")
+
+
+def test_sleeping_consumer_is_woken_across_processes(ctx):
+    # poll_interval far longer than the test: only a futex wake can end the pop in time.
+    ring = RingBuffer(2, 8, poll_interval=60, spin=0)
+    p = ctx.Process(target=_sleep_then_push, args=(ring, 0.3))
+    p.start()
+    t = time.monotonic()
+    assert ring.pop(timeout=30) == b"late"
+    assert time.monotonic() - t < 20
+    p.join(30)
+    ring.close()
+
+
+def _create_share_and_sleep(carrier):
+    ring = RingBuffer(4, 16)
+    ring.push(b"from the creator")
+    carrier.push(pickle.dumps(ring))
+    time.sleep(60)
+
+
+def test_creator_sigkilled_leaves_nothing_behind(ctx):
+    from conftest import shm_files
+    carrier = RingBuffer(2, 256)
+    p = ctx.Process(target=_create_share_and_sleep, args=(carrier,))
+    p.start()
+    ring = pickle.loads(carrier.pop(timeout=30))
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(10)
+    # The memory outlives its creator for as long as someone maps it ...
+    assert ring.pop() == b"from the creator"
+    ring.push(b"still works")
+    assert ring.pop() == b"still works"
+    assert not shm_files()
+    # ... and is gone from this process once released here.
+    ring.close()
+    carrier.close()
+    assert not own_segment_fds() and not own_segment_maps()

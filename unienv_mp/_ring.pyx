@@ -1,0 +1,870 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Cython binding of csrc/: shared-memory segments, the lock-free ring, futex events.
+
+Everything that can block releases the GIL and comes back to Python at least every
+``poll_interval`` seconds (and on every signal) so that Ctrl-C, a ``check`` callable and a
+closed ring are all noticed.
+"""
+from libc.stdint cimport uint32_t, uint64_t, int64_t
+from libc.stdlib cimport malloc, free
+from libc.string cimport memcpy
+from libc.errno cimport errno
+from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE
+from cpython.exc cimport PyErr_CheckSignals
+from cpython.object cimport PyObject
+from cpython.ref cimport Py_INCREF
+
+import errno as _errno
+import itertools as _itertools
+import math as _math
+import numbers as _numbers
+import os as _os
+import queue as _queue
+
+from multiprocessing import context as _mpcontext
+from multiprocessing import reduction as _mpreduction
+
+from .errors import RingClosed, PeerGoneError
+
+__all__ = ["Segment", "RingBuffer", "Event", "DEFAULT_POLL_INTERVAL", "DEFAULT_SPIN",
+           "now_ns"]
+
+#: Default longest sleep before a blocked call re-checks liveness and the closed flag.
+DEFAULT_POLL_INTERVAL = 0.1
+#: Default time a blocked call spins (polls the ring without sleeping) before it sleeps.
+DEFAULT_SPIN = 20e-6
+
+cdef extern from "Python.h":
+    int PyBytes_CheckExact(object o)
+    int _PyBytes_Resize(PyObject **bytes, Py_ssize_t newsize) except -1
+
+_names = _itertools.count()
+
+
+def now_ns():
+    """CLOCK_MONOTONIC in nanoseconds (the clock every deadline here is measured on)."""
+    return umr_now_ns()
+
+
+cdef int64_t _seconds_to_ns(object seconds, str what) except -2:
+    if seconds is None:
+        return UMR_NO_DEADLINE
+    if not isinstance(seconds, _numbers.Real):
+        raise TypeError(f"{what} must be a number of seconds or None, got "
+                        f"{type(seconds).__name__} {seconds!r}")
+    value = float(seconds)
+    if _math.isnan(value) or value < 0:
+        raise ValueError(f"{what} must be a non-negative number of seconds, got {seconds!r}")
+    if value > 1e9:  # about 31 years: treat as "no limit"
+        return UMR_NO_DEADLINE
+    return <int64_t>(value * 1e9)
+
+
+cdef int64_t _deadline(object timeout) except -2:
+    cdef int64_t t = _seconds_to_ns(timeout, "timeout")
+    if t == UMR_NO_DEADLINE:
+        return UMR_NO_DEADLINE
+    return umr_now_ns() + t
+
+
+cdef object _positive_int(object value, str what, object maximum=None):
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}")
+    value = value.__index__()
+    if value < 1:
+        raise ValueError(f"{what} must be >= 1, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{what} must be <= {maximum}, got {value}")
+    return value
+
+
+cdef int _raise_os(int neg_errno, str what) except -1:
+    cdef int code = -neg_errno
+    raise OSError(code, f"{what}: {_os.strerror(code)}")
+
+
+# ---------------------------------------------------------------------------------------
+# Segment
+# ---------------------------------------------------------------------------------------
+
+def _segment_from_dupfd(dupfd, size, ino, name):
+    """Unpickle a Segment handed to a process at its start (spawn / forkserver)."""
+    cdef Segment seg = Segment.__new__(Segment)
+    seg._adopt(dupfd.detach(), size, name, ino)
+    return seg
+
+
+def _segment_from_peer(pid, fd, ino, size, name):
+    """Unpickle a Segment described by a live process as (pid, fd, inode)."""
+    cdef int ours = umr_shm_open_peer(pid, fd, ino, size)
+    if ours < 0:
+        if -ours in (_errno.ENOENT, _errno.ESRCH, _errno.ESTALE):
+            raise PeerGoneError(
+                -ours, f"cannot attach shared-memory segment {name!r}: process {pid} that "
+                       f"described it has exited or closed it")
+        _raise_os(ours, f"cannot attach shared-memory segment {name!r} of process {pid}")
+    cdef Segment seg = Segment.__new__(Segment)
+    seg._adopt(ours, size, name, ino)
+    return seg
+
+
+cdef class Segment:
+    """A block of shared memory that other processes can map: an anonymous ``memfd``.
+
+    Lifecycle, as for :class:`multiprocessing.shared_memory.SharedMemory`:
+    ``Segment.create(size)`` makes one; pickling it (as a Process argument, or through a
+    queue while this process lives) lets another process attach; :meth:`close` releases it
+    in this process; :meth:`unlink` stops new processes from attaching.  Nothing is ever
+    created under ``/dev/shm``: the memory is returned to the system when the last process
+    that maps it is gone, however it ended (normal exit, exception or SIGKILL).
+
+    The segment exports the buffer protocol.  While a ``memoryview`` (or an array built on
+    one) is alive, :meth:`close` only marks the segment closed and the memory stays mapped
+    until the last view is released, so a view can never outlive its memory.
+    """
+
+    def __cinit__(self):
+        self.fd = -1
+        self.addr = NULL
+        self.size = 0
+        self._users = 0
+        self._closing = False
+        self.name = ""
+
+    @staticmethod
+    def create(size, tag="segment"):
+        """Create a new zero-filled segment of ``size`` bytes named ``unienv_mp_<tag>_...``."""
+        size = _positive_int(size, "size")
+        name = f"unienv_mp_{tag}_{_os.getpid()}_{next(_names)}"
+        cdef int fd = umr_shm_create(name.encode(), size)
+        if fd < 0:
+            _raise_os(fd, f"cannot create shared-memory segment of {size} bytes")
+        cdef Segment seg = Segment.__new__(Segment)
+        try:
+            seg._adopt(fd, size, name, None)
+        except BaseException:
+            _os.close(fd)
+            raise
+        return seg
+
+    def _adopt(self, int fd, uint64_t size, str name, ino):
+        cdef uint64_t got_ino = 0, got_size = 0
+        cdef int rc = umr_shm_identity(fd, &got_ino, &got_size)
+        if rc < 0:
+            _raise_os(rc, "cannot inspect shared-memory descriptor")
+        if got_size < size or (ino is not None and got_ino != ino):
+            raise PeerGoneError(_errno.ESTALE,
+                                f"descriptor {fd} is not shared-memory segment {name!r}")
+        cdef void *p = umr_shm_map(fd, size)
+        if p == NULL:
+            code = errno
+            raise OSError(code, f"cannot map shared-memory segment {name!r} of {size} bytes: "
+                                f"{_os.strerror(code)}")
+        self.fd = fd
+        self.addr = <unsigned char *>p
+        self.size = size
+        self.ino = got_ino
+        self.name = name
+
+    @property
+    def address(self):
+        """Address of the mapping in this process (0 once unmapped)."""
+        return <size_t>self.addr
+
+    @property
+    def closed(self):
+        """True once :meth:`close` was called in this process."""
+        return self._closing or self.addr == NULL
+
+    cdef unsigned char *enter(self, uint64_t offset, uint64_t length) except NULL:
+        """Pin the mapping for a C-level user (e.g. a blocking wait without the GIL) and
+        return the address of [offset, offset + length)."""
+        if self.addr == NULL or self._closing:
+            raise ValueError(f"shared-memory segment {self.name!r} is closed")
+        if offset > self.size or length > self.size - offset:
+            raise ValueError(f"range [{offset}, {offset + length}) is outside segment "
+                             f"{self.name!r} of {self.size} bytes")
+        self._users += 1
+        return self.addr + offset
+
+    cdef void leave(self) noexcept:
+        self._users -= 1
+        if self._closing and self._users == 0:
+            try:
+                self._unmap()
+            except BaseException:
+                pass
+
+    cdef int _unmap(self) except -1:
+        if self.addr != NULL:
+            umr_shm_unmap(self.addr, self.size)
+            self.addr = NULL
+        return 0
+
+    def __getbuffer__(self, Py_buffer *buf, int flags):
+        if self.addr == NULL or self._closing:
+            raise ValueError(f"shared-memory segment {self.name!r} is closed")
+        self._shape[0] = <Py_ssize_t>self.size
+        self._strides[0] = 1
+        buf.buf = self.addr
+        buf.obj = self
+        buf.len = <Py_ssize_t>self.size
+        buf.readonly = 0
+        buf.itemsize = 1
+        if flags & 0x0004:  # PyBUF_FORMAT
+            buf.format = b"B"
+        else:
+            buf.format = NULL
+        buf.ndim = 1
+        buf.shape = self._shape
+        buf.strides = self._strides
+        buf.suboffsets = NULL
+        buf.internal = NULL
+        self._users += 1
+
+    def __releasebuffer__(self, Py_buffer *buf):
+        self.leave()
+
+    def close(self):
+        """Release the segment in this process: close its descriptor and unmap it (at once,
+        or when the last view of it is released).  Idempotent."""
+        self.unlink()
+        self._closing = True
+        if self._users == 0:
+            self._unmap()
+
+    def unlink(self):
+        """Close this process's descriptor: the segment can no longer be handed to new
+        processes from here.  The mapping, and every process attached, is unaffected."""
+        if self.fd >= 0:
+            _os.close(self.fd)
+            self.fd = -1
+
+    def __dealloc__(self):
+        # Nothing can still use the mapping: buffer views hold a reference to us.
+        if self.addr != NULL:
+            umr_shm_unmap(self.addr, self.size)
+            self.addr = NULL
+        if self.fd >= 0:
+            _os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __reduce__(self):
+        if self.addr == NULL or self._closing:
+            raise ValueError(f"cannot share closed segment {self.name!r}")
+        if self.fd < 0:
+            raise ValueError(f"cannot share segment {self.name!r}: it was unlinked in this "
+                             f"process (no new process can attach through it)")
+        if _mpcontext.get_spawning_popen() is not None:
+            # Starting a process (spawn / forkserver): multiprocessing hands the descriptor
+            # itself to the child.
+            return (_segment_from_dupfd, (_mpreduction.DupFd(self.fd), self.size, self.ino,
+                                          self.name))
+        return (_segment_from_peer, (_os.getpid(), self.fd, self.ino, self.size, self.name))
+
+    def __repr__(self):
+        state = "closed" if self.closed else f"{self.size} bytes"
+        return f"<Segment {self.name!r} {state}>"
+
+
+# ---------------------------------------------------------------------------------------
+# Event
+# ---------------------------------------------------------------------------------------
+
+cdef class Event:
+    """A futex-backed wake-up signal at a 64-byte line of a :class:`Segment`.
+
+    Waiters call :meth:`wait_until` with a condition; notifiers call :meth:`notify` after
+    making the condition true.  Used as the "any result is ready" doorbell of the manager.
+    """
+    cdef readonly Segment segment
+    cdef readonly uint64_t offset
+    cdef umr_event_t *ev
+
+    SIZE = 64
+
+    def __cinit__(self, Segment segment, offset, bint init=False):
+        if offset % 64 or offset + 64 > segment.size:
+            raise ValueError(f"event offset {offset} is not a 64-byte line of the segment")
+        self.segment = segment
+        self.offset = offset
+        self.ev = <umr_event_t *>segment.enter(offset, 64)
+        if init:
+            umr_event_init(self.ev)
+
+    def __dealloc__(self):
+        if self.segment is not None and self.ev != NULL:
+            self.segment.leave()
+            self.ev = NULL
+
+    def notify(self):
+        """Wake every waiter (one fence and one load when there is none)."""
+        umr_event_notify(self.ev)
+
+    def notify_all(self):
+        umr_event_notify_all(self.ev)
+
+    def wait_until(self, condition, timeout=None, poll_interval=DEFAULT_POLL_INTERVAL,
+                   check=None):
+        """Call ``condition()`` until it returns something true and return that.  Between
+        tries sleep until notified, at most ``poll_interval`` seconds at a time (then
+        ``check()`` runs, if given).  Returns ``None`` when ``timeout`` expires."""
+        cdef int64_t deadline = _deadline(timeout)
+        cdef int64_t poll_ns = _seconds_to_ns(poll_interval, "poll_interval")
+        cdef int64_t wake_at, now
+        cdef uint32_t seen
+        cdef int rc
+        while True:
+            seen = umr_event_prepare(self.ev)
+            try:
+                result = condition()
+                if result:
+                    return result
+                now = umr_now_ns()
+                if deadline != UMR_NO_DEADLINE and now >= deadline:
+                    return None
+                wake_at = deadline
+                if poll_ns != UMR_NO_DEADLINE and (wake_at == UMR_NO_DEADLINE
+                                                  or now + poll_ns < wake_at):
+                    wake_at = now + poll_ns
+                with nogil:
+                    rc = umr_event_wait(self.ev, seen, wake_at)
+            finally:
+                umr_event_finish(self.ev)
+            if rc != UMR_OK:
+                PyErr_CheckSignals()
+                if check is not None:
+                    check()
+
+
+# ---------------------------------------------------------------------------------------
+# RingBuffer
+# ---------------------------------------------------------------------------------------
+
+def _ring_from_segment(Segment segment, offset, poll_interval, spin):
+    return RingBuffer._attach(segment, offset, poll_interval, spin)
+
+
+cdef class RingBuffer:
+    """A bounded FIFO of byte strings in shared memory, for any number of producer and
+    consumer processes.
+
+    ``RingBuffer(capacity, entry_size)`` creates a ring holding up to ``capacity`` entries
+    of at most ``entry_size`` bytes each.  A forked child inherits it; pickling it (as a
+    ``Process`` argument under spawn or forkserver, or through a queue while this process
+    lives) attaches the receiving process to the same ring.
+
+    Pushing copies the bytes into a cell and publishes it with one atomic store; popping
+    copies them out.  Blocking calls spin for ``spin`` seconds, then sleep on a futex
+    without the GIL; they wake when the other side acts, and at least every
+    ``poll_interval`` seconds to run ``check`` (if given) and to notice signals.
+
+    :meth:`shutdown` marks the ring closed for every process: further pushes raise
+    :class:`~unienv_mp.RingClosed`; pops return what is left, then raise it.  :meth:`close`
+    detaches only this process; :meth:`unlink` stops new processes attaching through this
+    one.  Used as a context manager, the ring is closed (detached) on exit.
+    """
+
+    def __init__(self, capacity, entry_size, *, poll_interval=DEFAULT_POLL_INTERVAL,
+                 spin=DEFAULT_SPIN):
+        capacity = _positive_int(capacity, "capacity", 1 << 32)
+        entry_size = _positive_int(entry_size, "entry_size", 1 << 30)
+        self._set_timing(poll_interval, spin)
+        cdef size_t need = umr_ring_footprint(capacity, entry_size)
+        if need == 0:
+            raise ValueError(f"a ring of {capacity} entries of {entry_size} bytes is too large")
+        seg = Segment.create(need, "ring")
+        self._init_in(seg, 0, capacity, entry_size)
+
+    @staticmethod
+    def footprint(capacity, entry_size):
+        """Bytes of shared memory a ring of this geometry occupies (a multiple of 64)."""
+        capacity = _positive_int(capacity, "capacity", 1 << 32)
+        entry_size = _positive_int(entry_size, "entry_size", 1 << 30)
+        return umr_ring_footprint(capacity, entry_size)
+
+    @staticmethod
+    def _create_in(Segment segment, offset, capacity, entry_size,
+                   poll_interval=DEFAULT_POLL_INTERVAL, spin=DEFAULT_SPIN):
+        """Lay out a new ring at ``offset`` of an existing segment."""
+        cdef RingBuffer self = RingBuffer.__new__(RingBuffer)
+        self._set_timing(poll_interval, spin)
+        self._init_in(segment, offset, capacity, entry_size)
+        return self
+
+    @staticmethod
+    def _attach(Segment segment, offset, poll_interval=DEFAULT_POLL_INTERVAL,
+                spin=DEFAULT_SPIN):
+        """Attach to the ring that already lies at ``offset`` of ``segment``."""
+        cdef RingBuffer self = RingBuffer.__new__(RingBuffer)
+        self._set_timing(poll_interval, spin)
+        if offset % 64 or offset >= segment.size:
+            raise ValueError(f"ring offset {offset} is not a 64-byte line of the segment")
+        cdef unsigned char *mem = segment.enter(offset, segment.size - offset)
+        cdef int rc
+        try:
+            rc = umr_ring_attach(&self.r, mem, segment.size - offset)
+        finally:
+            segment.leave()
+        if rc != UMR_OK:
+            raise ValueError(f"no ring at offset {offset} of segment {segment.name!r}")
+        self.segment = segment
+        self.offset = offset
+        return self
+
+    def _set_timing(self, poll_interval, spin):
+        self._poll_ns = _seconds_to_ns(poll_interval, "poll_interval")
+        if self._poll_ns == 0:
+            raise ValueError("poll_interval must be > 0")
+        self._spin_ns = _seconds_to_ns(spin, "spin")
+        if self._spin_ns == UMR_NO_DEADLINE:
+            raise ValueError("spin must be finite")
+
+    def _init_in(self, Segment segment, offset, capacity, entry_size):
+        capacity = _positive_int(capacity, "capacity", 1 << 32)
+        entry_size = _positive_int(entry_size, "entry_size", 1 << 30)
+        cdef size_t need = umr_ring_footprint(capacity, entry_size)
+        if offset % 64:
+            raise ValueError(f"ring offset {offset} is not a multiple of 64")
+        cdef unsigned char *mem = segment.enter(offset, need)
+        cdef int rc
+        try:
+            rc = umr_ring_init(&self.r, mem, need, capacity, entry_size)
+        finally:
+            segment.leave()
+        if rc != UMR_OK:
+            raise ValueError(f"cannot lay out a ring of {capacity} x {entry_size} bytes")
+        self.segment = segment
+        self.offset = offset
+
+    # -- properties ---------------------------------------------------------------------
+
+    @property
+    def capacity(self):
+        """Most entries the ring holds."""
+        return self.r.capacity
+
+    @property
+    def entry_size(self):
+        """Most bytes one entry holds."""
+        return self.r.entry_size
+
+    @property
+    def poll_interval(self):
+        """Longest sleep, in seconds, before a blocked call re-checks ``check`` and signals."""
+        return self._poll_ns / 1e9
+
+    @property
+    def is_shutdown(self):
+        """True once any process called :meth:`shutdown`."""
+        self._ensure_open()
+        return bool(umr_ring_is_closed(&self.r))
+
+    @property
+    def closed(self):
+        """True once this process called :meth:`close`."""
+        return self.segment is None or self.segment.closed
+
+    def __len__(self):
+        self._ensure_open()
+        return umr_ring_count(&self.r)
+
+    def empty(self):
+        return len(self) == 0
+
+    def full(self):
+        return len(self) >= self.r.capacity
+
+    cdef int _ensure_open(self) except -1:
+        if self.segment is None or self.segment.addr == NULL or self.segment._closing:
+            raise ValueError("ring is closed in this process")
+        return 0
+
+    # -- push ---------------------------------------------------------------------------
+
+    def push(self, data, block=True, timeout=None, *, check=None):
+        """Append ``data`` (any bytes-like object of at most ``entry_size`` bytes).
+
+        Blocks while the ring is full (``block=False``: raises :class:`queue.Full` at once;
+        ``timeout``: raises :class:`queue.Full` after that many seconds).  Raises
+        :class:`RingClosed` if the ring was shut down, ``ValueError`` if ``data`` is longer
+        than ``entry_size``.  ``check``, if given, is called every ``poll_interval``
+        seconds while blocked; an exception from it ends the wait.
+        """
+        cdef Py_buffer view
+        cdef const char *p
+        cdef Py_ssize_t n
+        cdef bint have_view = False
+        if PyBytes_CheckExact(data):
+            p = PyBytes_AS_STRING(data)
+            n = PyBytes_GET_SIZE(data)
+        else:
+            PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+            have_view = True
+            p = <const char *>view.buf
+            n = view.len
+        try:
+            self._push(p, n, block, timeout, check)
+        finally:
+            if have_view:
+                PyBuffer_Release(&view)
+
+    def push_nowait(self, data):
+        """``push(data, block=False)``."""
+        self.push(data, False)
+
+    cdef int _push(self, const char *p, Py_ssize_t n, bint block, object timeout,
+                   object check) except -1:
+        cdef int rc
+        cdef int64_t deadline, spin = self._spin_ns, poll = self._poll_ns
+        if n > self.r.entry_size:
+            raise ValueError(f"entry of {n} bytes does not fit: this ring's entry_size is "
+                             f"{self.r.entry_size} bytes")
+        self._ensure_open()
+        if timeout is not None and block:
+            _seconds_to_ns(timeout, "timeout")
+        # Fast path with the GIL held: releasing it costs more than a push.
+        rc = umr_ring_try_push(&self.r, p, <uint32_t>n)
+        if rc == UMR_OK:
+            return 0
+        if rc != UMR_FULL:
+            return self._raise_rc(rc)
+        if not block:
+            raise _queue.Full
+        deadline = _deadline(timeout)
+        self.segment.enter(0, 0)
+        try:
+            while True:
+                with nogil:
+                    rc = umr_ring_push_wait(&self.r, p, <uint32_t>n, deadline, poll, spin)
+                if rc == UMR_OK:
+                    return 0
+                spin = 0
+                if rc == UMR_TIMEOUT:
+                    raise _queue.Full
+                if rc != UMR_POLL and rc != UMR_INTR:
+                    return self._raise_rc(rc)
+                self._between_waits(check)
+        finally:
+            self.segment.leave()
+
+    def push_many(self, items, block=True, timeout=None, *, check=None):
+        """Append every bytes-like object of the sequence ``items`` in order, claiming as
+        many cells as are free with one atomic operation.  Returns how many were pushed:
+        all of them when ``block`` (raising :class:`queue.Full` if ``timeout`` expires
+        first), possibly fewer (even 0) when not."""
+        cdef Py_ssize_t n = len(items), i, done = 0, chunk, got
+        cdef const void **ptrs
+        cdef uint32_t *lens
+        cdef Py_buffer *views
+        cdef char *have
+        cdef int64_t k, deadline
+        cdef int rc
+        cdef int64_t spin = self._spin_ns
+        self._ensure_open()
+        if n == 0:
+            return 0
+        deadline = _deadline(timeout) if block else 0
+        ptrs = <const void **>malloc(n * sizeof(void *))
+        lens = <uint32_t *>malloc(n * sizeof(uint32_t))
+        views = <Py_buffer *>malloc(n * sizeof(Py_buffer))
+        have = <char *>malloc(n)
+        if ptrs == NULL or lens == NULL or views == NULL or have == NULL:
+            free(ptrs); free(lens); free(views); free(have)
+            raise MemoryError
+        for i in range(n):
+            have[i] = 0
+        try:
+            for i in range(n):
+                item = items[i]
+                if PyBytes_CheckExact(item):
+                    ptrs[i] = PyBytes_AS_STRING(item)
+                    got = PyBytes_GET_SIZE(item)
+                else:
+                    PyObject_GetBuffer(item, &views[i], PyBUF_SIMPLE)
+                    have[i] = 1
+                    ptrs[i] = views[i].buf
+                    got = views[i].len
+                if got > self.r.entry_size:
+                    raise ValueError(f"item {i} of {got} bytes does not fit: this ring's "
+                                     f"entry_size is {self.r.entry_size} bytes")
+                lens[i] = <uint32_t>got
+            self.segment.enter(0, 0)
+            try:
+                while done < n:
+                    k = umr_ring_try_push_many(&self.r, ptrs + done, lens + done, n - done)
+                    if k < 0:
+                        self._raise_rc(<int>k)
+                    done += k
+                    if done == n or not block:
+                        break
+                    if k == 0:
+                        # Full: wait for room for the next one, then go back to batches.
+                        while True:
+                            with nogil:
+                                rc = umr_ring_push_wait(&self.r, ptrs[done], lens[done],
+                                                        deadline, self._poll_ns, spin)
+                            if rc == UMR_OK:
+                                done += 1
+                                break
+                            spin = 0
+                            if rc == UMR_TIMEOUT:
+                                raise _queue.Full
+                            if rc != UMR_POLL and rc != UMR_INTR:
+                                self._raise_rc(rc)
+                            self._between_waits(check)
+            finally:
+                self.segment.leave()
+        finally:
+            for i in range(n):
+                if have[i]:
+                    PyBuffer_Release(&views[i])
+            free(ptrs); free(lens); free(views); free(have)
+        return done
+
+    # -- pop ----------------------------------------------------------------------------
+
+    def pop(self, block=True, timeout=None, *, check=None):
+        """Remove and return the oldest entry as ``bytes``.
+
+        Blocks while the ring is empty (``block=False``: raises :class:`queue.Empty` at
+        once; ``timeout``: after that many seconds).  Raises :class:`RingClosed` once the
+        ring is shut down and empty.  ``check`` as for :meth:`push`.
+        """
+        cdef uint32_t length = 0
+        cdef char stackbuf[4096]
+        cdef char *buf = stackbuf
+        cdef uint32_t cap = self.r.entry_size
+        self._ensure_open()
+        if cap > sizeof(stackbuf):
+            buf = <char *>malloc(cap)
+            if buf == NULL:
+                raise MemoryError
+        try:
+            self._pop(buf, &length, block, timeout, check)
+            return PyBytes_FromStringAndSize(buf, length)
+        finally:
+            if buf != stackbuf:
+                free(buf)
+
+    def pop_nowait(self):
+        """``pop(block=False)``."""
+        return self.pop(False)
+
+    cdef int _pop(self, char *buf, uint32_t *length, bint block, object timeout,
+                  object check) except -1:
+        cdef int rc
+        cdef int64_t deadline, spin = self._spin_ns, poll = self._poll_ns
+        cdef uint32_t cap = self.r.entry_size
+        if timeout is not None and block:
+            _seconds_to_ns(timeout, "timeout")
+        rc = umr_ring_try_pop(&self.r, buf, cap, length)
+        if rc == UMR_OK:
+            return 0
+        if rc != UMR_EMPTY:
+            return self._raise_rc(rc)
+        if not block:
+            raise _queue.Empty
+        deadline = _deadline(timeout)
+        self.segment.enter(0, 0)
+        try:
+            while True:
+                with nogil:
+                    rc = umr_ring_pop_wait(&self.r, buf, cap, length, deadline, poll, spin)
+                if rc == UMR_OK:
+                    return 0
+                spin = 0
+                if rc == UMR_TIMEOUT:
+                    raise _queue.Empty
+                if rc != UMR_POLL and rc != UMR_INTR:
+                    return self._raise_rc(rc)
+                self._between_waits(check)
+        finally:
+            self.segment.leave()
+
+    def pop_many(self, max_items, block=True, timeout=None, *, check=None):
+        """Remove up to ``max_items`` of the oldest entries with one atomic claim and return
+        them as a list of ``bytes``.  When ``block``, waits until at least one is there
+        (raising :class:`queue.Empty` if ``timeout`` expires); otherwise the list may be
+        empty.  Raises :class:`RingClosed` once the ring is shut down and empty."""
+        max_items = _positive_int(max_items, "max_items")
+        cdef uint64_t n = min(<uint64_t>max_items, self.r.capacity)
+        cdef size_t stride = self.r.entry_size
+        cdef char *buf
+        cdef uint32_t *lens
+        cdef int64_t k, deadline, spin = self._spin_ns, poll = self._poll_ns
+        cdef uint64_t i
+        self._ensure_open()
+        buf = <char *>malloc(n * stride)
+        lens = <uint32_t *>malloc(n * sizeof(uint32_t))
+        if buf == NULL or lens == NULL:
+            free(buf); free(lens)
+            raise MemoryError
+        try:
+            if not block:
+                k = umr_ring_try_pop_many(&self.r, buf, stride, lens, n)
+                if k < 0:
+                    self._raise_rc(<int>k)
+            else:
+                deadline = _deadline(timeout)
+                self.segment.enter(0, 0)
+                try:
+                    while True:
+                        with nogil:
+                            k = umr_ring_pop_many_wait(&self.r, buf, stride, lens, n,
+                                                       deadline, poll, spin)
+                        if k > 0:
+                            break
+                        spin = 0
+                        if k == UMR_TIMEOUT:
+                            raise _queue.Empty
+                        if k != UMR_POLL and k != UMR_INTR:
+                            self._raise_rc(<int>k)
+                        self._between_waits(check)
+                finally:
+                    self.segment.leave()
+            out = [None] * k
+            for i in range(<uint64_t>k):
+                out[i] = PyBytes_FromStringAndSize(buf + i * stride, lens[i])
+            return out
+        finally:
+            free(buf)
+            free(lens)
+
+    # -- tagged entries -----------------------------------------------------------------
+
+    def push_tagged(self, uint32_t tag, uint32_t aux, uint64_t value, payload=b"",
+                    block=True, timeout=None, *, check=None):
+        """Push one entry made of a 16-byte header (``tag``, ``aux``, ``value``) followed by
+        ``payload`` (bytes-like, at most ``entry_size - 16`` bytes).  Same blocking rules
+        as :meth:`push`.  The queue and the sampler describe messages this way: what kind,
+        which slot, how many bytes, and small payloads inline."""
+        cdef Py_buffer view
+        cdef const char *src
+        cdef Py_ssize_t n
+        cdef bint have_view = False
+        cdef char stackbuf[1024]
+        cdef char *buf = stackbuf
+        if PyBytes_CheckExact(payload):
+            src = PyBytes_AS_STRING(payload)
+            n = PyBytes_GET_SIZE(payload)
+        else:
+            PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE)
+            have_view = True
+            src = <const char *>view.buf
+            n = view.len
+        try:
+            if n + 16 > self.r.entry_size:
+                raise ValueError(f"payload of {n} bytes does not fit: entries of this ring "
+                                 f"hold {self.r.entry_size - 16 if self.r.entry_size > 16 else 0}"
+                                 f" payload bytes")
+            if n + 16 > <Py_ssize_t>sizeof(stackbuf):
+                buf = <char *>malloc(n + 16)
+                if buf == NULL:
+                    raise MemoryError
+            memcpy(buf, &tag, 4)
+            memcpy(buf + 4, &aux, 4)
+            memcpy(buf + 8, &value, 8)
+            if n:
+                memcpy(buf + 16, src, n)
+            self._push(buf, n + 16, block, timeout, check)
+        finally:
+            if have_view:
+                PyBuffer_Release(&view)
+            if buf != stackbuf:
+                free(buf)
+
+    def pop_tagged(self, block=True, timeout=None, *, check=None):
+        """Pop one entry pushed by :meth:`push_tagged`; returns ``(tag, aux, value,
+        payload)`` with ``payload`` as ``bytes``."""
+        cdef uint32_t length = 0, tag, aux
+        cdef uint64_t value
+        cdef char stackbuf[1024]
+        cdef char *buf = stackbuf
+        cdef uint32_t cap = self.r.entry_size
+        self._ensure_open()
+        if cap > sizeof(stackbuf):
+            buf = <char *>malloc(cap)
+            if buf == NULL:
+                raise MemoryError
+        try:
+            self._pop(buf, &length, block, timeout, check)
+            if length < 16:
+                raise ValueError(f"entry of {length} bytes has no 16-byte tagged header")
+            memcpy(&tag, buf, 4)
+            memcpy(&aux, buf + 4, 4)
+            memcpy(&value, buf + 8, 8)
+            return (tag, aux, value, PyBytes_FromStringAndSize(buf + 16, length - 16))
+        finally:
+            if buf != stackbuf:
+                free(buf)
+
+    def _give_back(self, data):
+        """Non-blocking push that works as long as the memory is mapped in this process,
+        even after :meth:`close` (used to return slots held past a close)."""
+        if self.segment is None or self.segment.addr == NULL:
+            raise ValueError("ring is unmapped in this process")
+        cdef const unsigned char[::1] v = data
+        cdef int rc = umr_ring_try_push(&self.r, &v[0], <uint32_t>v.shape[0])
+        if rc != UMR_OK:
+            self._raise_rc(rc) if rc != UMR_FULL else None
+            raise _queue.Full
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _between_waits(self, check):
+        PyErr_CheckSignals()
+        if check is not None:
+            check()
+        if self.segment.closed:
+            raise ValueError("ring was closed in this process while waiting")
+
+    cdef int _raise_rc(self, int rc) except -1:
+        if rc == UMR_CLOSED:
+            raise RingClosed("ring was shut down")
+        if rc == UMR_TOOBIG:
+            raise ValueError(f"entry does not fit: entry_size is {self.r.entry_size} bytes")
+        raise RuntimeError(f"ring operation failed with code {rc}")
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def shutdown(self):
+        """Mark the ring closed for every process and wake every blocked caller."""
+        self._ensure_open()
+        umr_ring_shutdown(&self.r)
+
+    def close(self):
+        """Detach this process from the ring (the ring lives on in other processes).  If
+        this process created the ring and no other process attached, its memory is freed."""
+        if self.segment is not None:
+            self.segment.close()
+
+    def unlink(self):
+        """Stop new processes from attaching through this process (see
+        :meth:`Segment.unlink`)."""
+        if self.segment is not None:
+            self.segment.unlink()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __reduce__(self):
+        self._ensure_open()
+        return (_ring_from_segment, (self.segment, self.offset, self._poll_ns / 1e9,
+                                     self._spin_ns / 1e9))
+
+    def __repr__(self):
+        if self.closed:
+            return "<RingBuffer closed>"
+        return (f"<RingBuffer {len(self)}/{self.r.capacity} entries of <= "
+                f"{self.r.entry_size} bytes>")

@@ -1,0 +1,60 @@
+"""Exceptions raised by unienv_mp.  This module imports nothing from the package, so every
+layer can use it."""
+
+__all__ = ["RingClosed", "CodecError", "WorkerError", "WorkerDiedError", "PeerGoneError"]
+
+
+class RingClosed(Exception):
+    """The ring (or queue built on it) was shut down: nothing more can be pushed, and
+    nothing is left to pop."""
+
+
+class PeerGoneError(OSError):
+    """A shared-memory segment could not be attached because the process that described
+    it has exited (or closed the descriptor it named)."""
+
+
+class CodecError(ValueError):
+    """A slot could not be encoded or decoded: an unsupported leaf, a batch that does not
+    fit, or a slot whose contents are not a valid encoding (truncated, wrong magic, offsets
+    or shapes out of bounds)."""
+
+
+class WorkerError(RuntimeError):
+    """A worker process raised while producing a result.
+
+    Attributes:
+        exc_type: qualified name of the original exception's type (``"builtins.KeyError"``).
+        exc_message: ``str()`` of the original exception.
+        worker_traceback: the formatted traceback text from the worker.
+        original: the original exception object when it could be pickled, else ``None``.
+        worker: index of the worker that raised.
+    """
+
+    def __init__(self, exc_type, exc_message, worker_traceback, original=None, worker=None):
+        self.exc_type = exc_type
+        self.exc_message = exc_message
+        self.worker_traceback = worker_traceback
+        self.original = original
+        self.worker = worker
+        super().__init__(
+            f"worker {worker} raised {exc_type}: {exc_message}\n"
+            f"--- worker traceback ---\n{worker_traceback}"
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.exc_type, self.exc_message, self.worker_traceback,
+                             self.original, self.worker))
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process ended without being asked to (killed by a signal, a crash, or
+    ``os._exit``) and the sampler was told not to replace it, or it kept dying."""
+
+    def __init__(self, message, worker=None, exitcode=None):
+        self.worker = worker
+        self.exitcode = exitcode
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.worker, self.exitcode))

@@ -1,0 +1,557 @@
+"""ShmQueue: a drop-in for :class:`multiprocessing.Queue` on a shared-memory ring.
+
+One shared segment holds three things:
+
+* the *message ring*: every ``put`` is one entry (a 16-byte header saying what kind of
+  message, which slot, how many bytes; small messages travel inline in the entry);
+* the *free ring* of slot numbers, shared by all producers;
+* the *slots*: fixed blocks that carry messages too large to go inline.
+
+A message larger than a slot, or sent while every slot is taken, travels in a one-off
+segment of its own ("spill"): the receiver maps it through ``/proc/<sender>/fd``, so the
+sender keeps it until the receiver says it has mapped it.
+
+numpy arrays and torch tensors travel through the slot codec (no pickling of array data)
+and, unless the queue was made with ``copy=True``, come out as views of the slot, which
+goes back to the free ring when the last of them is garbage collected.
+"""
+import collections
+import os
+import pickle
+import queue as _queue
+import struct
+import sys
+import threading
+import warnings
+import weakref
+import multiprocessing as _mp
+from multiprocessing import util as _mputil
+
+import numpy as np
+
+from . import _codec
+from ._ring import DEFAULT_POLL_INTERVAL, DEFAULT_SPIN, RingBuffer, Segment, _segment_from_peer
+from .errors import PeerGoneError, RingClosed
+
+__all__ = ["ShmQueue"]
+
+_MAGIC = 0x51504D55  # b"UMPQ"
+_VERSION = 1
+_HEADER = struct.Struct("<IIQQQQQQQ")  # magic, version, capacity, n_slots, slot_size,
+#                                        inline_size, msg_off, free_off, slots_off
+_PAGE = 4096
+_TAG = 16                          # bytes of the tagged-entry header
+
+# entry tags: where the bytes are | how they are encoded
+_INLINE, _SLOT, _SPILL = 1, 2, 3
+_BYTES, _PICKLE, _CODEC = 1 << 8, 2 << 8, 3 << 8
+_WHERE = 0xFF
+
+_SPILL_DESC = struct.Struct("<qiQQ")  # pid, fd, inode, size
+_SPILL_DATA = 64                      # spill segment: u32 ack flag, then data at 64
+
+#: Default number of entries when ``maxsize`` is 0 (beyond it, puts are buffered locally
+#: and sent by a feeder thread, as multiprocessing.Queue does).
+DEFAULT_CAPACITY = 1024
+
+
+def _align(n, a):
+    return (n + a - 1) // a * a
+
+
+def _check_count(value, what, minimum):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {value}")
+    return value
+
+
+def _torch_tensor_type():
+    torch = sys.modules.get("torch")
+    return None if torch is None else torch.Tensor
+
+
+class ShmQueue:
+    """A process-shared FIFO with the interface of :class:`multiprocessing.Queue`.
+
+    ``put``/``get`` (and ``put_nowait``/``get_nowait``) raise :class:`queue.Full` and
+    :class:`queue.Empty` as the standard library does; ``qsize``, ``empty``, ``full``,
+    ``close``, ``join_thread`` and ``cancel_join_thread`` behave as documented for
+    :class:`multiprocessing.Queue`.  Any number of processes may put and get, under fork,
+    spawn and forkserver; pass the queue to them as a ``Process`` argument (or inherit it).
+
+    Args:
+        maxsize: most messages in the queue; ``put`` blocks (or raises ``queue.Full``) when
+            it holds that many.  ``0`` (the default) means unbounded, as for
+            ``multiprocessing.Queue``: up to ``DEFAULT_CAPACITY`` messages sit in shared
+            memory and further ones are buffered in the putting process and sent by a
+            feeder thread.
+        ctx: a multiprocessing context; accepted for compatibility (shared memory works
+            with every start method).
+        slot_size: bytes per slot; encoded messages up to this size (and larger than
+            ``inline_size``) are written into a slot, larger ones into a one-off segment.
+        n_slots: number of slots (default: ``min(capacity, 64)``).
+        inline_size: messages whose encoding is at most this many bytes travel inside the
+            ring entry itself.
+        copy: ``False`` (default): arrays received are zero-copy views of the slot that
+            carried them, and the slot is reused only after they are garbage collected.
+            ``True``: arrays are copied out and the slot is freed at once.
+        poll_interval, spin: see :class:`~unienv_mp.RingBuffer`.
+
+    Messages are serialised when ``put`` is called (``multiprocessing.Queue`` pickles
+    later, in its feeder thread), so changing an object after putting it never changes
+    what the receiver gets.  A process that put a message too large for a slot and exits
+    waits (at exit) until a receiver has mapped it, as ``multiprocessing.Queue`` waits
+    until its buffered data reaches the pipe; ``cancel_join_thread`` turns that off.
+    """
+
+    def __init__(self, maxsize=0, *, ctx=None, slot_size=1 << 20, n_slots=None,
+                 inline_size=256, copy=False, poll_interval=DEFAULT_POLL_INTERVAL,
+                 spin=DEFAULT_SPIN):
+        _check_count(maxsize, "maxsize", 0)
+        _check_count(slot_size, "slot_size", 1)
+        _check_count(inline_size, "inline_size", 0)
+        capacity = maxsize if maxsize > 0 else DEFAULT_CAPACITY
+        if n_slots is None:
+            n_slots = min(capacity, 64)
+        _check_count(n_slots, "n_slots", 1)
+        if inline_size > 1 << 20:
+            raise ValueError(f"inline_size must be <= 1 MiB, got {inline_size}")
+        slot_size = _align(slot_size, _PAGE)
+        msg_entry = _align(_TAG + inline_size, 8)
+        msg_bytes = RingBuffer.footprint(capacity, msg_entry)
+        free_bytes = RingBuffer.footprint(n_slots, 8)
+        msg_off = 64
+        free_off = msg_off + msg_bytes
+        slots_off = _align(free_off + free_bytes, _PAGE)
+        total = slots_off + n_slots * slot_size
+        seg = Segment.create(total, "queue")
+        try:
+            mv = memoryview(seg)
+            _HEADER.pack_into(mv, 0, _MAGIC, _VERSION, capacity, n_slots, slot_size,
+                              inline_size, msg_off, free_off, slots_off)
+            mv.release()
+            msgs = RingBuffer._create_in(seg, msg_off, capacity, msg_entry, poll_interval,
+                                         spin)
+            free = RingBuffer._create_in(seg, free_off, n_slots, 8, poll_interval, spin)
+            free.push_many([i.to_bytes(8, "little") for i in range(n_slots)], block=False)
+        except BaseException:
+            seg.close()
+            raise
+        self._setup(seg, maxsize, ctx, copy, poll_interval, spin, msgs, free)
+
+    # -- construction, pickling, fork ------------------------------------------------------
+
+    def _setup(self, seg, maxsize, ctx, copy, poll_interval, spin, msgs=None, free=None):
+        (magic, version, capacity, n_slots, slot_size, inline_size, msg_off, free_off,
+         slots_off) = _HEADER.unpack_from(seg, 0)
+        if magic != _MAGIC or version != _VERSION:
+            raise ValueError(f"segment {seg.name!r} does not hold a ShmQueue")
+        self._seg = seg
+        self._maxsize = maxsize
+        self._ctx = ctx
+        self._copy = bool(copy)
+        self._poll_interval = poll_interval
+        self._spin = spin
+        self._capacity = capacity
+        self._n_slots = n_slots
+        self._slot_size = slot_size
+        self._inline = inline_size
+        self._slots_off = slots_off
+        self._msgs = msgs if msgs is not None else RingBuffer._attach(seg, msg_off,
+                                                                      poll_interval, spin)
+        self._free = free if free is not None else RingBuffer._attach(seg, free_off,
+                                                                      poll_interval, spin)
+        self._reset_local()
+        _mputil.register_after_fork(self, ShmQueue._reset_local)
+
+    def _reset_local(self):
+        """State private to one process: what this process put but could not send yet."""
+        self._closed = False
+        self._joincancelled = False
+        self._buffer = collections.deque()
+        self._cond = threading.Condition(threading.Lock())
+        self._thread = None
+        self._jointhread = None
+        self._sender = _Sender(self)
+        self._release_slot = _SlotReleaser(self._free)
+
+    def __getstate__(self):
+        if self._seg.closed:
+            raise ValueError(f"cannot share closed queue {self!r}")
+        return (self._seg, self._maxsize, self._copy, self._poll_interval, self._spin)
+
+    def __setstate__(self, state):
+        seg, maxsize, copy, poll_interval, spin = state
+        self._setup(seg, maxsize, None, copy, poll_interval, spin)
+
+    # -- put -------------------------------------------------------------------------------
+
+    def put(self, obj, block=True, timeout=None):
+        """Put ``obj`` (any picklable object) on the queue.  If the queue is bounded and
+        full, block (at most ``timeout`` seconds) until there is room, else raise
+        :class:`queue.Full`.  Raises ``ValueError`` after :meth:`close`."""
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+        if timeout is not None and timeout < 0:
+            raise ValueError("'timeout' must be a non-negative number")
+        enc, data = self._serialize(obj)
+        if self._maxsize > 0:
+            self._sender.send(enc, data, block, timeout)
+            return
+        # Unbounded: never block.  Send directly while nothing is waiting locally (to keep
+        # order), else leave the message to the feeder thread.
+        if not self._buffer:
+            try:
+                self._sender.send(enc, data, False, None)
+                return
+            except _queue.Full:
+                pass
+        if isinstance(data, _codec.Prepared):
+            data = _codec.encode_prepared(data)  # freeze it: the caller may change obj
+        with self._cond:
+            self._buffer.append((enc, data))
+            if self._thread is None:
+                self._start_thread()
+            self._cond.notify()
+
+    def put_nowait(self, obj):
+        """``put(obj, block=False)``."""
+        return self.put(obj, False)
+
+    def _serialize(self, obj):
+        t = type(obj)
+        if t is bytes:
+            return _BYTES, obj
+        tensor = _torch_tensor_type()
+        if (t is np.ndarray or t is dict or t is list or t is tuple
+                or (tensor is not None and isinstance(obj, tensor))
+                or (isinstance(obj, tuple) and hasattr(t, "_fields"))):
+            return _CODEC, _codec.prepare(obj)
+        return _PICKLE, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+    # -- feeder thread ---------------------------------------------------------------------
+
+    def _start_thread(self):
+        self._thread = threading.Thread(
+            target=_feed, args=(self._buffer, self._cond, self._sender),
+            name="ShmQueue feeder", daemon=True)
+        self._thread.start()
+        if not self._joincancelled:
+            self._jointhread = _mputil.Finalize(self._thread, ShmQueue._finalize_join,
+                                                [weakref.ref(self._thread)], exitpriority=-5)
+        # At exit, or when the queue is garbage collected, tell the feeder to stop once it
+        # has sent what is buffered (the feeder holds the sender, not the queue).
+        self._close_feeder = _mputil.Finalize(self, _stop_feeder, [self._buffer, self._cond],
+                                              exitpriority=10)
+
+    @staticmethod
+    def _finalize_join(twr):
+        thread = twr()
+        if thread is not None:
+            thread.join()
+
+    # -- get -------------------------------------------------------------------------------
+
+    def get(self, block=True, timeout=None):
+        """Remove and return the oldest message, blocking (at most ``timeout`` seconds)
+        until there is one, else raise :class:`queue.Empty`.  Raises ``ValueError`` after
+        :meth:`close`."""
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+        if timeout is not None and timeout < 0:
+            raise ValueError("'timeout' must be a non-negative number")
+        if _pending_spills:
+            _reap_spills()
+        while True:
+            tag, slot, n, payload = self._msgs.pop_tagged(block, timeout)
+            try:
+                return self._receive(tag, slot, n, payload)
+            except PeerGoneError:
+                warnings.warn("a ShmQueue message was lost: the process that put it exited "
+                              "before it could be read", RuntimeWarning, stacklevel=2)
+
+    def get_nowait(self):
+        """``get(block=False)``."""
+        return self.get(False)
+
+    def _receive(self, tag, slot, n, payload):
+        where, enc = tag & _WHERE, tag & ~_WHERE
+        if where == _INLINE:
+            if enc == _BYTES:
+                return payload
+            if enc == _PICKLE:
+                return pickle.loads(payload)
+            return _codec.decode(payload, copy=True)
+        if where == _SLOT:
+            if slot >= self._n_slots or n > self._slot_size:
+                raise ValueError(f"corrupt queue entry: slot {slot}, {n} bytes")
+            lease = _codec.SlotLease(self._seg, self._slots_off + slot * self._slot_size, n,
+                                     self._release_slot, slot)
+        elif where == _SPILL:
+            pid, fd, ino, size = _SPILL_DESC.unpack(payload)
+            seg = _open_spill(pid, fd, ino, size)
+            lease = _codec.SlotLease(seg, _SPILL_DATA, n)
+            seg.unlink()
+        else:
+            raise ValueError(f"corrupt queue entry: tag {tag:#x}")
+        if enc == _BYTES:
+            return bytes(lease)
+        if enc == _PICKLE:
+            return pickle.loads(lease)
+        return _codec.decode(lease, copy=self._copy)
+
+    # -- size and lifecycle ---------------------------------------------------------------
+
+    def qsize(self):
+        """Approximate number of messages in the queue (those in shared memory, plus those
+        this process buffered locally)."""
+        return len(self._msgs) + len(self._buffer)
+
+    def empty(self):
+        """True if the queue looks empty (approximate, as for multiprocessing.Queue)."""
+        return self.qsize() == 0
+
+    def full(self):
+        """True if a bounded queue looks full (approximate)."""
+        return self._maxsize > 0 and len(self._msgs) >= self._maxsize
+
+    @property
+    def maxsize(self):
+        return self._maxsize
+
+    def close(self):
+        """Indicate that this process will put no more data: buffered messages are still
+        sent by the feeder thread, which then ends.  ``get`` and ``put`` raise
+        ``ValueError`` afterwards in this process.  Other processes are unaffected."""
+        if self._closed:
+            return
+        self._closed = True
+        if _pending_spills:
+            _reap_spills()
+        if self._thread is not None:
+            self._close_feeder()   # the feeder sends what is buffered; join_thread detaches
+        else:
+            self._detach()
+        # else: join_thread() (or process exit, or garbage collection) detaches.
+
+    def _detach(self):
+        self._msgs.close()  # the ring, the free list and the slots share one segment
+
+    def join_thread(self):
+        """Wait for the feeder thread (and for receivers to map any spilled message) after
+        :meth:`close`, as :meth:`multiprocessing.Queue.join_thread`."""
+        if not self._closed:
+            raise ValueError(f"Queue {self!r} not closed")
+        if self._thread is not None:
+            self._thread.join()
+        if not self._joincancelled:
+            _wait_for_spills(self._sender.policy)
+        self._detach()
+
+    def cancel_join_thread(self):
+        """Do not wait for buffered or spilled messages when this process exits."""
+        self._joincancelled = True
+        self._sender.policy.cancelled = True
+        if self._jointhread is not None:
+            self._jointhread.cancel()
+
+    def shutdown(self):
+        """Mark the queue closed for *every* process: blocked ``get`` calls everywhere raise
+        :class:`~unienv_mp.RingClosed` once it is drained, and ``put`` raises it."""
+        self._msgs.shutdown()
+        self._free.shutdown()
+
+    def __repr__(self):
+        state = "closed" if self._closed else f"{len(self._msgs)} messages"
+        return f"<ShmQueue maxsize={self._maxsize} {state}>"
+
+
+class _Sender:
+    """What a feeder thread needs to send a serialised message: held by the queue and by its
+    feeder thread, so that buffered messages are still sent after the queue object itself
+    is garbage collected (as multiprocessing.Queue's feeder does)."""
+
+    def __init__(self, q):
+        self.msgs = q._msgs
+        self.free = q._free
+        self.seg = q._seg
+        self.inline = q._inline
+        self.slot_size = q._slot_size
+        self.slots_off = q._slots_off
+        self.policy = _JoinPolicy()
+
+    def send(self, enc, data, block, timeout):
+        """Route one serialised message: inline, through a slot, or through a spill."""
+        if _pending_spills:
+            _reap_spills()
+        prepared = isinstance(data, _codec.Prepared)
+        n = data.nbytes if prepared else len(data)
+        if n <= self.inline:
+            payload = _codec.encode_prepared(data) if prepared else data
+            self.msgs.push_tagged(_INLINE | enc, 0, n, payload, block, timeout)
+            return
+        slot = None
+        if n <= self.slot_size:
+            try:
+                slot = int.from_bytes(self.free.pop(False), "little")
+            except _queue.Empty:
+                slot = None
+        if slot is None:
+            self.send_spill(enc, data, n, block, timeout)
+            return
+        try:
+            off = self.slots_off + slot * self.slot_size
+            with memoryview(self.seg) as mv:
+                dest = mv[off:off + n]
+                if prepared:
+                    _codec.write(data, dest)
+                else:
+                    dest[:] = data
+                dest.release()
+            self.msgs.push_tagged(_SLOT | enc, slot, n, b"", block, timeout)
+        except BaseException:
+            self.free.push(slot.to_bytes(8, "little"), False)
+            raise
+
+    def send_spill(self, enc, data, n, block, timeout):
+        seg = Segment.create(_SPILL_DATA + n, "spill")
+        try:
+            with memoryview(seg) as mv:
+                dest = mv[_SPILL_DATA:_SPILL_DATA + n]
+                if isinstance(data, _codec.Prepared):
+                    _codec.write(data, dest)
+                else:
+                    dest[:] = data
+                dest.release()
+            desc = _SPILL_DESC.pack(os.getpid(), seg.fd, seg.ino, seg.size)
+            self.msgs.push_tagged(_SPILL | enc, 0, n, desc, block, timeout)
+        except BaseException:
+            seg.close()
+            raise
+        _keep_spill(seg, self.policy)
+
+
+
+_STOP = object()
+
+
+def _stop_feeder(buffer, cond):
+    with cond:
+        buffer.append(_STOP)
+        cond.notify()
+
+
+def _feed(buffer, cond, sender):
+    """Feeder thread: send buffered messages in order, blocking as needed; end at _STOP."""
+    while True:
+        with cond:
+            while not buffer:
+                cond.wait()
+            item = buffer[0]
+        if item is _STOP:
+            return
+        try:
+            sender.send(item[0], item[1], True, None)
+        except (RingClosed, ValueError):
+            return  # shut down, or detached under us: nothing more can be sent
+        with cond:
+            buffer.popleft()
+
+
+class _SlotReleaser:
+    """Called by a SlotLease when its last view is gone: the slot goes back to the free
+    ring.  A separate small object so that leases do not keep the whole queue alive."""
+    __slots__ = ("free",)
+
+    def __init__(self, free):
+        self.free = free
+
+    def __call__(self, slot):
+        try:
+            # Works even after this process closed the queue (the lease still maps it), so
+            # that a slot held past close() is not lost to the other processes.
+            self.free._give_back(slot.to_bytes(8, "little"))
+        except Exception:
+            pass  # unmapped here: nothing to give the slot back to
+
+
+def _open_spill(pid, fd, ino, size):
+    seg = _segment_from_peer(pid, fd, ino, size, "spill")
+    with memoryview(seg) as mv:
+        struct.pack_into("<I", mv, 0, 1)  # mapped: the sender may let go of it
+    return seg
+
+
+def _spill_acked(seg):
+    with memoryview(seg) as mv:
+        return struct.unpack_from("<I", mv, 0)[0] == 1
+
+
+class _JoinPolicy:
+    """Whether this process waits at exit for the spills of one queue (see
+    ShmQueue.cancel_join_thread)."""
+    __slots__ = ("cancelled",)
+
+    def __init__(self):
+        self.cancelled = False
+
+
+# Spill segments this process sent and no receiver has mapped yet, with their queue's join
+# policy.  Kept here, not on the queue, so that closing or dropping a queue neither loses
+# them nor keeps the queue alive; reaped on every send, and waited for at exit.
+_pending_spills = []
+_spill_lock = threading.Lock()
+_spill_exit_hook = None
+
+
+def _keep_spill(seg, policy):
+    global _spill_exit_hook
+    with _spill_lock:
+        _pending_spills.append((seg, policy))
+        if _spill_exit_hook is None or _spill_exit_hook.pid != os.getpid():
+            _spill_exit_hook = _mputil.Finalize(None, _wait_for_spills, exitpriority=-5)
+            _spill_exit_hook.pid = os.getpid()
+
+
+def _reap_spills(policy=None):
+    """Close the spills receivers have mapped; return how many of ``policy``'s (or of all,
+    if None) are still waiting."""
+    waiting = 0
+    with _spill_lock:
+        keep = []
+        for seg, pol in _pending_spills:
+            if _spill_acked(seg):
+                seg.close()
+            else:
+                keep.append((seg, pol))
+                if policy is None or pol is policy:
+                    waiting += 1
+        _pending_spills[:] = keep
+    return waiting
+
+
+def _wait_for_spills(policy=None):
+    """Block until receivers mapped this process's spills (of one queue, or of every queue
+    whose join was not cancelled)."""
+    import time
+    while True:
+        _reap_spills()
+        with _spill_lock:
+            left = [pol for _, pol in _pending_spills
+                    if (pol is policy if policy is not None else not pol.cancelled)]
+        if not left:
+            return
+        time.sleep(0.01)
+
+
+def _forget_spills_after_fork():
+    # A forked child inherits the list, not the duty: the parent waits for its own spills.
+    with _spill_lock:
+        for seg, _ in _pending_spills:
+            seg.close()
+        _pending_spills.clear()
+
+
+os.register_at_fork(after_in_child=_forget_spills_after_fork)
