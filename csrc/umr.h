@@ -29,7 +29,8 @@ extern "C" {
 #define UMR_INTR (-6)     /* a signal interrupted the sleep; caller checks it    */
 #define UMR_TOOBIG (-7)   /* entry longer than the ring's entry size             */
 #define UMR_BADARG (-8)   /* invalid capacity / entry size / memory size         */
-#define UMR_CORRUPT (-9)  /* attach found a header that is not a ring            */
+#define UMR_CORRUPT (-9)  /* the ring's memory is not a consistent ring          */
+#define UMR_SYSERR (-10)  /* the futex syscall failed unexpectedly (seccomp?)    */
 
 #define UMR_NO_DEADLINE (-1)
 
@@ -55,11 +56,13 @@ void umr_event_init(umr_event_t *ev);
 void umr_event_notify(umr_event_t *ev);
 /* Wake every sleeper unconditionally (used by shutdown). */
 void umr_event_notify_all(umr_event_t *ev);
-/* Register as a waiter and return the word to pass to umr_event_wait.  Between prepare and
- * finish the caller re-checks its condition, then sleeps only if it is still false. */
+/* Register as a waiter and return the word to pass to umr_event_wait: call it before every
+ * check of the condition, then sleep only if the condition is still false.  finish is a
+ * no-op kept for symmetry. */
 uint32_t umr_event_prepare(umr_event_t *ev);
 /* Sleep while the word still equals `seen`, until `deadline_ns` (CLOCK_MONOTONIC, or
- * UMR_NO_DEADLINE).  Returns UMR_OK (woken or word changed), UMR_TIMEOUT or UMR_INTR. */
+ * UMR_NO_DEADLINE).  Returns UMR_OK (woken or word changed), UMR_TIMEOUT, UMR_INTR, or
+ * UMR_SYSERR (the kernel refused the futex call). */
 int umr_event_wait(umr_event_t *ev, uint32_t seen, int64_t deadline_ns);
 void umr_event_finish(umr_event_t *ev);
 

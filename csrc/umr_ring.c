@@ -3,9 +3,10 @@
  *
  * Shared layout (all offsets from the start of the ring's memory, 64-byte lines):
  *
- *   line 0   magic, version, entry_size, capacity, stride, footprint, closed
- *            (written once by init; `closed` once more by shutdown; read by everyone)
- *   line 1   head: count of positions ever claimed by producers
+ *   line 0   magic, version, entry_size, capacity, stride, footprint
+ *            (written once by init, read-only afterwards)
+ *   line 1   head: count of positions ever claimed by producers; its top bit is the
+ *            "shut down" mark (so that shutting down and claiming are one atomic order)
  *   line 2   tail: count of positions ever claimed by consumers
  *   line 3   not_empty event: consumers sleep here, producers notify
  *   line 4   not_full event: producers sleep here, consumers notify
@@ -41,15 +42,19 @@
 
 #define UMR_LINE 64
 #define UMR_MAGIC 0x31474e49524d4e55ULL /* "UNMRING1" little-endian */
-#define UMR_VERSION 1u
+#define UMR_VERSION 2u
+#define UMR_MARK (1ULL << 63) /* in head: the ring was shut down */
 #define UMR_CELL_HDR 16u
 #define UMR_MAX_CAPACITY (1ULL << 32)
 #define UMR_MAX_ENTRY (1u << 30)
 
 struct umr_event {
-    _Atomic uint32_t seq;     /* the futex word: bumped by every notify that finds a waiter */
-    _Atomic uint32_t waiters; /* threads between umr_event_prepare and umr_event_finish */
-    char pad[UMR_LINE - 8];
+    /* The futex word.  Bit 0: "someone may be asleep here", set by every waiter before it
+     * re-checks its condition; bits 1..31: a counter bumped (and bit 0 cleared) by every
+     * notify that finds bit 0 set.  A flag rather than a count of waiters, so that a waiter
+     * killed while asleep costs one spurious wake-up, not a syscall on every operation. */
+    _Atomic uint32_t word;
+    char pad[UMR_LINE - 4];
 };
 
 struct umr_ring_hdr {
@@ -59,8 +64,7 @@ struct umr_ring_hdr {
     uint64_t capacity;
     uint64_t stride;
     uint64_t footprint;
-    _Atomic uint32_t closed;
-    uint32_t reserved;
+    uint64_t reserved;
     char pad0[UMR_LINE - 48];
     _Atomic uint64_t head;
     char pad1[UMR_LINE - 8];
@@ -107,23 +111,27 @@ static inline umr_cell_t *cell_at(const umr_ring_t *r, uint64_t pos) {
 /* ------------------------------------------------------------------------------------ */
 /* Events                                                                               */
 /*                                                                                      */
-/* Why no wake-up is lost.  A waiter W runs                                             */
-/*     waiters += 1 ; fence Y ; loop { s = seq (acquire) ; if cond() break ;            */
-/*                                     futex_wait(&seq, s) }                            */
-/* and a notifier N, after making cond() true with a release store A, runs              */
-/*     fence X ; if (waiters != 0) { seq += 1 (release) ; futex_wake(&seq) }            */
-/* X and Y are seq_cst fences, so one precedes the other in the single total order S.   */
-/*  - X before Y: W's cond() check, sequenced after Y, observes A (C11 [atomics.fences]: */
-/*    A sequenced before X, X before Y in S, Y sequenced before the load) and W does not */
-/*    sleep.                                                                            */
-/*  - Y before X: by the same rule N's load of `waiters` observes W's increment, so N   */
-/*    bumps seq and wakes.  If W's load of seq already returned the bumped value, that  */
-/*    acquire load synchronizes with N's release increment, A happens-before W's        */
-/*    cond() check, and W does not sleep.  Otherwise W sleeps on the old value: the     */
-/*    kernel compares the word under the futex bucket lock, so W either sees the bump   */
-/*    (EAGAIN) or is queued before N's futex_wake looks for sleepers.                   */
-/* The counter wraps at 2^32; a waiter that misses exactly 2^32 bumps between its load   */
-/* and its sleep would oversleep until its next poll deadline, no further.              */
+/* Why no wake-up is lost.  A waiter W runs, until cond() holds,                        */
+/*     s = fetch_or(&word, 1) | 1 ; fence Y ; if (cond()) break ; futex_wait(&word, s)  */
+/* and a notifier N, after making cond() true with a store A (release), runs            */
+/*     fence X ; w = word ; while (w & 1) if CAS(&word, w, (w + 2) & ~1) { wake all }   */
+/* X and Y are seq_cst fences, so one precedes the other in the single total order S    */
+/* (C11 [atomics.fences]: for A sequenced before X, X before Y in S, and a load B        */
+/* sequenced after Y, B observes A or a later value).                                   */
+/*  - X before Y: W's cond(), after Y, observes A and W does not sleep.                 */
+/*  - Y before X: N's load of the word, after X, observes W's fetch_or or a later value. */
+/*    If bit 0 is set there, N's CAS bumps the word and N wakes every sleeper; if a      */
+/*    later value has bit 0 clear, another notifier bumped the word after W registered.  */
+/*    Either way the word no longer equals W's `s`: the kernel compares it under the     */
+/*    futex bucket lock, so W's futex_wait returns at once, or W is already queued and   */
+/*    the wake-all that follows the bump finds it.  W then loops: re-registers, re-checks.*/
+/* A notifier whose CAS loses to another notifier's clearing bump does not wake anyone:  */
+/* by the same argument applied to the waiters that re-register after that wake-all,    */
+/* either they observe its store, or its CAS reads their fresh bit 0 and it wakes them.  */
+/* cond() may read several locations (cells, counters): any "not ready" it observes      */
+/* means the store that would make it ready comes with a notify whose fence follows Y.   */
+/* The counter wraps at 2^31; a waiter that misses exactly 2^31 bumps between its        */
+/* registration and its sleep would oversleep until its poll deadline, no further.       */
 /* ------------------------------------------------------------------------------------ */
 
 static long sys_futex(_Atomic uint32_t *uaddr, int op, uint32_t val,
@@ -141,25 +149,32 @@ void umr_event_init(umr_event_t *ev) {
 
 void umr_event_notify(umr_event_t *ev) {
     full_fence(); /* fence X of the argument above */
-    if (atomic_load_explicit(&ev->waiters, memory_order_relaxed) != 0) {
-        atomic_fetch_add_explicit(&ev->seq, 1, memory_order_release);
-        sys_futex(&ev->seq, FUTEX_WAKE, INT_MAX, NULL);
+    uint32_t w = atomic_load_explicit(&ev->word, memory_order_relaxed);
+    while (w & 1u) {
+        /* release: a waiter that reads the bumped word (acquire, in its fetch_or) also
+         * sees the store that made its condition true. */
+        if (atomic_compare_exchange_weak_explicit(&ev->word, &w, (w + 2u) & ~1u,
+                                                  memory_order_release,
+                                                  memory_order_relaxed)) {
+            sys_futex(&ev->word, FUTEX_WAKE, INT_MAX, NULL);
+            return;
+        }
     }
 }
 
 void umr_event_notify_all(umr_event_t *ev) {
-    atomic_fetch_add_explicit(&ev->seq, 1, memory_order_seq_cst);
-    sys_futex(&ev->seq, FUTEX_WAKE, INT_MAX, NULL);
+    atomic_fetch_add_explicit(&ev->word, 2u, memory_order_seq_cst);
+    sys_futex(&ev->word, FUTEX_WAKE, INT_MAX, NULL);
 }
 
 uint32_t umr_event_prepare(umr_event_t *ev) {
-    atomic_fetch_add_explicit(&ev->waiters, 1, memory_order_seq_cst);
+    uint32_t seen = atomic_fetch_or_explicit(&ev->word, 1u, memory_order_acq_rel) | 1u;
     full_fence(); /* fence Y of the argument above */
-    return atomic_load_explicit(&ev->seq, memory_order_acquire);
+    return seen;
 }
 
 void umr_event_finish(umr_event_t *ev) {
-    atomic_fetch_sub_explicit(&ev->waiters, 1, memory_order_relaxed);
+    (void)ev; /* nothing to undo: the flag is cleared by the next notify */
 }
 
 int umr_event_wait(umr_event_t *ev, uint32_t seen, int64_t deadline_ns) {
@@ -173,15 +188,17 @@ int umr_event_wait(umr_event_t *ev, uint32_t seen, int64_t deadline_ns) {
         tsp = &ts;
     }
     /* FUTEX_WAIT's timeout is relative and measured on CLOCK_MONOTONIC. */
-    if (sys_futex(&ev->seq, FUTEX_WAIT, seen, tsp) == 0)
+    if (sys_futex(&ev->word, FUTEX_WAIT, seen, tsp) == 0)
         return UMR_OK;
     switch (errno) {
     case EINTR:
         return UMR_INTR;
     case ETIMEDOUT:
         return UMR_TIMEOUT;
-    default: /* EAGAIN: the word changed before we slept */
+    case EAGAIN: /* the word changed before we slept */
         return UMR_OK;
+    default: /* ENOSYS, EPERM (seccomp), EFAULT: sleeping is impossible; say so */
+        return UMR_SYSERR;
     }
 }
 
@@ -237,12 +254,11 @@ int umr_ring_init(umr_ring_t *r, void *mem, size_t mem_size, uint64_t capacity,
     }
     umr_event_init(&h->not_empty);
     umr_event_init(&h->not_full);
-    atomic_init(&h->head, 0);
     atomic_init(&h->tail, 0);
     /* Another process only starts using the ring after it learns of it through some
      * synchronizing channel (process start, a pipe, another ring), which orders these
-     * plain initialising stores before its first access. */
-    atomic_store_explicit(&h->closed, 0, memory_order_release);
+     * initialising stores before its first access. */
+    atomic_store_explicit(&h->head, 0, memory_order_release);
     return UMR_OK;
 }
 
@@ -269,23 +285,27 @@ umr_event_t *umr_ring_not_empty(umr_ring_t *r) { return &r->hdr->not_empty; }
 umr_event_t *umr_ring_not_full(umr_ring_t *r) { return &r->hdr->not_full; }
 
 uint64_t umr_ring_count(const umr_ring_t *r) {
-    /* tail first: head only grows, so head read later is >= the tail read here. */
+    /* Positions claimed by producers and not yet by consumers.  A snapshot of two
+     * counters read one after the other: clamped to [0, capacity]. */
     uint64_t tail = atomic_load_explicit(&r->hdr->tail, memory_order_acquire);
-    uint64_t head = atomic_load_explicit(&r->hdr->head, memory_order_acquire);
-    uint64_t n = head - tail;
-    return n > r->capacity ? r->capacity : n;
+    uint64_t head = atomic_load_explicit(&r->hdr->head, memory_order_acquire) & ~UMR_MARK;
+    int64_t n = (int64_t)(head - tail);
+    if (n < 0)
+        return 0;
+    return (uint64_t)n > r->capacity ? r->capacity : (uint64_t)n;
 }
 
 int umr_ring_is_closed(const umr_ring_t *r) {
-    return atomic_load_explicit(&r->hdr->closed, memory_order_acquire) != 0;
+    return (atomic_load_explicit(&r->hdr->head, memory_order_acquire) & UMR_MARK) != 0;
 }
 
 void umr_ring_shutdown(umr_ring_t *r) {
-    /* Pushes read `closed` before claiming a cell, so no push that sees this store starts;
-     * a push already past that check completes normally.  Pops that find the ring empty
-     * read `closed` (acquire) and then try once more (see empty_or_closed).  Sleepers on
-     * either event get an unconditional wake-up and re-check. */
-    atomic_store_explicit(&r->hdr->closed, 1, memory_order_seq_cst);
+    /* The mark goes into head itself: a producer's claim is a CAS on head, so every claim
+     * is ordered either before the mark (and its entry will be published and can be
+     * popped) or after it (and fails with UMR_CLOSED).  A consumer reports UMR_CLOSED only
+     * when it has popped every position claimed before the mark (see pop_empty): no entry
+     * whose push succeeded is ever stranded.  Sleepers are woken to re-check. */
+    atomic_fetch_or_explicit(&r->hdr->head, UMR_MARK, memory_order_seq_cst);
     umr_event_notify_all(&r->hdr->not_empty);
     umr_event_notify_all(&r->hdr->not_full);
 }
@@ -298,13 +318,16 @@ void umr_ring_shutdown(umr_ring_t *r) {
 /* has no ABA.  Consumers do the same on tail with "published" (seq == 2 * position + 1).*/
 /* ------------------------------------------------------------------------------------ */
 
-/* Returns the number claimed (>= 1), or 0 when the first cell is not ready. */
-static uint64_t claim(umr_ring_t *r, _Atomic uint64_t *counter, uint64_t want, uint64_t ready,
-                      uint64_t *start) {
+/* Returns the number claimed (>= 1), 0 when the first cell is not ready, UMR_CLOSED when
+ * a producer finds the ring shut down, UMR_CORRUPT when the cells contradict the counter. */
+static int64_t claim(umr_ring_t *r, _Atomic uint64_t *counter, uint64_t want, uint64_t ready,
+                     uint64_t *start) {
     uint64_t pos = atomic_load_explicit(counter, memory_order_relaxed);
     if (want > r->capacity)
         want = r->capacity;
     for (;;) {
+        if (pos & UMR_MARK)
+            return UMR_CLOSED; /* only head carries the mark */
         uint64_t k = 0;
         int64_t dif = 0;
         while (k < want) {
@@ -320,26 +343,28 @@ static uint64_t claim(umr_ring_t *r, _Atomic uint64_t *counter, uint64_t want, u
         }
         if (k > 0) {
             /* relaxed: ownership of the cells comes from the acquire loads above; the CAS
-             * only decides which claimer gets them. */
+             * only decides which claimer gets them (and fails if shutdown marked head). */
             if (atomic_compare_exchange_weak_explicit(counter, &pos, pos + k,
                                                       memory_order_relaxed,
                                                       memory_order_relaxed)) {
                 *start = pos;
-                return k;
+                return (int64_t)k;
             }
             continue; /* pos was reloaded by the failed CAS */
         }
+        uint64_t now = atomic_load_explicit(counter, memory_order_relaxed);
         if (dif < 0) {
             /* The first cell still belongs to the previous lap (producers) or has not been
              * published yet (consumers): full / empty, unless our pos is stale. */
-            uint64_t now = atomic_load_explicit(counter, memory_order_relaxed);
             if (now == pos)
                 return 0;
-            pos = now;
-        } else {
-            /* Another claimer moved past pos since we read it. */
-            pos = atomic_load_explicit(counter, memory_order_relaxed);
+        } else if (now == pos) {
+            /* The cell is ahead of the counter, yet the counter has not moved: whoever took
+             * the cell moved the counter before its (release) store that we read with
+             * acquire, so a consistent ring cannot get here.  A peer scribbled on it. */
+            return UMR_CORRUPT;
         }
+        pos = now;
     }
 }
 
@@ -354,7 +379,8 @@ static inline void publish(umr_ring_t *r, uint64_t pos, const void *data, uint32
 
 static inline uint32_t consume(umr_ring_t *r, uint64_t pos, void *out) {
     umr_cell_t *c = cell_at(r, pos);
-    uint32_t len = c->len;
+    /* one load: a length that a peer scribbles on cannot change between check and use */
+    uint32_t len = __atomic_load_n(&c->len, __ATOMIC_RELAXED);
     if (len > r->entry_size) /* only a peer scribbling on the ring can cause this */
         len = r->entry_size;
     memcpy(out, c->data, len);
@@ -368,11 +394,10 @@ static inline uint32_t consume(umr_ring_t *r, uint64_t pos, void *out) {
 int umr_ring_try_push(umr_ring_t *r, const void *data, uint32_t len) {
     if (len > r->entry_size)
         return UMR_TOOBIG;
-    if (atomic_load_explicit(&r->hdr->closed, memory_order_relaxed))
-        return UMR_CLOSED;
     uint64_t pos;
-    if (claim(r, &r->hdr->head, 1, 0, &pos) == 0)
-        return UMR_FULL;
+    int64_t k = claim(r, &r->hdr->head, 1, 0, &pos);
+    if (k <= 0)
+        return k == 0 ? UMR_FULL : (int)k;
     publish(r, pos, data, len);
     umr_event_notify(&r->hdr->not_empty);
     return UMR_OK;
@@ -383,46 +408,42 @@ int64_t umr_ring_try_push_many(umr_ring_t *r, const void *const *datas, const ui
     for (uint64_t i = 0; i < n; i++)
         if (lens[i] > r->entry_size)
             return UMR_TOOBIG;
-    if (atomic_load_explicit(&r->hdr->closed, memory_order_relaxed))
-        return UMR_CLOSED;
     if (n == 0)
-        return 0;
-    uint64_t pos, k = claim(r, &r->hdr->head, n, 0, &pos);
-    for (uint64_t i = 0; i < k; i++)
-        publish(r, pos + i, datas[i], lens[i]);
-    if (k > 0)
-        umr_event_notify(&r->hdr->not_empty);
-    return (int64_t)k;
+        return umr_ring_is_closed(r) ? UMR_CLOSED : 0;
+    uint64_t pos;
+    int64_t k = claim(r, &r->hdr->head, n, 0, &pos);
+    if (k <= 0)
+        return k;
+    for (int64_t i = 0; i < k; i++)
+        publish(r, pos + (uint64_t)i, datas[i], lens[i]);
+    umr_event_notify(&r->hdr->not_empty);
+    return k;
 }
 
-/* Empty: UMR_EMPTY, or UMR_CLOSED once the ring is closed.  Seeing `closed` (acquire,
- * pairing with shutdown's store) makes every publish that happened before the shutdown
- * visible, so one more claim attempt after it cannot miss such an entry. */
-static int empty_or_closed(umr_ring_t *r, int *rechecked) {
-    if (!atomic_load_explicit(&r->hdr->closed, memory_order_acquire))
+/* Nothing to pop: UMR_CLOSED if the ring is shut down and every position claimed before
+ * the mark has been claimed by a consumer too, else UMR_EMPTY.  While a producer that
+ * claimed before the mark has not published yet, consumers keep waiting for it (a
+ * producer that died there is noticed by the caller's liveness check). */
+static int pop_empty(umr_ring_t *r) {
+    uint64_t head = atomic_load_explicit(&r->hdr->head, memory_order_acquire);
+    if (!(head & UMR_MARK))
         return UMR_EMPTY;
-    if (!*rechecked) {
-        *rechecked = 1;
-        return UMR_OK; /* try once more */
-    }
-    return UMR_CLOSED;
+    uint64_t tail = atomic_load_explicit(&r->hdr->tail, memory_order_acquire);
+    return tail == (head & ~UMR_MARK) ? UMR_CLOSED : UMR_EMPTY;
 }
 
 int umr_ring_try_pop(umr_ring_t *r, void *out, uint32_t out_cap, uint32_t *len) {
     if (out_cap < r->entry_size)
         return UMR_BADARG;
-    int rechecked = 0;
-    for (;;) {
-        uint64_t pos;
-        if (claim(r, &r->hdr->tail, 1, 1, &pos) == 1) {
-            *len = consume(r, pos, out);
-            umr_event_notify(&r->hdr->not_full);
-            return UMR_OK;
-        }
-        int rc = empty_or_closed(r, &rechecked);
-        if (rc != UMR_OK)
-            return rc;
-    }
+    uint64_t pos;
+    int64_t k = claim(r, &r->hdr->tail, 1, 1, &pos);
+    if (k < 0)
+        return (int)k;
+    if (k == 0)
+        return pop_empty(r);
+    *len = consume(r, pos, out);
+    umr_event_notify(&r->hdr->not_full);
+    return UMR_OK;
 }
 
 int64_t umr_ring_try_pop_many(umr_ring_t *r, void *out, size_t out_stride, uint32_t *lens,
@@ -431,21 +452,16 @@ int64_t umr_ring_try_pop_many(umr_ring_t *r, void *out, size_t out_stride, uint3
         return UMR_BADARG;
     if (n == 0)
         return 0;
-    int rechecked = 0;
-    for (;;) {
-        uint64_t pos, k = claim(r, &r->hdr->tail, n, 1, &pos);
-        if (k > 0) {
-            for (uint64_t i = 0; i < k; i++)
-                lens[i] = consume(r, pos + i, (unsigned char *)out + i * out_stride);
-            umr_event_notify(&r->hdr->not_full);
-            return (int64_t)k;
-        }
-        int rc = empty_or_closed(r, &rechecked);
-        if (rc == UMR_EMPTY)
-            return 0;
-        if (rc != UMR_OK)
-            return rc;
-    }
+    uint64_t pos;
+    int64_t k = claim(r, &r->hdr->tail, n, 1, &pos);
+    if (k < 0)
+        return k;
+    if (k == 0)
+        return pop_empty(r) == UMR_CLOSED ? UMR_CLOSED : 0;
+    for (int64_t i = 0; i < k; i++)
+        lens[i] = consume(r, pos + (uint64_t)i, (unsigned char *)out + (size_t)i * out_stride);
+    umr_event_notify(&r->hdr->not_full);
+    return k;
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -504,8 +520,9 @@ static int64_t wait_for(int64_t (*attempt)(attempt_t *), attempt_t *a, umr_event
     if (poll_end != UMR_NO_DEADLINE && (wake_at == UMR_NO_DEADLINE || poll_end < wake_at))
         wake_at = poll_end;
 
-    uint32_t seen = umr_event_prepare(ev);
     for (;;) {
+        /* register (sets bit 0 of the word), fence, then re-check: see the proof above */
+        uint32_t seen = umr_event_prepare(ev);
         rc = attempt(a);
         if (rc != not_yet)
             break;
@@ -518,14 +535,12 @@ static int64_t wait_for(int64_t (*attempt)(attempt_t *), attempt_t *a, umr_event
             rc = UMR_POLL;
             break;
         }
-        if (umr_event_wait(ev, seen, wake_at) == UMR_INTR) {
-            rc = UMR_INTR;
+        int w = umr_event_wait(ev, seen, wake_at);
+        if (w == UMR_INTR || w == UMR_SYSERR) {
+            rc = w;
             break;
         }
-        /* acquire, and before the next attempt: see the proof at the top of the file. */
-        seen = atomic_load_explicit(&ev->seq, memory_order_acquire);
     }
-    umr_event_finish(ev);
     return rc;
 }
 

@@ -14,16 +14,23 @@
 #ifndef MFD_CLOEXEC
 #define MFD_CLOEXEC 0x0001U
 #endif
+#ifndef MFD_ALLOW_SEALING
+#define MFD_ALLOW_SEALING 0x0002U
+#endif
+
+/* A segment's size never changes: sealing it means no process holding it (or opening it
+ * through /proc) can shrink it under the others, whose accesses would then fault. */
+#define UMR_SEALS (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)
 
 int umr_shm_create(const char *name, uint64_t size) {
     if (size == 0)
         return -EINVAL;
     /* CLOEXEC: a worker started by exec (spawn, forkserver) receives the descriptor
      * explicitly; nothing else we start should inherit it. */
-    int fd = (int)memfd_create(name, MFD_CLOEXEC);
+    int fd = (int)memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0)
         return -errno;
-    if (ftruncate(fd, (off_t)size) != 0) {
+    if (ftruncate(fd, (off_t)size) != 0 || fcntl(fd, F_ADD_SEALS, UMR_SEALS) != 0) {
         int err = errno;
         close(fd);
         return -err;
@@ -65,8 +72,9 @@ int umr_shm_open_peer(int64_t pid, int fd, uint64_t ino, uint64_t size) {
         return rc;
     }
     /* The peer may have closed `fd` and reused the number for another file since it told
-     * us about it: only the inode tells. */
-    if (got_ino != ino || got_size < size) {
+     * us about it: the inode, and our seals (only our memfds carry them), tell. */
+    int seals = fcntl(ours, F_GET_SEALS);
+    if (got_ino != ino || got_size < size || seals < 0 || (seals & UMR_SEALS) != UMR_SEALS) {
         close(ours);
         return -ESTALE;
     }

@@ -37,6 +37,18 @@ def own_segment_maps():
         return [line.split(None, 5)[-1].strip() for line in f if "unienv_mp_" in line]
 
 
+def in_shared_memory(array):
+    """True if ``array`` (numpy array or torch tensor) lies in a unienv_mp segment."""
+    ptr = array.data_ptr() if hasattr(array, "data_ptr") else array.__array_interface__["data"][0]
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "unienv_mp_" in line:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                if lo <= ptr < hi:
+                    return True
+    return False
+
+
 def wait_until(predicate, timeout=5.0, interval=0.01):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

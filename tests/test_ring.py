@@ -385,3 +385,145 @@ def test_creator_sigkilled_leaves_nothing_behind(ctx):
     ring.close()
     carrier.close()
     assert not own_segment_fds() and not own_segment_maps()
+
+
+# -- races and hostile peers (found in review) ----------------------------------------------
+
+def _push_until_closed(ring, results, k):
+    pushed = 0
+    try:
+        while True:
+            ring.push(k.to_bytes(4, "little") + pushed.to_bytes(4, "little"), timeout=30)
+            pushed += 1
+    except RingClosed:
+        pass
+    results.push(pushed.to_bytes(8, "little"))
+
+
+@pytest.mark.parametrize("capacity", [1, 4])
+def test_shutdown_racing_many_producers_strands_nothing(capacity):
+    # Every push that returned must be popped before consumers are told the ring is closed.
+    import multiprocessing as mp
+    ctx = mp.get_context("fork")
+    for attempt in range(3):
+        ring, results = RingBuffer(capacity, 8), RingBuffer(8, 8)
+        procs = [ctx.Process(target=_push_until_closed, args=(ring, results, k))
+                 for k in range(3)]
+        for p in procs:
+            p.start()
+        popped = 0
+        t_end = time.monotonic() + 0.2
+        while time.monotonic() < t_end:
+            popped += len(ring.pop_many(16, timeout=5))
+        ring.shutdown()
+        try:
+            while True:
+                popped += len(ring.pop_many(16, timeout=30))
+        except RingClosed:
+            pass
+        for p in procs:
+            p.join(30)
+        pushed = sum(int.from_bytes(results.pop(timeout=5), "little") for _ in procs)
+        assert popped == pushed
+        ring.close()
+        results.close()
+
+
+def test_closing_from_another_thread_never_crashes():
+    # Run in a child: a use-after-unmap would kill it with SIGSEGV rather than fail.
+    import multiprocessing as mp
+    p = mp.get_context("spawn").Process(target=_close_while_busy)
+    p.start()
+    p.join(120)
+    assert p.exitcode == 0
+
+
+def _close_while_busy():
+    for _ in range(200):
+        r = RingBuffer(4, 16)
+        stop = threading.Event()
+
+        def busy():
+            while not stop.is_set():
+                try:
+                    r.push(b"x", timeout=0.5)
+                    r.pop(timeout=0.5)
+                except (ValueError, queue.Empty, queue.Full):
+                    if r.closed:
+                        return
+
+        t = threading.Thread(target=busy)
+        t.start()
+        time.sleep(0.001)
+        r.close()
+        stop.set()
+        t.join()
+
+
+class _FreshBytes:
+    """A sequence whose items are new bytes objects every time they are read."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        if i >= 8:
+            raise IndexError(i)
+        return bytes([65 + i]) * 6
+
+
+def test_push_many_keeps_every_item_alive():
+    with RingBuffer(8, 8) as r:
+        assert r.push_many(_FreshBytes()) == 8
+        assert r.pop_many(8) == [bytes([65 + i]) * 6 for i in range(8)]
+
+
+def test_push_many_reports_partial_progress():
+    with RingBuffer(2, 8) as r:
+        with pytest.raises(queue.Full) as info:
+            r.push_many([b"a", b"b", b"c"], timeout=0.05)
+        assert info.value.pushed == 2
+
+
+def test_none_segment_is_a_type_error():
+    with pytest.raises(TypeError):
+        RingBuffer._attach(None, 0)
+    with pytest.raises(TypeError):
+        Event(None, 0)
+
+
+def test_scribbled_cell_is_reported_not_spun_on():
+    with RingBuffer(4, 8) as r:
+        with memoryview(r.segment) as mv:
+            # cell 0's sequence number (after the 5-line header) jumps ahead of the counter
+            mv[320:328] = (10).to_bytes(8, "little")
+        with pytest.raises(RuntimeError, match="corrupt"):
+            r.push(b"x", block=False)
+
+
+def test_segments_cannot_be_resized_by_a_peer():
+    seg = Segment.create(8192)
+    with pytest.raises(PermissionError):
+        os.ftruncate(seg.fd, 0)
+    with pytest.raises(PermissionError):
+        os.ftruncate(seg.fd, 1 << 20)
+    seg.close()
+
+
+def _block_in_pop(ring):
+    ring.pop()
+
+
+def test_a_waiter_killed_while_asleep_does_not_slow_the_ring(ctx):
+    ring = RingBuffer(2, 8, spin=0)
+    p = ctx.Process(target=_block_in_pop, args=(ring,))
+    p.start()
+    time.sleep(1.0 if ctx.get_start_method() != "fork" else 0.3)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(10)
+    with memoryview(ring.segment) as mv:
+        word = lambda: int.from_bytes(mv[192:196], "little")   # not_empty event word
+        ring.push(b"a")   # one notify clears the dead waiter's flag ...
+        ring.pop()
+        assert word() & 1 == 0   # ... so later pushes make no futex syscall
+    ring.close()

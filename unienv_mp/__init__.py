@@ -1,7 +1,38 @@
-"""unienv_mp: shared-memory ring buffers and a drop-in, faster MultiprocessingSampler for UniEnv."""
+"""unienv_mp: shared-memory ring buffers, a multiprocessing.Queue replacement, and a
+drop-in, faster MultiprocessingSampler for UniEnv.
+
+    from unienv_mp import MultiprocessingSampler   # was: from unienv_data.samplers import ...
+
+The sampler names (which import UniEnv) are loaded on first use, so that the transport
+(``RingBuffer``, ``ShmQueue``) can be used without importing UniEnv.
+"""
 from ._ring import RingBuffer, Segment
 from .errors import CodecError, PeerGoneError, RingClosed, WorkerDiedError, WorkerError
+from .queue import ShmQueue
 
 __version__ = "0.1.0"
-__all__ = ["RingBuffer", "Segment", "RingClosed", "CodecError", "PeerGoneError",
-           "WorkerError", "WorkerDiedError"]
+
+_LAZY = {
+    "MultiprocessingSampler": "sampler",
+    "MultiProcessingSampleManager": "manager",
+    "worker_loop": "compat",
+    "wrap_sample_function": "compat",
+    "wrap_epoch_iter_function": "compat",
+}
+
+__all__ = ["RingBuffer", "Segment", "ShmQueue", "RingClosed", "CodecError", "PeerGoneError",
+           "WorkerError", "WorkerDiedError", *_LAZY]
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'unienv_mp' has no attribute {name!r}")
+    import importlib
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

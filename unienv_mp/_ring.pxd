@@ -3,7 +3,7 @@ from libc.stdint cimport uint32_t, uint64_t, int64_t
 
 cdef extern from "umr.h" nogil:
     int UMR_OK, UMR_FULL, UMR_EMPTY, UMR_CLOSED, UMR_TIMEOUT, UMR_POLL, UMR_INTR
-    int UMR_TOOBIG, UMR_BADARG, UMR_CORRUPT
+    int UMR_TOOBIG, UMR_BADARG, UMR_CORRUPT, UMR_SYSERR
     int64_t UMR_NO_DEADLINE
 
     ctypedef struct umr_event_t:

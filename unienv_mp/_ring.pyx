@@ -6,9 +6,10 @@ Everything that can block releases the GIL and comes back to Python at least eve
 closed ring are all noticed.
 """
 from libc.stdint cimport uint32_t, uint64_t, int64_t
-from libc.stdlib cimport malloc, free
+from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memcpy
 from libc.errno cimport errno
+from posix.unistd cimport close as c_close
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE
 from cpython.exc cimport PyErr_CheckSignals
@@ -50,7 +51,12 @@ def now_ns():
 cdef int64_t _seconds_to_ns(object seconds, str what) except -2:
     if seconds is None:
         return UMR_NO_DEADLINE
-    if not isinstance(seconds, _numbers.Real):
+    cdef type t = type(seconds)
+    if (t is float or t is int) and seconds >= 0:   # the common case, without ABC checks
+        if seconds > 1e9:
+            return UMR_NO_DEADLINE
+        return <int64_t>(<double>seconds * 1e9)
+    if not isinstance(seconds, _numbers.Real) or isinstance(seconds, bool):
         raise TypeError(f"{what} must be a number of seconds or None, got "
                         f"{type(seconds).__name__} {seconds!r}")
     value = float(seconds)
@@ -91,7 +97,12 @@ cdef int _raise_os(int neg_errno, str what) except -1:
 def _segment_from_dupfd(dupfd, size, ino, name):
     """Unpickle a Segment handed to a process at its start (spawn / forkserver)."""
     cdef Segment seg = Segment.__new__(Segment)
-    seg._adopt(dupfd.detach(), size, name, ino)
+    fd = dupfd.detach()
+    try:
+        seg._adopt(fd, size, name, ino)
+    except BaseException:
+        _os.close(fd)
+        raise
     return seg
 
 
@@ -105,7 +116,11 @@ def _segment_from_peer(pid, fd, ino, size, name):
                        f"described it has exited or closed it")
         _raise_os(ours, f"cannot attach shared-memory segment {name!r} of process {pid}")
     cdef Segment seg = Segment.__new__(Segment)
-    seg._adopt(ours, size, name, ino)
+    try:
+        seg._adopt(ours, size, name, ino)
+    except BaseException:
+        _os.close(ours)
+        raise
     return seg
 
 
@@ -149,6 +164,8 @@ cdef class Segment:
         return seg
 
     def _adopt(self, int fd, uint64_t size, str name, ino):
+        if self.addr != NULL or self.fd >= 0:
+            raise RuntimeError("segment already initialised")
         cdef uint64_t got_ino = 0, got_size = 0
         cdef int rc = umr_shm_identity(fd, &got_ino, &got_size)
         if rc < 0:
@@ -247,7 +264,7 @@ cdef class Segment:
             umr_shm_unmap(self.addr, self.size)
             self.addr = NULL
         if self.fd >= 0:
-            _os.close(self.fd)
+            c_close(self.fd)  # libc: the os module may be gone at interpreter shutdown
             self.fd = -1
 
     def __enter__(self):
@@ -290,7 +307,7 @@ cdef class Event:
 
     SIZE = 64
 
-    def __cinit__(self, Segment segment, offset, bint init=False):
+    def __cinit__(self, Segment segment not None, offset, bint init=False):
         if offset % 64 or offset + 64 > segment.size:
             raise ValueError(f"event offset {offset} is not a 64-byte line of the segment")
         self.segment = segment
@@ -338,6 +355,8 @@ cdef class Event:
                     rc = umr_event_wait(self.ev, seen, wake_at)
             finally:
                 umr_event_finish(self.ev)
+            if rc == UMR_SYSERR:
+                raise OSError(errno, "futex wait failed: " + _os.strerror(errno))
             if rc != UMR_OK:
                 PyErr_CheckSignals()
                 if check is not None:
@@ -348,7 +367,7 @@ cdef class Event:
 # RingBuffer
 # ---------------------------------------------------------------------------------------
 
-def _ring_from_segment(Segment segment, offset, poll_interval, spin):
+def _ring_from_segment(Segment segment not None, offset, poll_interval, spin):
     return RingBuffer._attach(segment, offset, poll_interval, spin)
 
 
@@ -391,7 +410,7 @@ cdef class RingBuffer:
         return umr_ring_footprint(capacity, entry_size)
 
     @staticmethod
-    def _create_in(Segment segment, offset, capacity, entry_size,
+    def _create_in(Segment segment not None, offset, capacity, entry_size,
                    poll_interval=DEFAULT_POLL_INTERVAL, spin=DEFAULT_SPIN):
         """Lay out a new ring at ``offset`` of an existing segment."""
         cdef RingBuffer self = RingBuffer.__new__(RingBuffer)
@@ -400,12 +419,12 @@ cdef class RingBuffer:
         return self
 
     @staticmethod
-    def _attach(Segment segment, offset, poll_interval=DEFAULT_POLL_INTERVAL,
+    def _attach(Segment segment not None, offset, poll_interval=DEFAULT_POLL_INTERVAL,
                 spin=DEFAULT_SPIN):
         """Attach to the ring that already lies at ``offset`` of ``segment``."""
         cdef RingBuffer self = RingBuffer.__new__(RingBuffer)
         self._set_timing(poll_interval, spin)
-        if offset % 64 or offset >= segment.size:
+        if offset < 0 or offset % 64 or offset >= segment.size:
             raise ValueError(f"ring offset {offset} is not a 64-byte line of the segment")
         cdef unsigned char *mem = segment.enter(offset, segment.size - offset)
         cdef int rc
@@ -427,12 +446,14 @@ cdef class RingBuffer:
         if self._spin_ns == UMR_NO_DEADLINE:
             raise ValueError("spin must be finite")
 
-    def _init_in(self, Segment segment, offset, capacity, entry_size):
+    def _init_in(self, Segment segment not None, offset, capacity, entry_size):
+        if self.segment is not None:
+            raise RuntimeError("ring already initialised")
         capacity = _positive_int(capacity, "capacity", 1 << 32)
         entry_size = _positive_int(entry_size, "entry_size", 1 << 30)
         cdef size_t need = umr_ring_footprint(capacity, entry_size)
-        if offset % 64:
-            raise ValueError(f"ring offset {offset} is not a multiple of 64")
+        if offset < 0 or offset % 64:
+            raise ValueError(f"ring offset {offset} is not a non-negative multiple of 64")
         cdef unsigned char *mem = segment.enter(offset, need)
         cdef int rc
         try:
@@ -523,24 +544,25 @@ cdef class RingBuffer:
     cdef int _push(self, const char *p, Py_ssize_t n, bint block, object timeout,
                    object check) except -1:
         cdef int rc
-        cdef int64_t deadline, spin = self._spin_ns, poll = self._poll_ns
+        cdef int64_t deadline, tmo = UMR_NO_DEADLINE
+        cdef int64_t spin = self._spin_ns, poll = self._poll_ns
         if n > self.r.entry_size:
             raise ValueError(f"entry of {n} bytes does not fit: this ring's entry_size is "
                              f"{self.r.entry_size} bytes")
-        self._ensure_open()
-        if timeout is not None and block:
-            _seconds_to_ns(timeout, "timeout")
-        # Fast path with the GIL held: releasing it costs more than a push.
-        rc = umr_ring_try_push(&self.r, p, <uint32_t>n)
-        if rc == UMR_OK:
-            return 0
-        if rc != UMR_FULL:
-            return self._raise_rc(rc)
-        if not block:
-            raise _queue.Full
-        deadline = _deadline(timeout)
+        if block and timeout is not None:
+            tmo = _seconds_to_ns(timeout, "timeout")
+        # No Python code runs between here and leave() except in _between_waits: another
+        # thread closing the ring meanwhile only defers the unmap until we leave.
         self.segment.enter(0, 0)
         try:
+            rc = umr_ring_try_push(&self.r, p, <uint32_t>n)  # fast path, GIL held
+            if rc == UMR_OK:
+                return 0
+            if rc != UMR_FULL:
+                return self._raise_rc(rc)
+            if not block:
+                raise _queue.Full
+            deadline = UMR_NO_DEADLINE if tmo == UMR_NO_DEADLINE else umr_now_ns() + tmo
             while True:
                 with nogil:
                     rc = umr_ring_push_wait(&self.r, p, <uint32_t>n, deadline, poll, spin)
@@ -559,31 +581,33 @@ cdef class RingBuffer:
         """Append every bytes-like object of the sequence ``items`` in order, claiming as
         many cells as are free with one atomic operation.  Returns how many were pushed:
         all of them when ``block`` (raising :class:`queue.Full` if ``timeout`` expires
-        first), possibly fewer (even 0) when not."""
-        cdef Py_ssize_t n = len(items), i, done = 0, chunk, got
-        cdef const void **ptrs
-        cdef uint32_t *lens
-        cdef Py_buffer *views
-        cdef char *have
-        cdef int64_t k, deadline
+        first), possibly fewer (even 0) when not.  If it raises part-way (timeout, shutdown,
+        an exception from ``check``), the items before the failure were pushed: the
+        exception's ``pushed`` attribute says how many."""
+        cdef tuple seq = tuple(items)   # holds every item (and its bytes) for the whole call
+        cdef Py_ssize_t n = len(seq), i, done = 0, got
+        cdef const void **ptrs = NULL
+        cdef uint32_t *lens = NULL
+        cdef Py_buffer *views = NULL
+        cdef char *have = NULL
+        cdef int64_t k, deadline, tmo = UMR_NO_DEADLINE
         cdef int rc
         cdef int64_t spin = self._spin_ns
         self._ensure_open()
+        if block and timeout is not None:
+            tmo = _seconds_to_ns(timeout, "timeout")
         if n == 0:
             return 0
-        deadline = _deadline(timeout) if block else 0
         ptrs = <const void **>malloc(n * sizeof(void *))
         lens = <uint32_t *>malloc(n * sizeof(uint32_t))
         views = <Py_buffer *>malloc(n * sizeof(Py_buffer))
-        have = <char *>malloc(n)
+        have = <char *>calloc(n, 1)
         if ptrs == NULL or lens == NULL or views == NULL or have == NULL:
             free(ptrs); free(lens); free(views); free(have)
             raise MemoryError
-        for i in range(n):
-            have[i] = 0
         try:
             for i in range(n):
-                item = items[i]
+                item = seq[i]
                 if PyBytes_CheckExact(item):
                     ptrs[i] = PyBytes_AS_STRING(item)
                     got = PyBytes_GET_SIZE(item)
@@ -598,6 +622,7 @@ cdef class RingBuffer:
                 lens[i] = <uint32_t>got
             self.segment.enter(0, 0)
             try:
+                deadline = UMR_NO_DEADLINE if tmo == UMR_NO_DEADLINE else umr_now_ns() + tmo
                 while done < n:
                     k = umr_ring_try_push_many(&self.r, ptrs + done, lens + done, n - done)
                     if k < 0:
@@ -620,6 +645,12 @@ cdef class RingBuffer:
                             if rc != UMR_POLL and rc != UMR_INTR:
                                 self._raise_rc(rc)
                             self._between_waits(check)
+            except BaseException as e:
+                try:
+                    e.pushed = done
+                except AttributeError:
+                    pass
+                raise
             finally:
                 self.segment.leave()
         finally:
@@ -661,20 +692,21 @@ cdef class RingBuffer:
     cdef int _pop(self, char *buf, uint32_t *length, bint block, object timeout,
                   object check) except -1:
         cdef int rc
-        cdef int64_t deadline, spin = self._spin_ns, poll = self._poll_ns
+        cdef int64_t deadline, tmo = UMR_NO_DEADLINE
+        cdef int64_t spin = self._spin_ns, poll = self._poll_ns
         cdef uint32_t cap = self.r.entry_size
-        if timeout is not None and block:
-            _seconds_to_ns(timeout, "timeout")
-        rc = umr_ring_try_pop(&self.r, buf, cap, length)
-        if rc == UMR_OK:
-            return 0
-        if rc != UMR_EMPTY:
-            return self._raise_rc(rc)
-        if not block:
-            raise _queue.Empty
-        deadline = _deadline(timeout)
-        self.segment.enter(0, 0)
+        if block and timeout is not None:
+            tmo = _seconds_to_ns(timeout, "timeout")
+        self.segment.enter(0, 0)   # see _push
         try:
+            rc = umr_ring_try_pop(&self.r, buf, cap, length)
+            if rc == UMR_OK:
+                return 0
+            if rc != UMR_EMPTY:
+                return self._raise_rc(rc)
+            if not block:
+                raise _queue.Empty
+            deadline = UMR_NO_DEADLINE if tmo == UMR_NO_DEADLINE else umr_now_ns() + tmo
             while True:
                 with nogil:
                     rc = umr_ring_pop_wait(&self.r, buf, cap, length, deadline, poll, spin)
@@ -695,27 +727,32 @@ cdef class RingBuffer:
         (raising :class:`queue.Empty` if ``timeout`` expires); otherwise the list may be
         empty.  Raises :class:`RingClosed` once the ring is shut down and empty."""
         max_items = _positive_int(max_items, "max_items")
-        cdef uint64_t n = min(<uint64_t>max_items, self.r.capacity)
         cdef size_t stride = self.r.entry_size
+        # at most one lap, and at most ~64 MiB of scratch per call
+        cdef uint64_t n = min(<uint64_t>max_items, self.r.capacity,
+                              max(<uint64_t>1, (<uint64_t>64 << 20) // stride))
         cdef char *buf
         cdef uint32_t *lens
-        cdef int64_t k, deadline, spin = self._spin_ns, poll = self._poll_ns
+        cdef int64_t k, deadline, tmo = UMR_NO_DEADLINE
+        cdef int64_t spin = self._spin_ns, poll = self._poll_ns
         cdef uint64_t i
+        cdef bint blocking = bool(block)
         self._ensure_open()
+        if blocking and timeout is not None:
+            tmo = _seconds_to_ns(timeout, "timeout")
         buf = <char *>malloc(n * stride)
         lens = <uint32_t *>malloc(n * sizeof(uint32_t))
         if buf == NULL or lens == NULL:
             free(buf); free(lens)
             raise MemoryError
         try:
-            if not block:
+            self.segment.enter(0, 0)   # see _push
+            try:
                 k = umr_ring_try_pop_many(&self.r, buf, stride, lens, n)
                 if k < 0:
                     self._raise_rc(<int>k)
-            else:
-                deadline = _deadline(timeout)
-                self.segment.enter(0, 0)
-                try:
+                if k == 0 and blocking:
+                    deadline = UMR_NO_DEADLINE if tmo == UMR_NO_DEADLINE else umr_now_ns() + tmo
                     while True:
                         with nogil:
                             k = umr_ring_pop_many_wait(&self.r, buf, stride, lens, n,
@@ -728,8 +765,8 @@ cdef class RingBuffer:
                         if k != UMR_POLL and k != UMR_INTR:
                             self._raise_rc(<int>k)
                         self._between_waits(check)
-                finally:
-                    self.segment.leave()
+            finally:
+                self.segment.leave()
             out = [None] * k
             for i in range(<uint64_t>k):
                 out[i] = PyBytes_FromStringAndSize(buf + i * stride, lens[i])
@@ -812,6 +849,8 @@ cdef class RingBuffer:
         if self.segment is None or self.segment.addr == NULL:
             raise ValueError("ring is unmapped in this process")
         cdef const unsigned char[::1] v = data
+        if v.shape[0] > self.r.entry_size:
+            raise ValueError(f"entry of {v.shape[0]} bytes does not fit")
         cdef int rc = umr_ring_try_push(&self.r, &v[0], <uint32_t>v.shape[0])
         if rc != UMR_OK:
             self._raise_rc(rc) if rc != UMR_FULL else None
@@ -831,7 +870,13 @@ cdef class RingBuffer:
             raise RingClosed("ring was shut down")
         if rc == UMR_TOOBIG:
             raise ValueError(f"entry does not fit: entry_size is {self.r.entry_size} bytes")
-        raise RuntimeError(f"ring operation failed with code {rc}")
+        if rc == UMR_CORRUPT:
+            raise RuntimeError("ring memory is corrupt: a cell's sequence number contradicts "
+                               "the ring's counters (did another process write into it?)")
+        if rc == UMR_SYSERR:
+            raise OSError(errno, "futex wait failed (is the futex syscall forbidden here?): "
+                                 + _os.strerror(errno))
+        raise RuntimeError(f"ring operation failed with internal code {rc}")
 
     # -- lifecycle ----------------------------------------------------------------------
 

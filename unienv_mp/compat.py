@@ -1,0 +1,132 @@
+"""UniEnv's module-level helpers, with UniEnv's signatures, on unienv_mp's transport:
+``worker_loop``, ``wrap_sample_function`` and ``wrap_epoch_iter_function``.  Code that
+imported them from ``unienv_data.samplers.multiprocessing_sampler`` keeps working."""
+import queue as _queue
+
+from .errors import RingClosed, WorkerError
+from .manager import MultiProcessingSampleManager
+from .sampler import _NO_ARG, _SamplerTarget, _draw_worker_seeds
+from .worker import error_payload, limit_threads
+
+__all__ = ["worker_loop", "wrap_sample_function", "wrap_epoch_iter_function"]
+
+
+def worker_loop(fetch_fn, workid_queue, result_queue, done_event, doze_time=0.005,
+                init_fn=None, seed=None):
+    """UniEnv's worker loop, for code that runs its own workers with it: put
+    ``fetch_fn(work)`` on ``result_queue`` for every ``work`` taken from ``workid_queue``
+    until ``done_event`` is set or the work queue is closed.  Works with
+    ``multiprocessing.Queue`` and :class:`~unienv_mp.ShmQueue` alike.
+
+    Unlike UniEnv's loop, an exception raised by ``fetch_fn`` does not kill the worker
+    (leaving the consumer waiting forever): a :class:`~unienv_mp.WorkerError` describing it
+    is put on ``result_queue`` instead, and the loop goes on.
+    """
+    limit_threads()
+    if init_fn is not None and seed is not None:
+        init_fn(seed)
+    try:
+        while not done_event.is_set():
+            try:
+                work = workid_queue.get(timeout=doze_time)
+            except _queue.Empty:
+                continue
+            except (ValueError, OSError, EOFError, RingClosed):
+                break   # the work queue was closed
+            try:
+                result = fetch_fn(work)
+            except Exception as e:
+                info = error_payload(e)
+                result = WorkerError(info["type"], info["message"], info["traceback"],
+                                     info["exception"])
+            result_queue.put(result)
+            del result
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cancel = getattr(result_queue, "cancel_join_thread", None)
+        if cancel is not None:
+            cancel()
+
+
+def _target_for(sampler, fn):
+    if getattr(fn, "__self__", None) is sampler:
+        return _SamplerTarget(sampler), fn.__name__
+    return _SamplerTarget(sampler, fn), None
+
+
+def _close_fn(wrapped):
+    def close():
+        manager = getattr(wrapped, "sample_manager", None)
+        if manager is not None:
+            manager.close()
+            wrapped.sample_manager = None
+    return close
+
+
+def wrap_sample_function(sampler, n_workers, n_buffers, fn, ctx=None, doze_time=0.001,
+                         daemon=None, done_event=None, exemplar_fn=None):
+    """Return a function that, called with no argument, returns ``fn()`` computed by one of
+    ``n_workers`` workers, ``n_buffers`` calls ahead (UniEnv's signature).  The workers
+    start on the first call; ``.close()`` ends them.  ``exemplar_fn`` is accepted for
+    compatibility and not needed: every result travels through shared memory."""
+    target, name = _target_for(sampler, fn)
+
+    def wrapped():
+        manager = wrapped.sample_manager
+        if manager is None:
+            manager = MultiProcessingSampleManager(
+                target, n_workers=n_workers, ctx=ctx, done_event=done_event,
+                doze_time=doze_time, daemon=daemon, worker_init_fn=target.reseed,
+                worker_seeds=_draw_worker_seeds(sampler, n_workers))
+            wrapped.sample_manager = manager
+            for _ in range(n_buffers):
+                manager.add_work((name, _NO_ARG))
+        manager.add_work((name, _NO_ARG))
+        return manager.fetch()
+
+    wrapped.sample_manager = None
+    wrapped.close = _close_fn(wrapped)
+    return wrapped
+
+
+def wrap_epoch_iter_function(sampler, n_workers, n_buffers, getter_fn, ctx=None,
+                             doze_time=0.005, daemon=None, done_event=None):
+    """Return a function that, called with no argument, iterates once over a random
+    permutation of ``sampler.data`` in batches of ``sampler.batch_size``, each computed as
+    ``getter_fn(indices)`` by a worker (UniEnv's signature: a new set of workers per
+    epoch, ended when the epoch ends or the iteration is abandoned)."""
+    target, name = _target_for(sampler, getter_fn)
+
+    def wrapped():
+        manager = MultiProcessingSampleManager(
+            target, n_workers=n_workers, ctx=ctx, done_event=done_event,
+            doze_time=doze_time, daemon=daemon)
+        wrapped.sample_manager = manager
+        try:
+            n = len(sampler.data)
+            if sampler.data_rng is not None:
+                sampler.data_rng, idx = sampler.backend.random.random_permutation(
+                    n, rng=sampler.data_rng, device=sampler.data.device)
+            else:
+                sampler.rng, idx = sampler.backend.random.random_permutation(
+                    n, rng=sampler.rng, device=sampler.data.device)
+            bs = sampler.batch_size
+            starts = list(range(0, n, bs))
+            added = 0
+            for _ in range(min(n_buffers, len(starts))):
+                manager.add_work((name, idx[starts[added]:starts[added] + bs]))
+                added += 1
+            for _ in range(len(starts)):
+                if added < len(starts):
+                    manager.add_work((name, idx[starts[added]:starts[added] + bs]))
+                    added += 1
+                yield manager.fetch()
+        finally:
+            manager.close()
+            if getattr(wrapped, "sample_manager", None) is manager:
+                wrapped.sample_manager = None
+
+    wrapped.sample_manager = None
+    wrapped.close = _close_fn(wrapped)
+    return wrapped

@@ -1,0 +1,659 @@
+"""MultiProcessingSampleManager: worker processes, tasks, results and their lifecycle.
+
+Each worker has its own pair of single-producer single-consumer rings (tasks in, results
+out) in a segment the parent creates, and its own result slots (segments it creates and
+grows).  The parent decides which worker and which slot each task uses; a result comes back
+as a small ring entry pointing at the slot, and is handed to the caller as zero-copy views
+of it.  The slot is given to a new task only after the last view is garbage collected.
+
+Faults: a worker that raises sends the exception back (the caller gets
+:class:`~unienv_mp.WorkerError`, the worker carries on); a worker that dies is noticed
+within one ``doze_time`` of the caller waiting on it, replaced, and its unfinished tasks are
+given to the replacement (or :class:`~unienv_mp.WorkerDiedError` is raised).  Workers end
+with the parent however the parent ends.
+"""
+import collections
+import multiprocessing as mp
+import os
+import pickle
+import queue as _queue
+import threading
+from multiprocessing import util as _mputil
+from typing import Callable, Generic, Optional, Sequence, TypeVar
+
+import numpy as np
+
+from . import _codec
+from . import _protocol as P
+from ._ring import Event, RingBuffer, Segment, _segment_from_peer
+from .errors import PeerGoneError, RingClosed, WorkerDiedError, WorkerError
+from .worker import worker_main
+
+__all__ = ["MultiProcessingSampleManager", "TaskInfoT", "ResultT"]
+
+TaskInfoT = TypeVar("TaskInfoT")
+ResultT = TypeVar("ResultT")
+
+#: Tasks a worker can have queued (its task ring); add_work blocks beyond that.
+TASK_CAPACITY = 64
+#: Largest encoded work info carried inside a task entry (larger: a one-off segment).
+TASK_INLINE = 8192
+#: Largest encoded result carried inside a result entry (larger: a slot).
+RESULT_INLINE = 4096
+
+
+def _check_int(value, what, minimum=1):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_seconds(value, what, allow_none=True):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise TypeError(f"{what} must be a number of seconds, got {type(value).__name__} "
+                        f"{value!r}")
+    if value <= 0:
+        raise ValueError(f"{what} must be > 0, got {value}")
+    return float(value)
+
+
+class _WorkerDied(Exception):
+    def __init__(self, worker):
+        self.worker = worker
+
+
+class _Task:
+    __slots__ = ("ticket", "work", "worker", "slot", "spill", "cancelled", "result")
+
+    def __init__(self, ticket, work):
+        self.ticket = ticket
+        self.work = work
+        self.worker = None
+        self.slot = None
+        self.spill = None       # parent segment carrying large work info
+        self.cancelled = False
+        self.result = None      # (status, where, slot, payload, segment) once arrived
+
+
+class _Worker:
+    """The parent's view of one worker process (one incarnation after another)."""
+
+    def __init__(self, index):
+        self.index = index
+        self.incarnation = 0
+        self.proc = None
+        self.seg = None
+        self.tasks = None
+        self.results = None
+        self.slot_maps = {}                  # slot -> (generation, Segment mapped here)
+        self.free_slots = []
+        self.next_slot = 0
+        self.inflight = collections.deque()  # tickets, in the order given to the worker
+        self.failed_starts = 0               # deaths since the last result
+
+    def take_slot(self):
+        if self.free_slots:
+            return self.free_slots.pop()
+        self.next_slot += 1
+        return self.next_slot - 1
+
+
+class _Pool:
+    """Processes and shared memory of a manager: what must be released even if the manager
+    is garbage collected or the interpreter exits without close()."""
+
+    def __init__(self):
+        self.workers = []
+        self.doorbell_seg = None
+        self.spills = []
+        self.done_event = None
+        self.closed = False
+
+    def close(self, join_timeout=2.0):
+        if self.closed:
+            return
+        self.closed = True
+        for w in self.workers:
+            if w.tasks is not None:
+                try:
+                    w.tasks.shutdown()   # wakes a worker waiting for a task: it exits
+                except ValueError:
+                    pass
+        if self.done_event is not None:
+            try:
+                self.done_event.set()
+            except Exception:
+                pass
+        _stop_processes([w.proc for w in self.workers if w.proc is not None], join_timeout)
+        for w in self.workers:
+            _close_worker_memory(w)
+        for seg in self.spills:
+            seg.close()
+        self.spills.clear()
+        if self.doorbell_seg is not None:
+            self.doorbell_seg.close()
+
+
+def _stop_processes(procs, join_timeout):
+    import time
+    started = [p for p in procs if p.pid is not None]
+    deadline = time.monotonic() + join_timeout
+    for p in started:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in started:
+        if p.is_alive():
+            p.terminate()
+    for p in started:
+        p.join(1.0)
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
+    for p in started:
+        try:
+            p.close()
+        except ValueError:
+            pass
+
+
+def _close_worker_memory(w):
+    for ring in (w.tasks, w.results):
+        if ring is not None:
+            ring.close()
+    w.tasks = w.results = None
+    if w.seg is not None:
+        w.seg.close()
+        w.seg = None
+    w.slot_maps = {}
+
+
+class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
+    """Run ``target_fn(work_info)`` in ``n_workers`` processes.
+
+    Same interface as UniEnv's ``MultiProcessingSampleManager``: :meth:`add_work` queues a
+    work item, :meth:`fetch` returns a result (``None`` if none arrives in time), and
+    :meth:`close` ends the workers.  ``worker_init_fn(seed)`` runs in each worker first,
+    with its entry of ``worker_seeds``.  ``done_event`` (optional, a multiprocessing Event)
+    stops the workers when set.  ``doze_time`` is how often a waiting side re-checks that
+    its peer is alive (nothing polls on the hot path: waits sleep on futexes).
+
+    Options UniEnv lacks:
+
+    * ``in_order=True``: results come back in the order the work was added, and work is
+      dealt to workers round-robin, so a run is reproducible whatever the workers' timing.
+      ``False``: each task goes to the least busy worker and :meth:`fetch` returns whichever
+      result is ready first.
+    * ``copy=False``: results are zero-copy views of the worker's slot, which is reused
+      only once they are garbage collected (at most ``max_leases`` results are held that
+      way at once; beyond that they are copied).  ``True``: results are always copied.
+    * ``timeout``: seconds to wait for one result before raising :class:`TimeoutError`
+      (default: wait as long as the workers are alive).
+    * ``respawn=True``: a worker that dies is replaced (with a fresh seed) and its
+      unfinished work re-issued; after ``max_respawns`` deaths of one worker without a
+      result in between, :class:`~unienv_mp.WorkerDiedError` is raised.  ``False``: raise
+      it at the first death.
+
+    The work function must be picklable under the spawn and forkserver start methods.
+    """
+
+    def __init__(
+        self,
+        target_fn: Callable[[TaskInfoT], ResultT],
+        n_workers: int = 4,
+        ctx=None,
+        done_event=None,
+        doze_time: float = 0.001,
+        daemon: Optional[bool] = None,
+        worker_init_fn: Optional[Callable[[int], None]] = None,
+        worker_seeds: Optional[Sequence[int]] = None,
+        *,
+        in_order: bool = True,
+        copy: bool = False,
+        timeout: Optional[float] = None,
+        respawn: bool = True,
+        max_respawns: int = 3,
+        max_leases: Optional[int] = None,
+    ):
+        # First, so that close() (also run at garbage collection) works on a half-built one.
+        self._pool = _Pool()
+        self.closed = True
+        if not callable(target_fn):
+            raise TypeError(f"target_fn must be callable, got {type(target_fn).__name__}")
+        _check_int(n_workers, "n_workers")
+        _check_seconds(doze_time, "doze_time", allow_none=False)
+        _check_int(max_respawns, "max_respawns", 0)
+        if worker_seeds is not None:
+            worker_seeds = list(worker_seeds)
+            if len(worker_seeds) != n_workers:
+                raise ValueError(f"worker_seeds must have n_workers={n_workers} entries, "
+                                 f"got {len(worker_seeds)}")
+        if ctx is None:
+            ctx = mp.get_context()
+        elif isinstance(ctx, str):
+            ctx = mp.get_context(ctx)
+        if not hasattr(ctx, "Process"):
+            raise TypeError(f"ctx must be a multiprocessing context, got {ctx!r}")
+        self.target_fn = target_fn
+        self.doze_time = doze_time
+        self.done_event = done_event
+        self.in_order = bool(in_order)
+        self.copy = bool(copy)
+        self.timeout = _check_seconds(timeout, "timeout")
+        self.respawn = bool(respawn)
+        self.max_respawns = max_respawns
+        self.max_leases = 2 * n_workers + 8 if max_leases is None else _check_int(
+            max_leases, "max_leases", 0)
+        self._ctx = ctx
+        self._daemon = daemon
+        self._init_fn = worker_init_fn
+        self._seeds = worker_seeds
+        self._seed_rng = np.random.default_rng(
+            None if worker_seeds is None else [int(s) for s in worker_seeds])
+        self._next_ticket = 0
+        self._rr = 0
+        self._tasks = {}                         # ticket -> _Task (not yet delivered)
+        self._order = collections.deque()        # tickets of add_work, for fetch()
+        self._released = collections.deque()     # lease tokens given back by the GC
+        self._leases = 0
+        self._pool.done_event = done_event
+        self._pool.doorbell_seg = Segment.create(64, "doorbell")
+        self._doorbell = Event(self._pool.doorbell_seg, 0, True)
+        self._pdeathsig = threading.current_thread() is threading.main_thread()
+        self._finalizer = _mputil.Finalize(self, self._pool.close, exitpriority=100)
+        self.closed = False
+        try:
+            for i in range(n_workers):
+                w = _Worker(i)
+                self._pool.workers.append(w)
+                self._start(w, None if worker_seeds is None else worker_seeds[i])
+        except BaseException:
+            self.close()
+            raise
+
+    # -- properties -----------------------------------------------------------------------
+
+    @property
+    def n_workers(self):
+        """Number of worker processes."""
+        return len(self._pool.workers)
+
+    @property
+    def workers(self):
+        """The worker ``Process`` objects (replacements included, after a respawn)."""
+        return [w.proc for w in self._pool.workers]
+
+    @property
+    def remaining_work(self):
+        """Work added with :meth:`add_work` and not fetched yet."""
+        return len(self._order)
+
+    # -- workers --------------------------------------------------------------------------
+
+    def _start(self, w, seed):
+        w.incarnation += 1
+        task_entry = 16 + TASK_INLINE
+        result_entry = 16 + RESULT_INLINE
+        t_bytes = RingBuffer.footprint(TASK_CAPACITY, task_entry)
+        r_cap = TASK_CAPACITY + 2   # a worker never waits to publish a result
+        r_bytes = RingBuffer.footprint(r_cap, result_entry)
+        t_off, r_off = P.RINGS_AT, P.RINGS_AT + t_bytes
+        seg = Segment.create(r_off + r_bytes, f"worker{w.index}")
+        with memoryview(seg) as mv:
+            P.HEADER.pack_into(mv, 0, P.MAGIC, P.VERSION, t_off, TASK_CAPACITY, task_entry,
+                               r_off, r_cap, result_entry)
+        w.seg = seg
+        w.tasks = RingBuffer._create_in(seg, t_off, TASK_CAPACITY, task_entry, self.doze_time)
+        w.results = RingBuffer._create_in(seg, r_off, r_cap, result_entry, self.doze_time)
+        w.slot_maps = {}
+        w.free_slots = []
+        w.next_slot = 0
+        options = {"poll_interval": self.doze_time, "done_event": self.done_event,
+                   "pdeathsig": self._pdeathsig}
+        proc = self._ctx.Process(
+            target=worker_main,
+            args=(w.index, self.target_fn, seg, self._pool.doorbell_seg, os.getpid(),
+                  self._init_fn, seed, options),
+            daemon=self._daemon, name=f"unienv_mp-worker-{w.index}")
+        w.proc = proc
+        try:
+            proc.start()
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            raise TypeError(
+                f"cannot start workers with the {self._ctx.get_start_method()!r} start "
+                f"method: the work function (and everything it refers to, e.g. the wrapped "
+                f"sampler) must be picklable, but pickling failed with "
+                f"{type(e).__name__}: {e}") from e
+
+    def _check_alive(self, w):
+        if w.proc is not None and not w.proc.is_alive():
+            raise _WorkerDied(w)
+        if self._pool.closed:
+            raise RuntimeError("manager was closed while waiting")
+
+    def _replace(self, w):
+        """``w`` died: accept what it published, then respawn it and re-issue its work."""
+        proc = w.proc
+        code = proc.exitcode
+        try:
+            while True:
+                self._accept(w, w.results.pop_tagged(False))
+        except (_queue.Empty, RingClosed, _WorkerDied):
+            pass
+        how = (f"was killed by signal {-code}" if code is not None and code < 0
+               else f"exited with code {code}")
+        if not self.respawn:
+            raise WorkerDiedError(f"worker {w.index} (pid {proc.pid}) {how}; respawn=False",
+                                  worker=w.index, exitcode=code)
+        w.failed_starts += 1
+        if w.failed_starts > self.max_respawns:
+            raise WorkerDiedError(
+                f"worker {w.index} {how}, and died {w.failed_starts} times in a row without "
+                f"producing a result; giving up (max_respawns={self.max_respawns})",
+                worker=w.index, exitcode=code)
+        try:
+            proc.join(1)
+            proc.close()
+        except ValueError:
+            pass
+        _close_worker_memory(w)
+        pending = [self._tasks[t] for t in w.inflight if t in self._tasks]
+        w.inflight.clear()
+        for task in [t for t in pending if t.cancelled]:
+            self._tasks.pop(task.ticket, None)
+        pending = [t for t in pending if not t.cancelled]
+        self._start(w, int(self._seed_rng.integers(2 ** 31)))
+        for task in pending:
+            task.slot = None
+            self._dispatch(task, w)
+
+    # -- submitting -----------------------------------------------------------------------
+
+    def _ensure_open(self):
+        if self.closed:
+            raise RuntimeError(f"this {type(self).__name__} is closed")
+
+    def submit(self, work_info, worker: Optional[int] = None) -> int:
+        """Queue ``work_info`` and return its ticket (see :meth:`result`).  ``worker``
+        picks the worker; by default the next one round-robin (``in_order``) or the least
+        busy one."""
+        self._ensure_open()
+        self._reclaim()
+        workers = self._pool.workers
+        if worker is not None:
+            if not isinstance(worker, int) or not 0 <= worker < len(workers):
+                raise ValueError(f"worker must be an index below {len(workers)}, got {worker!r}")
+            w = workers[worker]
+        elif self.in_order:
+            w = workers[self._rr]
+            self._rr = (self._rr + 1) % len(workers)
+        else:
+            w = min(workers, key=lambda x: len(x.inflight))
+        task = _Task(self._next_ticket, work_info)
+        self._next_ticket += 1
+        self._tasks[task.ticket] = task
+        try:
+            self._dispatch(task, w)
+        except BaseException:
+            self._tasks.pop(task.ticket, None)
+            raise
+        return task.ticket
+
+    def _dispatch(self, task, w):
+        if task.spill is None:
+            p = _codec.prepare(task.work)
+            if p.nbytes <= TASK_INLINE:
+                where, payload = P.AT_INLINE, _codec.encode_prepared(p)
+            else:
+                seg = Segment.create(p.nbytes, "task")
+                with memoryview(seg) as mv:
+                    _codec.write(p, mv)
+                task.spill = seg
+                self._pool.spills.append(seg)
+        if task.spill is not None:
+            where = P.AT_SPILL
+            seg = task.spill
+            payload = P.SPILL_DESC.pack(os.getpid(), seg.fd, seg.ino, seg.size, seg.size)
+        if task.slot is None:
+            task.slot = w.take_slot()
+        task.worker = w.index
+        w.inflight.append(task.ticket)
+        while True:
+            try:
+                w.tasks.push_tagged(P.tag(P.OP_RUN, where), task.slot, task.ticket, payload,
+                                    check=lambda: self._check_alive(w))
+                return
+            except _WorkerDied:
+                w.inflight.remove(task.ticket)
+                w.free_slots.append(task.slot)
+                task.slot = None
+                self._replace(w)   # re-issues w's other work; then retry this one
+                task.slot = w.take_slot()
+                w.inflight.append(task.ticket)
+
+    def add_work(self, work_info: TaskInfoT) -> None:
+        """Queue ``work_info``; its result is returned by a later :meth:`fetch`."""
+        self._order.append(self.submit(work_info))
+
+    # -- collecting -----------------------------------------------------------------------
+
+    def _accept(self, w, entry):
+        """Record a result entry that ``w`` published."""
+        t, slot, ticket, payload = entry
+        status, where = P.untag(t)
+        if status == P.ST_FATAL:
+            info = _codec.decode(payload, copy=True)
+            raise self._worker_error(info, w.index, "could not start: ")
+        task = self._tasks.get(ticket)
+        if task is None or task.worker != w.index or task.result is not None:
+            return  # stale (e.g. re-issued work that the dead incarnation also finished)
+        try:
+            w.inflight.remove(ticket)
+        except ValueError:
+            pass
+        seg = None
+        if where == P.AT_SLOT:
+            gen, fd, ino, size, nbytes = P.SLOT_DESC.unpack(payload)
+            mapped = w.slot_maps.get(slot)
+            if mapped is None or mapped[0] != gen:
+                try:
+                    seg = _segment_from_peer(w.proc.pid, fd, ino, size, f"slot{w.index}")
+                except PeerGoneError:
+                    # The worker died before we could map its slot: the work is redone.
+                    w.inflight.appendleft(ticket)
+                    raise _WorkerDied(w)
+                seg.unlink()  # no descriptor needed: the mapping is what we use
+                w.slot_maps[slot] = (gen, seg)
+            else:
+                seg = mapped[1]
+            payload = nbytes
+        w.failed_starts = 0
+        if task.spill is not None:
+            self._pool.spills.remove(task.spill)
+            task.spill.close()
+            task.spill = None
+        task.result = (status, where, slot, payload, seg)
+        if task.cancelled:
+            self._discard(task)
+
+    def _discard(self, task):
+        self._tasks.pop(task.ticket, None)
+        if task.result is not None:
+            w = self._pool.workers[task.worker]
+            w.free_slots.append(task.slot)
+
+    def _reclaim(self):
+        """Slots whose last view was garbage collected go back to their worker."""
+        released = self._released
+        workers = self._pool.workers
+        while released:
+            index, incarnation, slot = released.popleft()
+            self._leases -= 1
+            w = workers[index]
+            if w.incarnation == incarnation:
+                w.free_slots.append(slot)
+
+    def _wait(self, task, timeout):
+        """Block until ``task`` has a result (or raise)."""
+        import time
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while task.result is None:
+            w = self._pool.workers[task.worker]
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                entry = w.results.pop_tagged(True, left, check=lambda: self._check_alive(w))
+                self._accept(w, entry)
+            except _queue.Empty:
+                raise TimeoutError(f"no result from worker {w.index} within {timeout} s")
+            except _WorkerDied:
+                self._replace(w)
+
+    def _deliver(self, task):
+        """Turn an arrived result into the value returned to the caller."""
+        self._tasks.pop(task.ticket, None)
+        status, where, slot, payload, seg = task.result
+        w = self._pool.workers[task.worker]
+        if where == P.AT_INLINE:
+            w.free_slots.append(slot)
+            value = _codec.decode(payload, copy=True)
+        elif self.copy or self._leases >= self.max_leases or status != P.ST_OK:
+            with memoryview(seg) as mv:
+                value = _codec.decode(mv[:payload], copy=True)
+            w.free_slots.append(slot)
+        else:
+            self._leases += 1
+            lease = _codec.SlotLease(seg, 0, payload, self._released.append,
+                                     (w.index, w.incarnation, slot))
+            value = _codec.decode(lease)
+            del lease
+        if status == P.ST_ERROR:
+            raise self._worker_error(value, w.index)
+        return value
+
+    @staticmethod
+    def _worker_error(info, index, prefix=""):
+        return WorkerError(info["type"], prefix + info["message"], info["traceback"],
+                           info["exception"], index)
+
+    def result(self, ticket: int, timeout: Optional[float] = None):
+        """The result of a :meth:`submit` ticket, waiting for it if needed.  Raises
+        :class:`~unienv_mp.WorkerError` if the work raised, ``TimeoutError`` after
+        ``timeout`` (default: the manager's ``timeout``) seconds."""
+        self._ensure_open()
+        task = self._tasks.get(ticket)
+        if task is None:
+            raise KeyError(f"unknown or already collected ticket {ticket}")
+        self._wait(task, self.timeout if timeout is None else timeout)
+        return self._deliver(task)
+
+    def ready(self, ticket: int) -> bool:
+        """True if the result of ``ticket`` has arrived (collects what has arrived)."""
+        task = self._tasks.get(ticket)
+        if task is None:
+            raise KeyError(f"unknown or already collected ticket {ticket}")
+        if task.result is None:
+            self._poll_all()
+        return task.result is not None
+
+    def cancel(self, ticket: int) -> None:
+        """Forget a ticket: its result is dropped when it arrives."""
+        task = self._tasks.get(ticket)
+        if task is None:
+            return
+        task.cancelled = True
+        if task.result is not None:
+            self._discard(task)
+
+    def _poll_all(self):
+        """Accept every result already published by any worker (never blocks)."""
+        for w in self._pool.workers:
+            try:
+                while True:
+                    self._accept(w, w.results.pop_tagged(False))
+            except _queue.Empty:
+                pass
+            except _WorkerDied:
+                self._replace(w)
+
+    def fetch(self, block: bool = True, timeout: Optional[float] = None) -> Optional[ResultT]:
+        """Return the result of work added with :meth:`add_work`: the oldest one
+        (``in_order``) or the first to finish.  Returns ``None`` if ``block`` is false or
+        ``timeout`` expires before it arrives, as UniEnv's manager does."""
+        self._ensure_open()
+        if not self._order:
+            raise RuntimeError("no work to fetch: add_work() first")
+        self._reclaim()
+        if self.in_order:
+            task = self._tasks[self._order[0]]
+            if task.result is None:
+                if not block:
+                    self._poll_all()
+                    if task.result is None:
+                        return None
+                else:
+                    try:
+                        self._wait(task, timeout if timeout is not None else self.timeout)
+                    except TimeoutError:
+                        if timeout is not None:
+                            return None
+                        raise
+            self._order.popleft()
+            return self._deliver(task)
+        ticket = self._first_ready(block, timeout)
+        if ticket is None:
+            return None
+        self._order.remove(ticket)
+        return self._deliver(self._tasks[ticket])
+
+    def _first_ready(self, block, timeout, tickets=None):
+        """A ticket among ``tickets`` (default: all added work) whose result has arrived,
+        waiting on the doorbell that every worker rings after publishing."""
+        tickets = self._order if tickets is None else tickets
+
+        def find():
+            self._poll_all()
+            for t in tickets:
+                if self._tasks[t].result is not None:
+                    return (t,)
+            return None
+
+        found = find()
+        if found is None and block:
+            limit = timeout if timeout is not None else self.timeout
+            found = self._doorbell.wait_until(find, limit, self.doze_time,
+                                              check=self._check_all_alive)
+            if found is None and timeout is None and limit is not None:
+                raise TimeoutError(f"no result within {limit} s")
+        return None if found is None else found[0]
+
+    def _check_all_alive(self):
+        for w in self._pool.workers:
+            if w.proc is not None and not w.proc.is_alive():
+                self._replace(w)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def close(self):
+        """Stop the workers (asking first, then terminating any still running after ~2 s)
+        and release the shared memory.  Results already handed out stay valid.
+        Idempotent."""
+        self.closed = True
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+        else:
+            self._pool.close()
+        self._tasks.clear()
+        self._order.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        state = "closed" if self.closed else f"{self.n_workers} workers"
+        return f"<{type(self).__name__} {state}, {len(self._order)} pending>"

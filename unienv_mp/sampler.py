@@ -1,0 +1,420 @@
+"""MultiprocessingSampler: the drop-in for ``unienv_data.samplers.MultiprocessingSampler``.
+
+    from unienv_mp import MultiprocessingSampler   # was: from unienv_data.samplers import ...
+
+The only module of the package that knows UniEnv.  One pool of worker processes serves every
+``sample*`` method and every epoch iterator of the wrapped sampler (UniEnv starts a pool per
+method, and a new one per epoch); batches come back through shared-memory slots as zero-copy
+views (see :class:`~unienv_mp.manager.MultiProcessingSampleManager`).
+"""
+import collections
+import copy as _copy
+import multiprocessing as mp
+import sys
+import weakref
+from typing import Any, Optional
+
+from unienv_data.base import BatchSampler
+from unienv_interface.utils.seed_util import next_seed_rng
+
+from .manager import MultiProcessingSampleManager, _check_int, _check_seconds
+
+__all__ = ["MultiprocessingSampler"]
+
+_NO_ARG = None   # sample* methods take no argument; get*_at methods take an index array
+_RESEED = "__unienv_mp_reseed__"
+
+
+class _SamplerTarget:
+    """The work function the workers run: ``(method name, argument)`` -> result, calling
+    the wrapped sampler's method (or ``fn``, for a name of ``None``).
+
+    Picklable for spawn and forkserver: the sampler travels as a shallow copy without its
+    random number generators (their state is replaced in the worker by :meth:`reseed`).
+    """
+    _RNG_ATTRS = ("rng", "data_rng")
+
+    def __init__(self, sampler, fn=None):
+        self.sampler = sampler
+        self.fn = fn
+        self._stripped = ()
+
+    def __call__(self, work):
+        name, arg = work
+        if name == _RESEED:
+            self.reseed(arg)
+            return None
+        fn = self.fn if name is None else getattr(self.sampler, name)
+        return fn() if arg is _NO_ARG else fn(arg)
+
+    def reseed(self, seed):
+        sampler = self.sampler
+        if not self._stripped:
+            sampler.manual_seed(seed)
+            return
+        for name in self._stripped:
+            device = sampler.device if name == "rng" else sampler.data.device
+            setattr(sampler, name,
+                    sampler.backend.random.random_number_generator(seed, device=device))
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        sampler = _copy.copy(self.sampler)
+        attrs = vars(sampler)
+        stripped = tuple(n for n in self._RNG_ATTRS if attrs.get(n) is not None)
+        for n in stripped:
+            attrs[n] = None
+        state["sampler"] = sampler
+        state["_stripped"] = stripped
+        return state
+
+
+def _draw_worker_seeds(sampler, n):
+    """One seed per worker from the sampler's RNG (advancing it), as UniEnv does; None if
+    the sampler has no RNG."""
+    use_data_rng = sampler.data_rng is not None
+    rng = sampler.data_rng if use_data_rng else sampler.rng
+    if rng is None:
+        return None
+    seeds = []
+    for _ in range(n):
+        rng, seed = next_seed_rng(rng, sampler.backend)
+        seeds.append(seed % (2 ** 31))
+    if use_data_rng:
+        sampler.data_rng = rng
+    else:
+        sampler.rng = rng
+    return seeds
+
+
+def _device_type(device):
+    if device is None:
+        return "cpu"
+    t = getattr(device, "type", None)
+    if isinstance(t, str):
+        return t
+    return str(device).split(":")[0]
+
+
+class MultiprocessingSampler(BatchSampler):
+    """Run ``sampler``'s ``sample*`` methods, and epochs over its ``get*_at`` methods, in
+    ``n_workers`` processes, keeping ``n_buffers`` batches in flight per method.
+
+    A drop-in for ``unienv_data.samplers.MultiprocessingSampler`` (same constructor, same
+    methods and properties), with batches moved through shared memory instead of pickles.
+
+    Args:
+        sampler: the ``BatchSampler`` to run in the workers (e.g. a ``StepSampler``).  Its
+            batches must be on the CPU; move them to the GPU in the training loop.
+        n_workers: worker processes.
+        n_buffers: batches requested ahead of the caller, per method.
+        ctx: multiprocessing context or start method name (``"fork"``, ``"spawn"``,
+            ``"forkserver"``); default: the current default context.  Under spawn and
+            forkserver the sampler (and its data) must be picklable.
+        doze_time: how often, in seconds, a waiting side checks that the other is alive.
+            Nothing sleeps for it on the hot path: waits are woken by the other side.
+        daemon: passed to ``Process``.
+        shared_memory: accepted for compatibility with UniEnv and ignored: batches always
+            travel through shared memory here.
+        in_order: ``True`` (default): batches come back in the order they were requested
+            and tasks are dealt to workers round-robin, so the same seed and ``n_workers``
+            give the same sequence of batches whatever the workers' timing.  ``False``:
+            each call returns the first batch ready.
+        copy: ``False`` (default): arrays of a batch are zero-copy views of a shared slot.
+            They are safe to keep: the slot is reused only after every array of the batch
+            is garbage collected (when many batches are held at once, later ones are copied
+            instead).  ``True``: every batch is copied out of its slot.
+        timeout: seconds to wait for one batch before raising ``TimeoutError`` (default:
+            wait as long as the workers are alive).
+        respawn: ``True`` (default): a worker that dies is replaced and its unfinished
+            batches are requested again, so the caller sees no gap; ``False``: raise
+            :class:`~unienv_mp.WorkerDiedError`.
+
+    A worker that raises does not end the sampler: the call that needed that batch raises
+    :class:`~unienv_mp.WorkerError` (with the worker's traceback) and later calls work.
+    After :meth:`close` every method raises ``RuntimeError``.  The sampler is not
+    thread-safe: use it from one thread.
+    """
+
+    def __init__(
+        self,
+        sampler: BatchSampler,
+        n_workers: int = 4,
+        n_buffers: int = 8,
+        ctx: Optional[Any] = None,
+        doze_time: float = 0.005,
+        daemon: Optional[bool] = None,
+        shared_memory: bool = False,
+        *,
+        in_order: bool = True,
+        copy: bool = False,
+        timeout: Optional[float] = None,
+        respawn: bool = True,
+    ):
+        self._closed = True   # first: __del__ -> close() must work on a half-built sampler
+        self._pool = None
+        if not isinstance(sampler, BatchSampler):
+            raise TypeError(f"sampler must be a unienv_data BatchSampler (e.g. StepSampler), "
+                            f"got {type(sampler).__module__}.{type(sampler).__qualname__}")
+        _check_int(n_workers, "n_workers")
+        _check_int(n_buffers, "n_buffers")
+        _check_seconds(doze_time, "doze_time", allow_none=False)
+        _check_seconds(timeout, "timeout")
+        if isinstance(ctx, str):
+            ctx = mp.get_context(ctx)
+        elif ctx is not None and not hasattr(ctx, "Process"):
+            raise TypeError(f"ctx must be a multiprocessing context or a start method name, "
+                            f"got {ctx!r}")
+        for what, dev in (("sampler.device", sampler.device),
+                          ("sampler.data.device", getattr(sampler.data, "device", None))):
+            if _device_type(dev) not in ("cpu",):
+                raise ValueError(
+                    f"MultiprocessingSampler returns CPU batches from worker processes, but "
+                    f"{what} is {dev!r}: wrap a sampler whose data and batches are on the "
+                    f"CPU and move batches to {dev!r} in the training loop")
+        super().__init__(sampler.single_space, sampler.single_metadata_space,
+                         sampler.batch_size)
+        self.sampler = sampler
+        self.n_workers = n_workers
+        self.n_buffers = n_buffers
+        self.mp_ctx = ctx
+        self.doze_time = doze_time
+        self.daemon = daemon
+        self.shared_memory = shared_memory
+        self.in_order = bool(in_order)
+        self.copy = bool(copy)
+        self.timeout = timeout
+        self.respawn = bool(respawn)
+        self._streams = {}
+        # Every other sample* / get*_at method of the wrapped sampler runs in the workers
+        # too (as UniEnv does): sample_x() directly, get_at_x as epoch_iter_x(), and
+        # get_flattened_at_x as epoch_flat_iter_x().
+        for name in dir(sampler):
+            if not name.startswith(("sample", "get_at", "get_flattened_at")):
+                continue
+            if not callable(getattr(sampler, name, None)):
+                continue
+            if name.startswith("sample"):
+                new, method = name, _StreamMethod(self, name)
+            elif name.startswith("get_at"):
+                new, method = "epoch_iter" + name[len("get_at"):], _EpochMethod(self, name)
+            else:
+                new = "epoch_flat_iter" + name[len("get_flattened_at"):]
+                method = _EpochMethod(self, name)
+            if not hasattr(type(self), new):
+                setattr(self, new, method)
+        self._closed = False
+
+    # -- the pool ---------------------------------------------------------------------------
+
+    def _ensure_pool(self) -> MultiProcessingSampleManager:
+        if self._closed:
+            raise RuntimeError("this MultiprocessingSampler is closed")
+        if self._pool is None:
+            target = _SamplerTarget(self.sampler)
+            self._pool = MultiProcessingSampleManager(
+                target, n_workers=self.n_workers, ctx=self.mp_ctx, doze_time=self.doze_time,
+                daemon=self.daemon, worker_init_fn=target.reseed,
+                worker_seeds=_draw_worker_seeds(self.sampler, self.n_workers),
+                in_order=self.in_order, copy=self.copy, timeout=self.timeout,
+                respawn=self.respawn)
+        return self._pool
+
+    def _sample(self, name):
+        pool = self._ensure_pool()
+        stream = self._streams.get(name)
+        if stream is None:
+            stream = self._streams[name] = collections.deque()
+        while len(stream) <= self.n_buffers:
+            stream.append(pool.submit((name, _NO_ARG)))
+        if self.in_order:
+            ticket = stream.popleft()
+        else:
+            ticket = pool._first_ready(True, None, stream)
+            stream.remove(ticket)
+        return pool.result(ticket)
+
+    def _epoch(self, getter):
+        pool = self._ensure_pool()
+        sampler = self.sampler
+        n = len(sampler.data)
+        if sampler.data_rng is not None:
+            sampler.data_rng, idx = sampler.backend.random.random_permutation(
+                n, rng=sampler.data_rng, device=sampler.data.device)
+        else:
+            sampler.rng, idx = sampler.backend.random.random_permutation(
+                n, rng=sampler.rng, device=sampler.data.device)
+        bs = sampler.batch_size
+        starts = list(range(0, n, bs))
+        pending = collections.deque()
+        nxt = 0
+        try:
+            while nxt < len(starts) or pending:
+                while nxt < len(starts) and len(pending) < self.n_buffers:
+                    s = starts[nxt]
+                    pending.append(pool.submit((getter, idx[s:s + bs])))
+                    nxt += 1
+                if self.in_order:
+                    ticket = pending.popleft()
+                else:
+                    ticket = pool._first_ready(True, None, pending)
+                    pending.remove(ticket)
+                yield pool.result(ticket)
+        finally:
+            # Also on an early break (generator closed) or an error: drop what is in flight.
+            if self._pool is pool and not pool.closed:
+                for t in pending:
+                    pool.cancel(t)
+
+    # -- sampling -------------------------------------------------------------------------
+
+    def sample(self):
+        """A batch from the wrapped sampler's ``sample()``, produced by a worker."""
+        return self._sample("sample")
+
+    def sample_flat(self):
+        """A batch from the wrapped sampler's ``sample_flat()``, produced by a worker."""
+        return self._sample("sample_flat")
+
+    def sample_with_metadata(self):
+        """``(batch, metadata)`` from the wrapped sampler, produced by a worker."""
+        return self._sample("sample_with_metadata")
+
+    def sample_flat_with_metadata(self):
+        """``(flat batch, metadata)`` from the wrapped sampler, produced by a worker."""
+        return self._sample("sample_flat_with_metadata")
+
+    def sample_index(self):
+        """Indices from the wrapped sampler's ``sample_index()``, drawn by a worker."""
+        return self._sample("sample_index")
+
+    def epoch_iter(self):
+        """One pass over a random permutation of the data (drawn here, with the wrapped
+        sampler's RNG), each batch gathered by a worker with ``get_at``; every index
+        exactly once, the last partial batch included."""
+        return self._epoch("get_at")
+
+    def epoch_iter_with_metadata(self):
+        """As :meth:`epoch_iter`, with ``get_at_with_metadata``."""
+        return self._epoch("get_at_with_metadata")
+
+    def epoch_flat_iter(self):
+        """As :meth:`epoch_iter`, with ``get_flattened_at``."""
+        return self._epoch("get_flattened_at")
+
+    def epoch_flat_iter_with_metadata(self):
+        """As :meth:`epoch_iter`, with ``get_flattened_at_with_metadata``."""
+        return self._epoch("get_flattened_at_with_metadata")
+
+    def __iter__(self):
+        return self.epoch_iter()
+
+    # -- what stays in this process -----------------------------------------------------------
+
+    def manual_seed(self, seed):
+        """Seed the wrapped sampler.  If the workers are running, batches already requested
+        are dropped and the workers are reseeded from it, so that what follows is the same
+        as from a fresh sampler seeded with ``seed``."""
+        self.sampler.manual_seed(seed)
+        pool = self._pool
+        if pool is None or self._closed:
+            return
+        for stream in self._streams.values():
+            for t in stream:
+                pool.cancel(t)
+        self._streams.clear()
+        seeds = _draw_worker_seeds(self.sampler, self.n_workers)
+        if seeds is not None:
+            for i, s in enumerate(seeds):
+                pool.cancel(pool.submit((_RESEED, s), worker=i))
+        pool._rr = 0
+
+    @property
+    def sampled_space(self):
+        return self.sampler.sampled_space
+
+    @property
+    def sampled_metadata_space(self):
+        return self.sampler.sampled_metadata_space
+
+    @property
+    def backend(self):
+        return self.sampler.backend
+
+    @property
+    def device(self):
+        return self.sampler.device
+
+    @property
+    def data(self):
+        return self.sampler.data
+
+    @property
+    def rng(self):
+        return self.sampler.rng
+
+    @rng.setter
+    def rng(self, rng):
+        self.sampler.rng = rng
+
+    @property
+    def data_rng(self):
+        return self.sampler.data_rng
+
+    @data_rng.setter
+    def data_rng(self, data_rng):
+        self.sampler.data_rng = data_rng
+
+    def get_at(self, idx):
+        return self.sampler.get_at(idx)
+
+    def get_at_with_metadata(self, idx):
+        return self.sampler.get_at_with_metadata(idx)
+
+    def get_flattened_at(self, idx):
+        return self.sampler.get_flattened_at(idx)
+
+    def get_flattened_at_with_metadata(self, idx):
+        return self.sampler.get_flattened_at_with_metadata(idx)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    @property
+    def closed(self):
+        return self._closed
+
+    def close(self):
+        """End the workers and release the shared memory; batches already returned stay
+        valid.  Idempotent."""
+        if getattr(self, "_closed", True) and getattr(self, "_pool", None) is None:
+            return
+        self._closed = True
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+        self._streams = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class _StreamMethod:
+    """An extra ``sample*`` method of the wrapped sampler, run in the workers.  Holds its
+    sampler weakly, so that dropping the sampler still ends its workers at once."""
+
+    def __init__(self, owner, name):
+        self._owner = weakref.ref(owner)
+        self.__name__ = name
+
+    def __call__(self):
+        return self._owner()._sample(self.__name__)
+
+
+class _EpochMethod(_StreamMethod):
+    """An extra ``get*_at`` method of the wrapped sampler, as an epoch iterator."""
+
+    def __call__(self):
+        return self._owner()._epoch(self.__name__)

@@ -1,0 +1,165 @@
+"""The worker process: take tasks from its ring, run the target, write results into its own
+slots, announce them on its result ring.  Started by :mod:`unienv_mp.manager`."""
+import ctypes
+import os
+import pickle
+import select
+import signal
+import sys
+import threading
+import traceback
+
+from . import _codec
+from . import _protocol as P
+from ._ring import Event, RingBuffer, Segment, _segment_from_peer
+from .errors import RingClosed
+
+_PAGE = 4096
+_MIN_SLOT = 64 * 1024
+_MAX_TRACEBACK = 20_000
+
+
+class _Stop(Exception):
+    """The worker was told to stop (done_event set)."""
+
+
+def limit_threads():
+    """Run torch ops single-threaded in a worker, as torch's DataLoader does: a forked
+    child inherits the parent's OpenMP pool state but not its threads, and the first
+    parallel op would wait forever for them.  The workers are the parallelism."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
+
+
+def _die_with_parent(parent_pid, use_pdeathsig):
+    """Make sure this process ends when the parent does, however the parent ends."""
+    if use_pdeathsig:
+        # The kernel sends SIGKILL when the thread that started us exits: immediate.
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    # A watchdog thread for every other case (forkserver, a parent that started us from a
+    # thread that has since ended): sleep on a pidfd of the parent, exit when it ends.
+    try:
+        pidfd = os.pidfd_open(parent_pid)
+    except ProcessLookupError:
+        os._exit(0)  # the parent is already gone
+    except (AttributeError, OSError):
+        pidfd = None
+    if pidfd is not None:
+        def watch():
+            select.select([pidfd], [], [])
+            os._exit(0)
+        threading.Thread(target=watch, name="unienv_mp parent watchdog", daemon=True).start()
+
+
+def error_payload(exc):
+    """What a worker sends for an exception: type, message, traceback, and the exception
+    itself when it can be pickled."""
+    try:
+        pickle.dumps(exc)
+        original = exc
+    except Exception:
+        original = None
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    if len(tb) > _MAX_TRACEBACK:
+        tb = "...\n" + tb[-_MAX_TRACEBACK:]
+    t = type(exc)
+    return {"type": f"{t.__module__}.{t.__qualname__}", "message": str(exc),
+            "traceback": tb, "exception": original}
+
+
+class _Slots:
+    """This worker's result slots: one growable segment per slot number."""
+
+    def __init__(self, index):
+        self.index = index
+        self.segs = {}   # slot -> [generation, Segment]
+
+    def get(self, slot, nbytes):
+        entry = self.segs.get(slot)
+        if entry is None or entry[1].size < nbytes:
+            size = max(_MIN_SLOT, (nbytes + nbytes // 8 + _PAGE - 1) // _PAGE * _PAGE)
+            gen = 1 if entry is None else entry[0] + 1
+            seg = Segment.create(size, f"slot{self.index}")
+            if entry is not None:
+                entry[1].close()   # the parent keeps its own mapping for as long as it needs
+            entry = [gen, seg]
+            self.segs[slot] = entry
+        return entry
+
+
+def worker_main(index, target_fn, seg, doorbell_seg, parent_pid, init_fn, seed, options):
+    """Entry point of a worker process (see MultiProcessingSampleManager)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    _die_with_parent(parent_pid, options.get("pdeathsig", False))
+    limit_threads()
+    poll = options.get("poll_interval", 0.005)
+    done_event = options.get("done_event")
+    magic, version, t_off, _, _, r_off, _, _ = P.HEADER.unpack_from(seg, 0)
+    if magic != P.MAGIC or version != P.VERSION:
+        os._exit(3)
+    tasks = RingBuffer._attach(seg, t_off, poll)
+    results = RingBuffer._attach(seg, r_off, poll)
+    doorbell = Event(doorbell_seg, 0)
+    inline_max = results.entry_size - 16
+
+    def check():
+        if done_event is not None and done_event.is_set():
+            raise _Stop
+
+    def send(status, slot, ticket, value):
+        try:
+            p = _codec.prepare(value)
+        except Exception as e:   # e.g. a CUDA tensor, an unpicklable leaf
+            status, p = P.ST_ERROR, _codec.prepare(error_payload(e))
+        if p.nbytes <= inline_max:
+            results.push_tagged(P.tag(status, P.AT_INLINE), slot, ticket,
+                                _codec.encode_prepared(p), check=check)
+        else:
+            gen, sseg = slots.get(slot, p.nbytes)
+            with memoryview(sseg) as mv:
+                _codec.write(p, mv)
+            desc = P.SLOT_DESC.pack(gen, sseg.fd, sseg.ino, sseg.size, p.nbytes)
+            results.push_tagged(P.tag(status, P.AT_SLOT), slot, ticket, desc, check=check)
+        doorbell.notify()
+
+    if init_fn is not None and seed is not None:
+        try:
+            init_fn(seed)
+        except Exception as e:
+            results.push_tagged(P.tag(P.ST_FATAL, P.AT_INLINE), 0, 0,
+                                _codec.encode(error_payload(e)))
+            doorbell.notify()
+            return
+    slots = _Slots(index)
+    try:
+        while True:
+            t, slot, ticket, payload = tasks.pop_tagged(check=check)
+            op, where = P.untag(t)
+            if op == P.OP_STOP:
+                break
+            try:
+                work = _read_work(where, payload, parent_pid)
+                value, status = target_fn(work), P.ST_OK
+            except Exception as e:
+                value, status = error_payload(e), P.ST_ERROR
+            send(status, slot, ticket, value)
+            del work, value
+    except (RingClosed, _Stop):
+        pass
+
+
+def _read_work(where, payload, parent_pid):
+    if where == P.AT_INLINE:
+        return _codec.decode(payload, copy=True)
+    pid, fd, ino, size, nbytes = P.SPILL_DESC.unpack(payload)
+    seg = _segment_from_peer(pid, fd, ino, size, "task spill")
+    try:
+        with memoryview(seg) as mv:
+            return _codec.decode(mv[:nbytes], copy=True)
+    finally:
+        seg.close()
