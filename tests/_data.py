@@ -128,22 +128,39 @@ class Unpicklable(StepSampler):
         self.hook = lambda: None  # lambdas cannot be pickled
 
 
-class SuicidalSampler(StepSampler):
-    """Kills its own worker with SIGKILL on the ``die_at``-th batch of each worker
-    incarnation whose pid is not in the ``survivors`` file."""
+class DyingSampler(StepSampler):
+    """Kills its own worker (SIGKILL, or a segfault) in the middle of a batch, until
+    ``deaths`` deaths are recorded in the ``marker`` file (shared by every worker)."""
 
-    def __init__(self, data, batch_size, seed=None, die_at=2, marker=None):
+    def __init__(self, data, batch_size, seed=None, marker=None, deaths=1, how="kill",
+                 every=3):
         super().__init__(data, batch_size, seed=seed)
-        self.die_at = die_at
         self.marker = marker
+        self.deaths = deaths
+        self.how = how
+        self.every = every
         self.count = 0
 
-    def get_at(self, idx):
+    def _maybe_die(self):
         self.count += 1
-        if self.count == self.die_at and self.marker is not None:
-            with open(self.marker, "a") as f:
-                f.write(f"{os.getpid()}\n")
-            os.kill(os.getpid(), 9)
+        if self.count % self.every:
+            return
+        try:
+            with open(self.marker) as f:
+                done = len(f.read().split())
+        except FileNotFoundError:
+            done = 0
+        if done >= self.deaths:
+            return
+        with open(self.marker, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        if self.how == "segfault":
+            import ctypes
+            ctypes.string_at(0)
+        os.kill(os.getpid(), 9)
+
+    def get_at(self, idx):
+        self._maybe_die()
         return super().get_at(idx)
 
 

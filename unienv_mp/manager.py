@@ -67,12 +67,14 @@ class _WorkerDied(Exception):
 
 
 class _Task:
-    __slots__ = ("ticket", "work", "worker", "slot", "spill", "cancelled", "result")
+    __slots__ = ("ticket", "work", "worker", "incarnation", "slot", "spill", "cancelled",
+                 "result")
 
     def __init__(self, ticket, work):
         self.ticket = ticket
         self.work = work
         self.worker = None
+        self.incarnation = None  # of the worker process the slot number belongs to
         self.slot = None
         self.spill = None       # parent segment carrying large work info
         self.cancelled = False
@@ -419,6 +421,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         if task.slot is None:
             task.slot = w.take_slot()
         task.worker = w.index
+        task.incarnation = w.incarnation
         w.inflight.append(task.ticket)
         while True:
             try:
@@ -431,6 +434,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 task.slot = None
                 self._replace(w)   # re-issues w's other work; then retry this one
                 task.slot = w.take_slot()
+                task.incarnation = w.incarnation
                 w.inflight.append(task.ticket)
 
     def add_work(self, work_info: TaskInfoT) -> None:
@@ -481,7 +485,13 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
     def _discard(self, task):
         self._tasks.pop(task.ticket, None)
         if task.result is not None:
-            w = self._pool.workers[task.worker]
+            self._free_slot(task)
+
+    def _free_slot(self, task):
+        """The slot of ``task`` can take new work, unless its worker process was replaced
+        since (slot numbers belong to one worker process)."""
+        w = self._pool.workers[task.worker]
+        if w.incarnation == task.incarnation:
             w.free_slots.append(task.slot)
 
     def _reclaim(self):
@@ -514,22 +524,23 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         """Turn an arrived result into the value returned to the caller."""
         self._tasks.pop(task.ticket, None)
         status, where, slot, payload, seg = task.result
-        w = self._pool.workers[task.worker]
         if where == P.AT_INLINE:
-            w.free_slots.append(slot)
+            self._free_slot(task)
             value = _codec.decode(payload, copy=True)
         elif self.copy or self._leases >= self.max_leases or status != P.ST_OK:
-            with memoryview(seg) as mv:
-                value = _codec.decode(mv[:payload], copy=True)
-            w.free_slots.append(slot)
+            try:
+                with memoryview(seg) as mv:
+                    value = _codec.decode(mv[:payload], copy=True)
+            finally:
+                self._free_slot(task)
         else:
             self._leases += 1
             lease = _codec.SlotLease(seg, 0, payload, self._released.append,
-                                     (w.index, w.incarnation, slot))
+                                     (task.worker, task.incarnation, slot))
             value = _codec.decode(lease)
             del lease
         if status == P.ST_ERROR:
-            raise self._worker_error(value, w.index)
+            raise self._worker_error(value, task.worker)
         return value
 
     @staticmethod
