@@ -41,6 +41,8 @@ TASK_INLINE = 8192
 #: Largest encoded result carried inside a result entry (larger: a slot).
 RESULT_INLINE = 4096
 
+_SIMPLE = (str, int, bool, type(None))
+
 
 def _check_int(value, what, minimum=1):
     if isinstance(value, bool) or not isinstance(value, int):
@@ -96,12 +98,30 @@ class _Worker:
         self.next_slot = 0
         self.inflight = collections.deque()  # tickets, in the order given to the worker
         self.failed_starts = 0               # deaths since the last result
+        self.check = None                    # liveness check used while waiting on it
 
     def take_slot(self):
         if self.free_slots:
             return self.free_slots.pop()
         self.next_slot += 1
         return self.next_slot - 1
+
+
+class _LivenessCheck:
+    """Called while waiting on worker ``w``'s rings: raises if it died (or the manager was
+    closed).  Holds the pool, not the manager, so a worker never keeps the manager alive."""
+    __slots__ = ("pool", "w")
+
+    def __init__(self, pool, w):
+        self.pool = pool
+        self.w = w
+
+    def __call__(self):
+        proc = self.w.proc
+        if proc is not None and not proc.is_alive():
+            raise _WorkerDied(self.w)
+        if self.pool.closed:
+            raise RuntimeError("manager was closed while waiting")
 
 
 class _Pool:
@@ -193,6 +213,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
       way at once; beyond that they are copied).  ``True``: results are always copied.
     * ``timeout``: seconds to wait for one result before raising :class:`TimeoutError`
       (default: wait as long as the workers are alive).
+    * ``spin``: seconds a waiting side polls before it sleeps (a sleep and wake-up costs
+      a syscall on both sides, and on virtual machines an inter-processor interrupt).
     * ``respawn=True``: a worker that dies is replaced (with a fresh seed) and its
       unfinished work re-issued; after ``max_respawns`` deaths of one worker without a
       result in between, :class:`~unienv_mp.WorkerDiedError` is raised.  ``False``: raise
@@ -218,6 +240,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         respawn: bool = True,
         max_respawns: int = 3,
         max_leases: Optional[int] = None,
+        spin: float = 20e-6,
     ):
         # First, so that close() (also run at garbage collection) works on a half-built one.
         self._pool = _Pool()
@@ -246,6 +269,9 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         self.timeout = _check_seconds(timeout, "timeout")
         self.respawn = bool(respawn)
         self.max_respawns = max_respawns
+        if isinstance(spin, bool) or not isinstance(spin, (int, float)) or not 0 <= spin < 1:
+            raise ValueError(f"spin must be a number of seconds in [0, 1), got {spin!r}")
+        self.spin = float(spin)
         self.max_leases = 2 * n_workers + 8 if max_leases is None else _check_int(
             max_leases, "max_leases", 0)
         self._ctx = ctx
@@ -260,6 +286,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         self._order = collections.deque()        # tickets of add_work, for fetch()
         self._released = collections.deque()     # lease tokens given back by the GC
         self._leases = 0
+        self._work_cache = {}
         self._pool.done_event = done_event
         self._pool.doorbell_seg = Segment.create(64, "doorbell")
         self._doorbell = Event(self._pool.doorbell_seg, 0, True)
@@ -296,6 +323,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
 
     def _start(self, w, seed):
         w.incarnation += 1
+        w.check = _LivenessCheck(self._pool, w)
         task_entry = 16 + TASK_INLINE
         result_entry = 16 + RESULT_INLINE
         t_bytes = RingBuffer.footprint(TASK_CAPACITY, task_entry)
@@ -307,13 +335,15 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             P.HEADER.pack_into(mv, 0, P.MAGIC, P.VERSION, t_off, TASK_CAPACITY, task_entry,
                                r_off, r_cap, result_entry)
         w.seg = seg
-        w.tasks = RingBuffer._create_in(seg, t_off, TASK_CAPACITY, task_entry, self.doze_time)
-        w.results = RingBuffer._create_in(seg, r_off, r_cap, result_entry, self.doze_time)
+        w.tasks = RingBuffer._create_in(seg, t_off, TASK_CAPACITY, task_entry, self.doze_time,
+                                        self.spin)
+        w.results = RingBuffer._create_in(seg, r_off, r_cap, result_entry, self.doze_time,
+                                          self.spin)
         w.slot_maps = {}
         w.free_slots = []
         w.next_slot = 0
         options = {"poll_interval": self.doze_time, "done_event": self.done_event,
-                   "pdeathsig": self._pdeathsig}
+                   "pdeathsig": self._pdeathsig, "spin": self.spin}
         proc = self._ctx.Process(
             target=worker_main,
             args=(w.index, self.target_fn, seg, self._pool.doorbell_seg, os.getpid(),
@@ -328,12 +358,6 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 f"method: the work function (and everything it refers to, e.g. the wrapped "
                 f"sampler) must be picklable, but pickling failed with "
                 f"{type(e).__name__}: {e}") from e
-
-    def _check_alive(self, w):
-        if w.proc is not None and not w.proc.is_alive():
-            raise _WorkerDied(w)
-        if self._pool.closed:
-            raise RuntimeError("manager was closed while waiting")
 
     def _replace(self, w):
         """``w`` died: accept what it published, then respawn it and re-issue its work."""
@@ -403,8 +427,31 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             raise
         return task.ticket
 
+    def _encode_small(self, work):
+        """Encoded work info for the small immutable items a sampler sends again and again
+        (e.g. ``("sample", None)``), from a cache; None for anything else."""
+        try:
+            payload = self._work_cache.get(work)
+        except TypeError:   # unhashable: not a small immutable item
+            return None
+        if payload is not None:
+            return payload
+        t = type(work)
+        if t is tuple:
+            if not all(type(x) in _SIMPLE for x in work):
+                return None
+        elif t not in _SIMPLE:
+            return None
+        if len(self._work_cache) > 1024:
+            self._work_cache.clear()
+        payload = self._work_cache[work] = bytes(_codec.encode(work))
+        return payload
+
     def _dispatch(self, task, w):
-        if task.spill is None:
+        payload = self._encode_small(task.work) if task.spill is None else None
+        if payload is not None:
+            where = P.AT_INLINE
+        elif task.spill is None:
             p = _codec.prepare(task.work)
             if p.nbytes <= TASK_INLINE:
                 where, payload = P.AT_INLINE, _codec.encode_prepared(p)
@@ -426,7 +473,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         while True:
             try:
                 w.tasks.push_tagged(P.tag(P.OP_RUN, where), task.slot, task.ticket, payload,
-                                    check=lambda: self._check_alive(w))
+                                    check=w.check)
                 return
             except _WorkerDied:
                 w.inflight.remove(task.ticket)
@@ -513,7 +560,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             w = self._pool.workers[task.worker]
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                entry = w.results.pop_tagged(True, left, check=lambda: self._check_alive(w))
+                entry = w.results.pop_tagged(True, left, check=w.check)
                 self._accept(w, entry)
             except _queue.Empty:
                 raise TimeoutError(f"no result from worker {w.index} within {timeout} s")

@@ -52,7 +52,7 @@ _SPILL_DATA = 64                      # spill segment: u32 ack flag, then data a
 
 #: Default number of entries when ``maxsize`` is 0 (beyond it, puts are buffered locally
 #: and sent by a feeder thread, as multiprocessing.Queue does).
-DEFAULT_CAPACITY = 1024
+DEFAULT_CAPACITY = 8192
 
 
 def _align(n, a):
