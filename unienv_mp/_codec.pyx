@@ -244,8 +244,14 @@ cdef class _Walker:
                 f"(shape {tuple(t.shape)}, {t.dtype}); move results to the CPU in the "
                 f"worker, or to the device after they arrive")
         code = _TORCH_CODE.get(t.dtype)
-        if code is None or t.layout != torch.strided or t.is_quantized or t.dim() > MAX_NDIM:
-            return self.obj(t)
+        if t.layout != torch.strided or t.is_quantized or t.dim() > MAX_NDIM:
+            return self.obj(t)   # sparse, quantized, ...: torch's own pickling
+        if code is None:
+            # float8, complex32, sub-byte integers: torch cannot reliably pickle these
+            # either, so say so now rather than fail to decode later
+            raise CodecError(
+                f"torch dtype {t.dtype} is not supported in batches; supported: "
+                + ", ".join(sorted({str(d) for d in _TORCH_CODE})))
         if t.requires_grad:
             t = t.detach()
         if t.is_conj():
@@ -310,6 +316,16 @@ cdef int _write_array(char *base, Py_ssize_t buflen, object dest_owner, source, 
                       uint64_t off, uint64_t nbytes) except -1:
     cdef cnp.ndarray a
     cdef uintptr_t ptr
+    # The source may have been resized since prepare() (ndarray.resize(refcheck=False),
+    # Tensor.set_/resize_): copying the recorded nbytes from it would read out of bounds
+    # (a segfault for a tensor set_ to an empty storage).
+    if kind == KIND_NUMPY:
+        current = cnp.PyArray_NBYTES(<cnp.ndarray>source)
+    else:
+        current = source.numel() * source.element_size()
+    if <uint64_t>current != nbytes:
+        raise CodecError(f"an array leaf changed size between prepare() ({nbytes} bytes) "
+                         f"and write() ({current} bytes)")
     if nbytes == 0:
         return 0
     if kind == KIND_NUMPY:
@@ -340,6 +356,10 @@ def write(Prepared p, buffer):
     """Write a prepared encoding at the start of the writable ``buffer`` (at least
     ``p.nbytes`` bytes long: a slot, a ``bytearray``, a ``memoryview``...)."""
     cdef Py_buffer view
+    if p.meta is None or p.arrays is None:
+        # a Prepared() made directly rather than by prepare(): len(p.meta) below used to
+        # raise TypeError outside the try, leaking the export of buffer
+        raise CodecError("not a prepared encoding: use prepare()")
     PyObject_GetBuffer(buffer, &view, PyBUF_WRITABLE)
     cdef char *base = <char *>view.buf
     cdef uint64_t meta_len = len(p.meta)
@@ -415,9 +435,11 @@ cdef class SlotLease:
             PyObject_GetBuffer(source, &self._src, PyBUF_SIMPLE)
         self._held = True
         cdef Py_ssize_t n = self._src.len - offset if length is None else length
-        if offset < 0 or n < 0 or offset + n > self._src.len:
-            raise ValueError(f"lease [{offset}, {offset + n}) is outside a buffer of "
-                             f"{self._src.len} bytes")
+        # Compare n with len - offset, not offset + n with len: offset + n can overflow
+        # Py_ssize_t (offset=1, length=sys.maxsize) and pass, leasing memory past the end.
+        if offset < 0 or n < 0 or offset > self._src.len or n > self._src.len - offset:
+            raise ValueError(f"lease [{offset}, {<object>offset + <object>n}) is outside a "
+                             f"buffer of {self._src.len} bytes")
         self.ptr = <char *>self._src.buf + offset
         self.length = n
         self.readonly = self._src.readonly
@@ -450,12 +472,17 @@ cdef class SlotLease:
     def __dealloc__(self):
         # The callback first, while the memory is still held: it may need the mapping.
         cb = self.on_release
-        if cb is not None:
-            self.on_release = None
-            cb(self.token)
-        if self._held:
-            PyBuffer_Release(&self._src)
-            self._held = False
+        try:
+            if cb is not None:
+                self.on_release = None
+                cb(self.token)
+        finally:
+            # In a finally: an exception from on_release (reported as unraisable) used to
+            # skip this, leaking the export of source for good (a bytearray stayed locked,
+            # a Segment stayed mapped).
+            if self._held:
+                PyBuffer_Release(&self._src)
+                self._held = False
 
 
 # ---------------------------------------------------------------------------------------
@@ -538,7 +565,7 @@ cdef object _parse_node(_Reader r, _Plan plan, uint64_t total_len, int depth,
     cdef uint8_t tag
     cdef uint32_t n, i
     cdef uint8_t kind, code, ndim
-    cdef uint64_t d, count, off, nbytes, itemsize
+    cdef uint64_t d, count, off, nbytes, itemsize, nonzero
     if depth > MAX_DEPTH:
         raise CodecError(f"corrupt slot: tree nested more than {MAX_DEPTH} levels")
     tag = r.u8()
@@ -587,14 +614,21 @@ cdef object _parse_node(_Reader r, _Plan plan, uint64_t total_len, int depth,
         descr = _NP_DESCRS[code]
         itemsize = (<cnp.dtype>descr).itemsize
         count = 1
+        nonzero = itemsize
         shape = []
         for i in range(ndim):
             d = r.u64()
-            # every dimension, and the running element count, must fit in the slot
-            if d > total_len or (d != 0 and count > total_len // d):
-                raise CodecError(f"corrupt slot: shape dimension {d} cannot fit in a slot "
-                                 f"of {total_len} bytes")
-            count *= d
+            # The product of the non-zero dimensions, times the item size, must fit in an
+            # npy_intp (numpy and torch compute it even for empty arrays); the bytes the array
+            # does use are checked against the slot below.  (This used to require every
+            # dimension to fit in the slot, which rejected valid empty arrays such as shape
+            # (0, 1000) in a 128-byte slot.)
+            if d != 0:
+                if d > <uint64_t>0x7FFFFFFFFFFFFFFF // nonzero:
+                    raise CodecError(f"corrupt slot: array shape overflows at dimension "
+                                     f"{i} ({d})")
+                nonzero *= d
+            count *= d   # <= nonzero // itemsize, or 0: cannot overflow
             shape.append(d)
         off = r.u64()
         nbytes = r.u64()
