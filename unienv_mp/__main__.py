@@ -144,16 +144,17 @@ class _NoBar:
 
 def render_table(results, cfg):
     ups = compare.speedups(results)
-    head = ["implementation", "ms/batch", "batches/s", "MB/s", "unienv_mp is"]
+    head = ["implementation", "ms/batch", "batches/s", "MB/s", "main CPU ms/batch",
+            "unienv_mp is"]
     rows = []
     for r in results:
         if r.error:
-            rows.append([r.label, "-", "-", "-", "failed: " + r.error[:60]])
+            rows.append([r.label, "-", "-", "-", "-", "failed: " + r.error[:60]])
             continue
         up = "-" if r.name == "unienv_mp" else (
             f"{ups[r.name]:.1f}x faster" if r.name in ups else "n/a")
         rows.append([r.label, f"{r.ms_per_batch:.3f}", f"{r.batches_per_s:,.0f}",
-                     f"{r.mb_per_s:,.0f}", up])
+                     f"{r.mb_per_s:,.0f}", f"{r.main_cpu_ms_per_batch:.3f}", up])
     widths = [max(len(str(x[i])) for x in rows + [head]) for i in range(len(head))]
     line = "  ".join("-" * w for w in widths)
     fmt = lambda cells: "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
@@ -162,7 +163,10 @@ def render_table(results, cfg):
     title = (f"{cfg.transitions} transitions, batches of {cfg.batch_size} "
              f"(state 10 f32, action 7 f32, image {img}), {cfg.workers} workers, "
              f"{cfg.buffers} buffers, {cfg.start_method}; each batch touched once per 4 KiB")
-    return "\n".join([title, fmt(head), line] + [fmt(r) for r in rows])
+    notes = ("ms/batch: wall-clock time per batch in a loop that only reads batches.  "
+             "main CPU: CPU time of this process (all its threads) per batch, i.e. what the "
+             "training loop gives up to sampling; workers' CPU is not counted.")
+    return "\n".join([title, fmt(head), line] + [fmt(r) for r in rows] + ["", notes])
 
 
 def plot(results, path):

@@ -46,6 +46,7 @@ class Result:
     batches: int = 0
     seconds: float = 0.0
     batch_bytes: int = 0
+    main_cpu_s: float = 0.0       # CPU time of this (the training) process while measuring
     startup_s: float = 0.0
     error: Optional[str] = None
     extra: Dict[str, float] = field(default_factory=dict)
@@ -62,11 +63,18 @@ class Result:
     def mb_per_s(self):
         return self.batch_bytes * self.batches_per_s / 1e6
 
+    @property
+    def main_cpu_ms_per_batch(self):
+        """CPU time the main process spent per batch, all its threads together: what the
+        training loop pays, as opposed to the workers."""
+        return 1e3 * self.main_cpu_s / self.batches if self.batches else float("nan")
+
     def as_dict(self):
         return {"name": self.name, "label": self.label, "batches": self.batches,
                 "seconds": self.seconds, "ms_per_batch": self.ms_per_batch,
                 "batches_per_s": self.batches_per_s, "mb_per_s": self.mb_per_s,
                 "batch_bytes": self.batch_bytes, "startup_s": self.startup_s,
+                "main_cpu_ms_per_batch": self.main_cpu_ms_per_batch,
                 "error": self.error}
 
 
@@ -219,6 +227,7 @@ def measure(name: str, rb, cfg: Config, progress: Callable[[float], None] = lamb
             del b
         res.startup_s = time.perf_counter() - t0
         n = 0
+        cpu0 = _process_cpu()
         start = time.perf_counter()
         elapsed = 0.0
         while n < cfg.max_batches and (elapsed < cfg.seconds or n < cfg.min_batches):
@@ -229,6 +238,7 @@ def measure(name: str, rb, cfg: Config, progress: Callable[[float], None] = lamb
             elapsed = time.perf_counter() - start
             progress(min(1.0, elapsed / cfg.seconds))
         res.batches, res.seconds = n, elapsed
+        res.main_cpu_s = _process_cpu() - cpu0
     except Exception as e:
         res.error = f"{type(e).__name__}: {e}"
     finally:
@@ -237,6 +247,12 @@ def measure(name: str, rb, cfg: Config, progress: Callable[[float], None] = lamb
         except Exception:
             pass
     return res
+
+
+def _process_cpu():
+    import resource
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def speedups(results: List[Result], reference: str = "unienv_mp"):
