@@ -156,6 +156,8 @@ class DyingSampler(StepSampler):
             f.write(f"{os.getpid()}\n")
         if self.how == "segfault":
             import ctypes
+            import faulthandler
+            faulthandler.disable()   # (pytest's handler would print a dump: noise)
             ctypes.string_at(0)
         os.kill(os.getpid(), 9)
 

@@ -128,8 +128,9 @@ class _Progress:
         if self.tqdm is None:
             print(desc + " ...", file=sys.stderr, flush=True)
             return _NoBar()
+        # disable=None: no bar when stderr is not a terminal (logs, CI)
         return self.tqdm(total=total, desc=desc, unit=unit, leave=False, file=sys.stderr,
-                         bar_format="{desc:<44} {bar} {percentage:3.0f}%")
+                         disable=None, bar_format="{desc:<44} {bar} {percentage:3.0f}%")
 
 
 class _NoBar:
