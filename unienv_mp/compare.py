@@ -127,9 +127,8 @@ def build_buffer(cfg: Config, progress: Callable[[int], None] = lambda n: None):
     return rb
 
 
-def touch(batch):
-    """Read one byte per 4 KiB page of every array in ``batch``; returns a checksum."""
-    total = 0
+def _arrays(batch):
+    """The numpy arrays (torch tensors as numpy views) of a nested batch."""
     stack = [batch]
     while stack:
         x = stack.pop()
@@ -138,24 +137,17 @@ def touch(batch):
         elif isinstance(x, (list, tuple)):
             stack.extend(x)
         elif x is not None:
-            a = x.numpy() if hasattr(x, "numpy") and not isinstance(x, np.ndarray) else x
-            flat = a.reshape(-1).view(np.uint8)
-            total += int(flat[::4096].sum())
-    return total
+            yield x if isinstance(x, np.ndarray) else x.numpy()
+
+
+def touch(batch):
+    """Read one byte per 4 KiB page of every array in ``batch``; returns a checksum."""
+    return sum(int(a.reshape(-1).view(np.uint8)[::4096].sum()) for a in _arrays(batch))
 
 
 def batch_nbytes(batch):
-    n = 0
-    stack = [batch]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-        elif x is not None:
-            n += x.numel() * x.element_size() if hasattr(x, "numel") else x.nbytes
-    return n
+    """Bytes of array data in ``batch``."""
+    return sum(a.nbytes for a in _arrays(batch))
 
 
 class _SampleDataset:

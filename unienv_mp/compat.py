@@ -5,7 +5,7 @@ import queue as _queue
 
 from .errors import RingClosed, WorkerError
 from .manager import MultiProcessingSampleManager
-from .sampler import _NO_ARG, _SamplerTarget, _draw_worker_seeds
+from .sampler import _NO_ARG, _SamplerTarget, _draw_worker_seeds, _epoch_batches
 from .worker import error_payload, limit_threads
 
 __all__ = ["worker_loop", "wrap_sample_function", "wrap_epoch_iter_function"]
@@ -104,22 +104,11 @@ def wrap_epoch_iter_function(sampler, n_workers, n_buffers, getter_fn, ctx=None,
             doze_time=doze_time, daemon=daemon)
         wrapped.sample_manager = manager
         try:
-            n = len(sampler.data)
-            if sampler.data_rng is not None:
-                sampler.data_rng, idx = sampler.backend.random.random_permutation(
-                    n, rng=sampler.data_rng, device=sampler.data.device)
-            else:
-                sampler.rng, idx = sampler.backend.random.random_permutation(
-                    n, rng=sampler.rng, device=sampler.data.device)
-            bs = sampler.batch_size
-            starts = list(range(0, n, bs))
+            batches = _epoch_batches(sampler)
             added = 0
-            for _ in range(min(n_buffers, len(starts))):
-                manager.add_work((name, idx[starts[added]:starts[added] + bs]))
-                added += 1
-            for _ in range(len(starts)):
-                if added < len(starts):
-                    manager.add_work((name, idx[starts[added]:starts[added] + bs]))
+            for _ in range(len(batches)):
+                while added < len(batches) and manager.remaining_work <= n_buffers:
+                    manager.add_work((name, batches[added]))
                     added += 1
                 yield manager.fetch()
         finally:

@@ -87,6 +87,21 @@ def _draw_worker_seeds(sampler, n):
     return seeds
 
 
+def _epoch_batches(sampler):
+    """Draw one random permutation of ``sampler.data`` with the sampler's RNG (advancing
+    it, as ``BatchSampler.epoch_iter`` does) and split it into batches of
+    ``sampler.batch_size``, the last one partial."""
+    n = len(sampler.data)
+    if sampler.data_rng is not None:
+        sampler.data_rng, idx = sampler.backend.random.random_permutation(
+            n, rng=sampler.data_rng, device=sampler.data.device)
+    else:
+        sampler.rng, idx = sampler.backend.random.random_permutation(
+            n, rng=sampler.rng, device=sampler.data.device)
+    bs = sampler.batch_size
+    return [idx[s:s + bs] for s in range(0, n, bs)]
+
+
 def _device_type(device):
     if device is None:
         return "cpu"
@@ -236,23 +251,13 @@ class MultiprocessingSampler(BatchSampler):
 
     def _epoch(self, getter):
         pool = self._ensure_pool()
-        sampler = self.sampler
-        n = len(sampler.data)
-        if sampler.data_rng is not None:
-            sampler.data_rng, idx = sampler.backend.random.random_permutation(
-                n, rng=sampler.data_rng, device=sampler.data.device)
-        else:
-            sampler.rng, idx = sampler.backend.random.random_permutation(
-                n, rng=sampler.rng, device=sampler.data.device)
-        bs = sampler.batch_size
-        starts = list(range(0, n, bs))
+        batches = _epoch_batches(self.sampler)
         pending = collections.deque()
         nxt = 0
         try:
-            while nxt < len(starts) or pending:
-                while nxt < len(starts) and len(pending) < self.n_buffers:
-                    s = starts[nxt]
-                    pending.append(pool.submit((getter, idx[s:s + bs])))
+            while nxt < len(batches) or pending:
+                while nxt < len(batches) and len(pending) < self.n_buffers:
+                    pending.append(pool.submit((getter, batches[nxt])))
                     nxt += 1
                 if self.in_order:
                     ticket = pending.popleft()
