@@ -147,7 +147,7 @@ def test_parent_sigkilled_workers_exit_and_nothing_is_left(method):
     assert len(pids) == 2 and all(_alive(pid) for pid in pids)
     os.kill(p.pid, signal.SIGKILL)
     p.wait(30)
-    assert wait_until(lambda: not any(_alive(pid) for pid in pids), timeout=2.5)
+    assert wait_until(lambda: not any(_alive(pid) for pid in pids), timeout=2.0)
     assert not shm_files()
     p.stdout.close()
     p.stderr.close()

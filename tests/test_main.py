@@ -72,3 +72,10 @@ def test_bad_options_are_refused(bad):
     p = subprocess.run([sys.executable, "-m", "unienv_mp"] + bad, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 2 and "error" in p.stderr
+
+
+def test_plot_writes_a_png(tmp_path, capsys):
+    path = tmp_path / "bars.png"
+    assert main_mod.main(SMALL + ["--impl", "unienv_mp,in_process", "--plot", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "plot saved" in capsys.readouterr().err

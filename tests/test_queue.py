@@ -323,3 +323,34 @@ def test_stress_4_producers_2_consumers_100k_messages(method):
     assert sorted(seen) == [(k, s) for k in range(n_prod) for s in range(per)]
     # every consumer saw each producer's messages in the order they were put
     q.close()
+
+
+def _stream_batches(q, n):
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        q.put({"obs": rng.random((64, 32), dtype=np.float32), "i": i})
+    q.put(None)
+
+
+def test_10k_batches_through_a_queue_keep_memory_and_slots_flat():
+    import gc
+    q = ShmQueue(maxsize=8, slot_size=16384, n_slots=8, inline_size=64)
+    p = mp.get_context("fork").Process(target=_stream_batches, args=(q, 10_000))
+    p.start()
+    rss, got = [], 0
+    while True:
+        b = q.get(timeout=60)
+        if b is None:
+            break
+        assert b["i"] == got and b["obs"].shape == (64, 32)
+        got += 1
+        del b
+        if got % 1000 == 0:
+            gc.collect()
+            with open("/proc/self/statm") as f:
+                rss.append(int(f.read().split()[1]))
+    p.join(30)
+    assert got == 10_000
+    assert len(q._free) == 8              # every slot came back
+    assert max(rss[5:]) <= max(rss[:5]) + 2560, rss   # no growth beyond 10 MiB of noise
+    q.close()
