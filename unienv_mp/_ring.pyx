@@ -498,9 +498,11 @@ cdef class RingBuffer:
         return umr_ring_count(&self.r)
 
     def empty(self):
+        """True if the ring holds no entry (a snapshot: others may push meanwhile)."""
         return len(self) == 0
 
     def full(self):
+        """True if every cell is taken (a snapshot: others may pop meanwhile)."""
         return len(self) >= self.r.capacity
 
     cdef int _ensure_open(self) except -1:

@@ -319,6 +319,7 @@ class ShmQueue:
 
     @property
     def maxsize(self):
+        """The ``maxsize`` the queue was made with (0: unbounded)."""
         return self._maxsize
 
     def close(self):

@@ -336,26 +336,33 @@ class MultiprocessingSampler(BatchSampler):
 
     @property
     def sampled_space(self):
+        """The wrapped sampler's batch space."""
         return self.sampler.sampled_space
 
     @property
     def sampled_metadata_space(self):
+        """The wrapped sampler's batch metadata space (or None)."""
         return self.sampler.sampled_metadata_space
 
     @property
     def backend(self):
+        """The wrapped sampler's compute backend."""
         return self.sampler.backend
 
     @property
     def device(self):
+        """The wrapped sampler's device (always the CPU here)."""
         return self.sampler.device
 
     @property
     def data(self):
+        """The wrapped sampler's data (e.g. the ReplayBuffer)."""
         return self.sampler.data
 
     @property
     def rng(self):
+        """The wrapped sampler's RNG in this process (workers have their own, seeded from
+        it when they start)."""
         return self.sampler.rng
 
     @rng.setter
@@ -364,6 +371,8 @@ class MultiprocessingSampler(BatchSampler):
 
     @property
     def data_rng(self):
+        """The wrapped sampler's data RNG in this process (epoch permutations are drawn
+        from it; workers are seeded from it when they start)."""
         return self.sampler.data_rng
 
     @data_rng.setter
@@ -371,21 +380,26 @@ class MultiprocessingSampler(BatchSampler):
         self.sampler.data_rng = data_rng
 
     def get_at(self, idx):
+        """``get_at`` of the wrapped sampler, in this process."""
         return self.sampler.get_at(idx)
 
     def get_at_with_metadata(self, idx):
+        """``get_at_with_metadata`` of the wrapped sampler, in this process."""
         return self.sampler.get_at_with_metadata(idx)
 
     def get_flattened_at(self, idx):
+        """``get_flattened_at`` of the wrapped sampler, in this process."""
         return self.sampler.get_flattened_at(idx)
 
     def get_flattened_at_with_metadata(self, idx):
+        """``get_flattened_at_with_metadata`` of the wrapped sampler, in this process."""
         return self.sampler.get_flattened_at_with_metadata(idx)
 
     # -- lifecycle ------------------------------------------------------------------------
 
     @property
     def closed(self):
+        """True once :meth:`close` was called."""
         return self._closed
 
     def close(self):
