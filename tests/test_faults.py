@@ -199,3 +199,120 @@ def test_slots_of_a_replaced_worker_never_return_to_its_successor():
         in_use += [mgr._tasks[t].slot for t in more]
         assert len(set(in_use)) == 6
         assert [int(mgr.result(t)[0]) for t in busy + more] == [0, 1, 2, 10, 11, 12]
+
+
+# -- found in review ---------------------------------------------------------------------------
+
+def _type_name(x):
+    return type(x).__name__ if not isinstance(x, tuple) else [type(v).__name__ for v in x]
+
+
+def test_more_work_than_the_rings_hold_does_not_deadlock():
+    # 200 tasks on one worker before anything is collected: the parent must collect
+    # results to make room instead of waiting for a worker that waits for it.
+    with MultiProcessingSampleManager(_identity, n_workers=1, ctx="fork", timeout=60) as mgr:
+        for i in range(200):
+            mgr.add_work(i)
+        assert [mgr.fetch() for _ in range(200)] == list(range(200))
+    rb = replay_buffer(30)
+    with MultiprocessingSampler(StepSampler(rb, 3, seed=0), n_workers=1, n_buffers=150,
+                                ctx="fork", timeout=60) as m:
+        assert len(m.sample()["state"]) == 3
+
+
+def test_small_work_items_keep_their_type():
+    with MultiProcessingSampleManager(_type_name, n_workers=1, ctx="fork") as mgr:
+        got = [mgr.result(mgr.submit(x)) for x in (1, True, 1.0, ("a", 0), ("a", False))]
+    assert got == ["int", "bool", "float", ["str", "int"], ["str", "bool"]]
+
+
+class _TwoArgError(Exception):
+    def __init__(self, a, b):
+        super().__init__(f"{a}/{b}")
+
+
+def _raise_two_arg(x):
+    raise _TwoArgError(x, "b")
+
+
+def test_an_exception_that_does_not_unpickle_still_reaches_the_caller():
+    from unienv_mp import WorkerError
+    with MultiProcessingSampleManager(_raise_two_arg, n_workers=1, ctx="fork") as mgr:
+        with pytest.raises(WorkerError, match="_TwoArgError: 7/b") as info:
+            mgr.result(mgr.submit(7))
+    assert info.value.original is None and "raise _TwoArgError" in info.value.worker_traceback
+
+
+def _init_with_a_long_error(seed):
+    raise ValueError("x" * 20_000)
+
+
+def test_a_long_error_at_worker_start_is_reported_not_lost():
+    from unienv_mp import WorkerError
+    with MultiProcessingSampleManager(_identity, n_workers=1, ctx="fork",
+                                      worker_init_fn=_init_with_a_long_error,
+                                      worker_seeds=[1]) as mgr:
+        with pytest.raises(WorkerError, match="could not start: xxx") as info:
+            mgr.result(mgr.submit(1))
+    assert info.value.exc_type == "builtins.ValueError"
+
+
+def test_a_forked_child_cannot_use_its_parents_manager():
+    import multiprocessing as mp
+    with MultiProcessingSampleManager(_identity, n_workers=1, ctx="fork") as mgr:
+        assert mgr.result(mgr.submit(1)) == 1
+        ctx = mp.get_context("fork")
+        out = ctx.Queue()
+        p = ctx.Process(target=_use_in_child, args=(mgr, out))
+        p.start()
+        assert "cannot be used in process" in out.get(timeout=30)
+        p.join(30)
+        assert mgr.result(mgr.submit(2)) == 2   # the parent's results were not taken
+
+
+def _use_in_child(mgr, out):
+    try:
+        mgr.submit(5)
+        out.put("used it")
+    except RuntimeError as e:
+        out.put(str(e))
+
+
+def _slow_identity(x):
+    time.sleep(0.3)
+    return x
+
+
+def test_a_replacement_that_fails_to_start_is_retried_later(monkeypatch):
+    with MultiProcessingSampleManager(_slow_identity, n_workers=1, ctx="fork",
+                                      doze_time=0.01) as mgr:
+        tickets = [mgr.submit(i) for i in range(5)]
+        assert mgr.result(tickets[0]) == 0
+        os.kill(mgr.workers[0].pid, signal.SIGKILL)   # 1..4 are still to do
+        real = MultiProcessingSampleManager._start
+        calls = []
+
+        def flaky(self, w, seed):
+            calls.append(1)
+            if len(calls) == 1:
+                raise OSError(24, "Too many open files (simulated)")
+            return real(self, w, seed)
+
+        monkeypatch.setattr(MultiProcessingSampleManager, "_start", flaky)
+        with pytest.raises(OSError, match="simulated"):
+            mgr.result(tickets[1])
+        # the next call finishes the replacement, and no work is lost or repeated
+        assert [mgr.result(t) for t in tickets[1:]] == [1, 2, 3, 4]
+        assert mgr.result(mgr.submit(9)) == 9 and len(calls) == 2
+
+
+def test_an_interrupted_wait_does_not_leak_its_task():
+    rb = replay_buffer(20)
+    s = _data.SlowSampler(rb, 4, seed=0, delay=2)
+    with MultiprocessingSampler(s, n_workers=1, n_buffers=1, ctx="fork", timeout=0.2) as m:
+        pool = m._ensure_pool()
+        first = pool._next_ticket            # the ticket that sample() will wait for
+        with pytest.raises(TimeoutError):
+            m.sample()
+        assert pool._tasks[first].cancelled  # given up on, not left behind
+        assert wait_until(lambda: pool._poll_all() or first not in pool._tasks, timeout=30)

@@ -107,7 +107,7 @@ def test_bad_arguments():
 def test_close_semantics():
     q = ShmQueue()
     q.put(1)
-    with pytest.raises(ValueError, match="not closed"):
+    with pytest.raises(AssertionError, match="not closed"):   # as multiprocessing.Queue
         q.join_thread()
     q.close()
     q.close()
@@ -115,6 +115,7 @@ def test_close_semantics():
         q.put(2)
     with pytest.raises(ValueError, match="is closed"):
         q.get()
+    assert q.qsize() == 1 and not q.empty()   # sizes still answer after close
     q.join_thread()
 
 
@@ -353,4 +354,74 @@ def test_10k_batches_through_a_queue_keep_memory_and_slots_flat():
     assert got == 10_000
     assert len(q._free) == 8              # every slot came back
     assert max(rss[5:]) <= max(rss[:5]) + 2560, rss   # no growth beyond 10 MiB of noise
+    q.close()
+
+
+# -- found in review ---------------------------------------------------------------------------
+
+def _noop():
+    pass
+
+
+def test_fork_while_another_thread_holds_the_spill_lock():
+    import unienv_mp.queue as qm
+    qm._spill_lock.acquire()
+    try:
+        p = mp.get_context("fork").Process(target=_noop)
+        p.start()
+        p.join(20)
+        assert p.exitcode == 0, "the child deadlocked on a lock held at fork time"
+    finally:
+        qm._spill_lock.release()
+
+
+def test_a_slow_reader_does_not_cost_a_descriptor_per_message():
+    import unienv_mp.queue as qm
+    q = ShmQueue(slot_size=8192, n_slots=2, inline_size=64)
+    before = len(own_segment_fds())
+    for i in range(40):
+        q.put(np.full(900, i))           # slot-sized; nobody reads yet
+    spills = len(own_segment_fds()) - before
+    assert spills <= qm.MAX_PENDING_SPILLS + 2, spills
+    got = [int(q.get(timeout=30)[0]) for _ in range(40)]
+    assert got == list(range(40))
+    q.close()
+    q.join_thread()
+
+
+_kept = []
+
+
+def _take_and_keep(q, n):
+    for _ in range(n):
+        _kept.append(q.get(timeout=30))   # held until the process ends
+
+
+def test_slots_held_by_a_process_that_exits_come_back(ctx):
+    q = ShmQueue(slot_size=8192, n_slots=4, inline_size=64)
+    for i in range(3):
+        q.put(np.full(900, i))           # each in a slot
+    p = ctx.Process(target=_take_and_keep, args=(q, 3))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    assert wait_until(lambda: len(q._free) == 4, timeout=5), len(q._free)
+    q.close()
+
+
+def test_self_referencing_and_deep_containers_are_carried():
+    q = ShmQueue()
+    loop = [1]
+    loop.append(loop)
+    deep = []
+    for _ in range(300):   # deeper than the codec walks (100), within what pickle does
+        deep = [deep]
+    q.put(loop)
+    q.put(deep)
+    got = q.get(timeout=5)
+    assert got[0] == 1 and got[1] is got
+    got = q.get(timeout=5)
+    for _ in range(300):
+        got = got[0]
+    assert got == []
     q.close()

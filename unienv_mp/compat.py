@@ -3,7 +3,7 @@
 imported them from ``unienv_data.samplers.multiprocessing_sampler`` keeps working."""
 import queue as _queue
 
-from .errors import RingClosed, WorkerError
+from .errors import CodecError, RingClosed, WorkerError
 from .manager import MultiProcessingSampleManager
 from .sampler import _NO_ARG, _SamplerTarget, _draw_worker_seeds, _epoch_batches
 from .worker import error_payload, limit_threads
@@ -31,14 +31,15 @@ def worker_loop(fetch_fn, workid_queue, result_queue, done_event, doze_time=0.00
                 work = workid_queue.get(timeout=doze_time)
             except _queue.Empty:
                 continue
+            except CodecError as e:   # one message that cannot be read: report it, go on
+                result_queue.put(_as_worker_error(e))
+                continue
             except (ValueError, OSError, EOFError, RingClosed):
                 break   # the work queue was closed
             try:
                 result = fetch_fn(work)
             except Exception as e:
-                info = error_payload(e)
-                result = WorkerError(info["type"], info["message"], info["traceback"],
-                                     info["exception"])
+                result = _as_worker_error(e)
             result_queue.put(result)
             del result
     except KeyboardInterrupt:
@@ -47,6 +48,11 @@ def worker_loop(fetch_fn, workid_queue, result_queue, done_event, doze_time=0.00
         cancel = getattr(result_queue, "cancel_join_thread", None)
         if cancel is not None:
             cancel()
+
+
+def _as_worker_error(e):
+    info = error_payload(e)
+    return WorkerError(info["type"], info["message"], info["traceback"], info["exception"])
 
 
 def _target_for(sampler, fn):

@@ -42,6 +42,7 @@ TASK_INLINE = 8192
 RESULT_INLINE = 4096
 
 _SIMPLE = (str, int, bool, type(None))
+_LOCAL_ERROR = 255   # a result that arrived but could not be mapped here
 
 
 def _check_int(value, what, minimum=1):
@@ -99,6 +100,7 @@ class _Worker:
         self.inflight = collections.deque()  # tickets, in the order given to the worker
         self.failed_starts = 0               # deaths since the last result
         self.check = None                    # liveness check used while waiting on it
+        self.reissue = []                    # tasks waiting for a (new) process
 
     def take_slot(self):
         if self.free_slots:
@@ -139,46 +141,59 @@ class _Pool:
         if self.closed:
             return
         self.closed = True
-        for w in self.workers:
-            if w.tasks is not None:
+        try:
+            for w in self.workers:
+                for ring in (w.tasks, w.results):
+                    # tasks: a worker waiting for one exits; results: a worker finishing
+                    # a batch exits instead of taking the next queued task
+                    if ring is not None:
+                        try:
+                            ring.shutdown()
+                        except ValueError:
+                            pass
+            if self.done_event is not None:
                 try:
-                    w.tasks.shutdown()   # wakes a worker waiting for a task: it exits
-                except ValueError:
+                    self.done_event.set()
+                except Exception:
                     pass
-        if self.done_event is not None:
-            try:
-                self.done_event.set()
-            except Exception:
-                pass
-        _stop_processes([w.proc for w in self.workers if w.proc is not None], join_timeout)
-        for w in self.workers:
-            _close_worker_memory(w)
-        for seg in self.spills:
-            seg.close()
-        self.spills.clear()
-        if self.doorbell_seg is not None:
-            self.doorbell_seg.close()
+            _stop_processes([w.proc for w in self.workers if w.proc is not None],
+                            join_timeout)
+        finally:
+            for w in self.workers:
+                _close_worker_memory(w)
+            for seg in self.spills:
+                seg.close()
+            self.spills.clear()
+            if self.doorbell_seg is not None:
+                self.doorbell_seg.close()
 
 
 def _stop_processes(procs, join_timeout):
+    """Join ``procs``, terminating (then killing) those still running after
+    ``join_timeout`` seconds; tolerant of Process objects never started or already
+    closed."""
     import time
-    started = [p for p in procs if p.pid is not None]
+
+    def call(p, method, *args):
+        try:
+            return getattr(p, method)(*args)
+        except (ValueError, AssertionError, OSError):
+            return None   # closed, not started, or already reaped
+
+    started = [p for p in procs if call(p, "is_alive") is not None]
     deadline = time.monotonic() + join_timeout
     for p in started:
-        p.join(max(0.0, deadline - time.monotonic()))
+        call(p, "join", max(0.0, deadline - time.monotonic()))
     for p in started:
-        if p.is_alive():
-            p.terminate()
+        if call(p, "is_alive"):
+            call(p, "terminate")
     for p in started:
-        p.join(1.0)
-        if p.is_alive():
-            p.kill()
-            p.join(1.0)
+        call(p, "join", 1.0)
+        if call(p, "is_alive"):
+            call(p, "kill")
+            call(p, "join", 1.0)
     for p in started:
-        try:
-            p.close()
-        except ValueError:
-            pass
+        call(p, "close")
 
 
 def _close_worker_memory(w):
@@ -287,10 +302,10 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         self._released = collections.deque()     # lease tokens given back by the GC
         self._leases = 0
         self._work_cache = {}
+        self._owner_pid = os.getpid()
         self._pool.done_event = done_event
         self._pool.doorbell_seg = Segment.create(64, "doorbell")
         self._doorbell = Event(self._pool.doorbell_seg, 0, True)
-        self._pdeathsig = threading.current_thread() is threading.main_thread()
         self._finalizer = _mputil.Finalize(self, self._pool.close, exitpriority=100)
         self.closed = False
         try:
@@ -322,84 +337,119 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
     # -- workers --------------------------------------------------------------------------
 
     def _start(self, w, seed):
+        """Start a (new) process for worker ``w`` with fresh rings."""
         w.incarnation += 1
         w.check = _LivenessCheck(self._pool, w)
         task_entry = 16 + TASK_INLINE
         result_entry = 16 + RESULT_INLINE
         t_bytes = RingBuffer.footprint(TASK_CAPACITY, task_entry)
-        r_cap = TASK_CAPACITY + 2   # a worker never waits to publish a result
+        # The parent keeps at most TASK_CAPACITY tasks in flight per worker (see
+        # _make_room), so a worker never waits to publish a result.
+        r_cap = TASK_CAPACITY + 2
         r_bytes = RingBuffer.footprint(r_cap, result_entry)
         t_off, r_off = P.RINGS_AT, P.RINGS_AT + t_bytes
         seg = Segment.create(r_off + r_bytes, f"worker{w.index}")
-        with memoryview(seg) as mv:
-            P.HEADER.pack_into(mv, 0, P.MAGIC, P.VERSION, t_off, TASK_CAPACITY, task_entry,
-                               r_off, r_cap, result_entry)
-        w.seg = seg
-        w.tasks = RingBuffer._create_in(seg, t_off, TASK_CAPACITY, task_entry, self.doze_time,
-                                        self.spin)
-        w.results = RingBuffer._create_in(seg, r_off, r_cap, result_entry, self.doze_time,
-                                          self.spin)
+        try:
+            with memoryview(seg) as mv:
+                P.HEADER.pack_into(mv, 0, P.MAGIC, P.VERSION, t_off, TASK_CAPACITY,
+                                   task_entry, r_off, r_cap, result_entry)
+            tasks = RingBuffer._create_in(seg, t_off, TASK_CAPACITY, task_entry,
+                                          self.doze_time, self.spin)
+            results = RingBuffer._create_in(seg, r_off, r_cap, result_entry, self.doze_time,
+                                            self.spin)
+            options = {"poll_interval": self.doze_time, "done_event": self.done_event,
+                       # PR_SET_PDEATHSIG fires when the *thread* that started the worker
+                       # ends: only worth it from the main thread (a watchdog covers the rest)
+                       "pdeathsig": threading.current_thread() is threading.main_thread(),
+                       "spin": self.spin}
+            proc = self._ctx.Process(
+                target=worker_main,
+                args=(w.index, self.target_fn, seg, self._pool.doorbell_seg, os.getpid(),
+                      self._init_fn, seed, options),
+                daemon=self._daemon, name=f"unienv_mp-worker-{w.index}")
+            try:
+                proc.start()
+            except (pickle.PicklingError, TypeError, AttributeError) as e:
+                raise TypeError(
+                    f"cannot start workers with the {self._ctx.get_start_method()!r} start "
+                    f"method: the work function (and everything it refers to, e.g. the "
+                    f"wrapped sampler) must be picklable, but pickling failed with "
+                    f"{type(e).__name__}: {e}") from e
+        except BaseException:
+            seg.close()
+            raise
+        w.seg, w.tasks, w.results, w.proc = seg, tasks, results, proc
         w.slot_maps = {}
         w.free_slots = []
         w.next_slot = 0
-        options = {"poll_interval": self.doze_time, "done_event": self.done_event,
-                   "pdeathsig": self._pdeathsig, "spin": self.spin}
-        proc = self._ctx.Process(
-            target=worker_main,
-            args=(w.index, self.target_fn, seg, self._pool.doorbell_seg, os.getpid(),
-                  self._init_fn, seed, options),
-            daemon=self._daemon, name=f"unienv_mp-worker-{w.index}")
-        w.proc = proc
-        try:
-            proc.start()
-        except (pickle.PicklingError, TypeError, AttributeError) as e:
-            raise TypeError(
-                f"cannot start workers with the {self._ctx.get_start_method()!r} start "
-                f"method: the work function (and everything it refers to, e.g. the wrapped "
-                f"sampler) must be picklable, but pickling failed with "
-                f"{type(e).__name__}: {e}") from e
 
-    def _replace(self, w):
-        """``w`` died: accept what it published, then respawn it and re-issue its work."""
+    def _bury(self, w):
+        """``w``'s process died: keep what it published, release it, and queue its
+        unfinished work for the next process (see _restart).  Raises WorkerDiedError if
+        the worker must not (respawn=False) or should not (it keeps dying) be replaced."""
         proc = w.proc
-        code = proc.exitcode
-        try:
-            while True:
-                self._accept(w, w.results.pop_tagged(False))
-        except (_queue.Empty, RingClosed, _WorkerDied):
-            pass
+        code = proc.exitcode if proc is not None else None
+        pid = proc.pid if proc is not None else None
+        if w.results is not None:
+            try:
+                while True:
+                    self._accept(w, w.results.pop_tagged(False))
+            except (_queue.Empty, RingClosed, _WorkerDied):
+                pass
         how = (f"was killed by signal {-code}" if code is not None and code < 0
                else f"exited with code {code}")
-        if not self.respawn:
-            raise WorkerDiedError(f"worker {w.index} (pid {proc.pid}) {how}; respawn=False",
-                                  worker=w.index, exitcode=code)
         w.failed_starts += 1
+        if not self.respawn:
+            raise WorkerDiedError(f"worker {w.index} (pid {pid}) {how}; respawn=False",
+                                  worker=w.index, exitcode=code)
         if w.failed_starts > self.max_respawns:
             raise WorkerDiedError(
-                f"worker {w.index} {how}, and died {w.failed_starts} times in a row without "
-                f"producing a result; giving up (max_respawns={self.max_respawns})",
+                f"worker {w.index} {how}; it died {w.failed_starts} times in a row without "
+                f"producing a result ({self.max_respawns} replacements), giving up",
                 worker=w.index, exitcode=code)
-        try:
-            proc.join(1)
-            proc.close()
-        except ValueError:
-            pass
+        _stop_processes([proc] if proc is not None else [], 1.0)
+        w.proc = None
         _close_worker_memory(w)
-        pending = [self._tasks[t] for t in w.inflight if t in self._tasks]
+        unfinished = []
+        for t in w.inflight:
+            task = self._tasks.get(t)
+            if task is None:
+                continue
+            if task.cancelled:
+                self._forget(task)
+            else:
+                task.slot = None
+                unfinished.append(task)
         w.inflight.clear()
-        for task in [t for t in pending if t.cancelled]:
-            self._tasks.pop(task.ticket, None)
-        pending = [t for t in pending if not t.cancelled]
-        self._start(w, int(self._seed_rng.integers(2 ** 31)))
-        for task in pending:
-            task.slot = None
-            self._dispatch(task, w)
+        w.reissue[0:0] = unfinished    # before anything queued for it meanwhile
+
+    def _restart(self, w):
+        """Start a process for ``w`` if it has none, and hand it the work queued in
+        ``w.reissue``, in order.  Survives the new process dying too (up to the limit)."""
+        while True:
+            try:
+                if w.tasks is None:
+                    seed = (None if self._seeds is None
+                            else int(self._seed_rng.integers(2 ** 31)))
+                    self._start(w, seed)
+                while w.reissue:
+                    self._make_room(w)
+                    self._push_task(w.reissue[0], w)
+                    w.reissue.pop(0)
+                return
+            except _WorkerDied:
+                self._bury(w)
 
     # -- submitting -----------------------------------------------------------------------
 
     def _ensure_open(self):
         if self.closed:
             raise RuntimeError(f"this {type(self).__name__} is closed")
+        if os.getpid() != self._owner_pid:
+            raise RuntimeError(
+                f"this {type(self).__name__} belongs to process {self._owner_pid} and cannot "
+                f"be used in process {os.getpid()} (a forked child): its workers answer "
+                f"only their parent")
 
     def submit(self, work_info, worker: Optional[int] = None) -> int:
         """Queue ``work_info`` and return its ticket (see :meth:`result`).  ``worker``
@@ -409,45 +459,76 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         self._reclaim()
         workers = self._pool.workers
         if worker is not None:
-            if not isinstance(worker, int) or not 0 <= worker < len(workers):
+            if isinstance(worker, bool) or not isinstance(worker, int) \
+                    or not 0 <= worker < len(workers):
                 raise ValueError(f"worker must be an index below {len(workers)}, got {worker!r}")
             w = workers[worker]
         elif self.in_order:
             w = workers[self._rr]
             self._rr = (self._rr + 1) % len(workers)
         else:
-            w = min(workers, key=lambda x: len(x.inflight))
+            w = min(workers, key=lambda x: len(x.inflight) + len(x.reissue))
         task = _Task(self._next_ticket, work_info)
         self._next_ticket += 1
         self._tasks[task.ticket] = task
         try:
             self._dispatch(task, w)
         except BaseException:
-            self._tasks.pop(task.ticket, None)
+            # (if the task did reach the worker, its result is dropped as unknown)
+            self._forget(task)
+            if task in w.reissue:
+                w.reissue.remove(task)
             raise
         return task.ticket
 
     def _encode_small(self, work):
         """Encoded work info for the small immutable items a sampler sends again and again
         (e.g. ``("sample", None)``), from a cache; None for anything else."""
-        try:
-            payload = self._work_cache.get(work)
-        except TypeError:   # unhashable: not a small immutable item
-            return None
-        if payload is not None:
-            return payload
         t = type(work)
         if t is tuple:
-            if not all(type(x) in _SIMPLE for x in work):
+            types = tuple(map(type, work))
+            if not all(x in _SIMPLE for x in types):
                 return None
-        elif t not in _SIMPLE:
+            key = (types, work)
+        elif t in _SIMPLE:
+            key = (t, work)   # so that 1, True and 1.0 are not mistaken for one another
+        else:
             return None
-        if len(self._work_cache) > 1024:
-            self._work_cache.clear()
-        payload = self._work_cache[work] = bytes(_codec.encode(work))
+        payload = self._work_cache.get(key)
+        if payload is None:
+            if len(self._work_cache) > 1024:
+                self._work_cache.clear()
+            payload = self._work_cache[key] = bytes(_codec.encode(work))
         return payload
 
     def _dispatch(self, task, w):
+        """Give ``task`` to worker ``w`` (replacing the worker first if it died)."""
+        if w.tasks is None or w.reissue:
+            w.reissue.append(task)
+            self._restart(w)
+            return
+        try:
+            self._make_room(w)
+            self._push_task(task, w)
+        except _WorkerDied:
+            self._bury(w)
+            w.reissue.append(task)
+            self._restart(w)
+
+    def _make_room(self, w):
+        """Keep at most TASK_CAPACITY tasks in flight on ``w``: collect (not hand out)
+        results until there is room.  A worker whose rings were both full would wait for
+        the parent while the parent waits for it."""
+        while len(w.inflight) >= TASK_CAPACITY:
+            try:
+                self._accept(w, w.results.pop_tagged(True, self.timeout, check=w.check))
+            except _queue.Empty:
+                raise TimeoutError(f"worker {w.index} produced no result within "
+                                   f"{self.timeout} s") from None
+
+    def _push_task(self, task, w):
+        """Push ``task`` onto ``w``'s task ring.  Raises _WorkerDied (with nothing changed)
+        if the worker is gone."""
         payload = self._encode_small(task.work) if task.spill is None else None
         if payload is not None:
             where = P.AT_INLINE
@@ -465,24 +546,19 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             where = P.AT_SPILL
             seg = task.spill
             payload = P.SPILL_DESC.pack(os.getpid(), seg.fd, seg.ino, seg.size, seg.size)
-        if task.slot is None:
-            task.slot = w.take_slot()
+        slot = w.take_slot() if task.slot is None else task.slot
+        w.inflight.append(task.ticket)
+        try:
+            w.tasks.push_tagged(P.OP_RUN | (where << 8), slot, task.ticket, payload,
+                                check=w.check)
+        except BaseException:
+            w.inflight.pop()
+            if task.slot is None:
+                w.free_slots.append(slot)
+            raise
+        task.slot = slot
         task.worker = w.index
         task.incarnation = w.incarnation
-        w.inflight.append(task.ticket)
-        while True:
-            try:
-                w.tasks.push_tagged(P.tag(P.OP_RUN, where), task.slot, task.ticket, payload,
-                                    check=w.check)
-                return
-            except _WorkerDied:
-                w.inflight.remove(task.ticket)
-                w.free_slots.append(task.slot)
-                task.slot = None
-                self._replace(w)   # re-issues w's other work; then retry this one
-                task.slot = w.take_slot()
-                task.incarnation = w.incarnation
-                w.inflight.append(task.ticket)
 
     def add_work(self, work_info: TaskInfoT) -> None:
         """Queue ``work_info``; its result is returned by a later :meth:`fetch`."""
@@ -491,19 +567,15 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
     # -- collecting -----------------------------------------------------------------------
 
     def _accept(self, w, entry):
-        """Record a result entry that ``w`` published."""
+        """Record a result entry that ``w`` published (hand nothing out yet)."""
         t, slot, ticket, payload = entry
-        status, where = P.untag(t)
+        status, where = t & 0xFF, t >> 8
         if status == P.ST_FATAL:
             info = _codec.decode(payload, copy=True)
             raise self._worker_error(info, w.index, "could not start: ")
         task = self._tasks.get(ticket)
         if task is None or task.worker != w.index or task.result is not None:
             return  # stale (e.g. re-issued work that the dead incarnation also finished)
-        try:
-            w.inflight.remove(ticket)
-        except ValueError:
-            pass
         seg = None
         if where == P.AT_SLOT:
             gen, fd, ino, size, nbytes = P.SLOT_DESC.unpack(payload)
@@ -512,26 +584,43 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 try:
                     seg = _segment_from_peer(w.proc.pid, fd, ino, size, f"slot{w.index}")
                 except PeerGoneError:
-                    # The worker died before we could map its slot: the work is redone.
-                    w.inflight.appendleft(ticket)
+                    # The worker died before we could map its slot: the task stays in
+                    # flight on it and is redone by its replacement.
                     raise _WorkerDied(w)
+                except OSError as e:
+                    # e.g. out of descriptors: this result is lost; its caller hears why
+                    w.inflight.remove(ticket)
+                    task.result = (_LOCAL_ERROR, e)
+                    return
                 seg.unlink()  # no descriptor needed: the mapping is what we use
                 w.slot_maps[slot] = (gen, seg)
             else:
                 seg = mapped[1]
             payload = nbytes
+        w.inflight.remove(ticket)
         w.failed_starts = 0
-        if task.spill is not None:
-            self._pool.spills.remove(task.spill)
-            task.spill.close()
-            task.spill = None
+        self._close_spill(task)
         task.result = (status, where, slot, payload, seg)
         if task.cancelled:
             self._discard(task)
 
-    def _discard(self, task):
+    def _close_spill(self, task):
+        if task.spill is not None:
+            try:
+                self._pool.spills.remove(task.spill)
+            except ValueError:
+                pass
+            task.spill.close()
+            task.spill = None
+
+    def _forget(self, task):
+        """Drop ``task`` (cancelled, or failed to submit) and what it holds."""
         self._tasks.pop(task.ticket, None)
-        if task.result is not None:
+        self._close_spill(task)
+
+    def _discard(self, task):
+        self._forget(task)
+        if task.result is not None and task.result[0] != _LOCAL_ERROR:
             self._free_slot(task)
 
     def _free_slot(self, task):
@@ -558,18 +647,24 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         deadline = None if timeout is None else time.monotonic() + timeout
         while task.result is None:
             w = self._pool.workers[task.worker]
+            if w.tasks is None or w.reissue:
+                self._restart(w)   # a replacement that could not be finished earlier
+                continue
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                entry = w.results.pop_tagged(True, left, check=w.check)
-                self._accept(w, entry)
+                self._accept(w, w.results.pop_tagged(True, left, check=w.check))
             except _queue.Empty:
-                raise TimeoutError(f"no result from worker {w.index} within {timeout} s")
+                raise TimeoutError(
+                    f"no result from worker {w.index} within {timeout} s") from None
             except _WorkerDied:
-                self._replace(w)
+                self._bury(w)
+                self._restart(w)
 
     def _deliver(self, task):
         """Turn an arrived result into the value returned to the caller."""
         self._tasks.pop(task.ticket, None)
+        if task.result[0] == _LOCAL_ERROR:
+            raise task.result[1]
         status, where, slot, payload, seg = task.result
         if where == P.AT_INLINE:
             self._free_slot(task)
@@ -608,6 +703,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
 
     def ready(self, ticket: int) -> bool:
         """True if the result of ``ticket`` has arrived (collects what has arrived)."""
+        self._ensure_open()
         task = self._tasks.get(ticket)
         if task is None:
             raise KeyError(f"unknown or already collected ticket {ticket}")
@@ -625,21 +721,27 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             self._discard(task)
 
     def _poll_all(self):
-        """Accept every result already published by any worker (never blocks)."""
+        """Accept every result already published by any worker (never blocks, except to
+        replace a worker found dead)."""
         for w in self._pool.workers:
+            if w.tasks is None or w.reissue:
+                self._restart(w)
             try:
                 while True:
                     self._accept(w, w.results.pop_tagged(False))
             except _queue.Empty:
                 pass
             except _WorkerDied:
-                self._replace(w)
+                self._bury(w)
+                self._restart(w)
 
     def fetch(self, block: bool = True, timeout: Optional[float] = None) -> Optional[ResultT]:
         """Return the result of work added with :meth:`add_work`: the oldest one
         (``in_order``) or the first to finish.  Returns ``None`` if ``block`` is false or
         ``timeout`` expires before it arrives, as UniEnv's manager does."""
         self._ensure_open()
+        while self._order and self._order[0] not in self._tasks:
+            self._order.popleft()   # collected with result() meanwhile
         if not self._order:
             raise RuntimeError("no work to fetch: add_work() first")
         self._reclaim()
@@ -673,7 +775,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         def find():
             self._poll_all()
             for t in tickets:
-                if self._tasks[t].result is not None:
+                task = self._tasks.get(t)
+                if task is not None and task.result is not None:
                     return (t,)
             return None
 
@@ -688,8 +791,11 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
 
     def _check_all_alive(self):
         for w in self._pool.workers:
-            if w.proc is not None and not w.proc.is_alive():
-                self._replace(w)
+            if w.proc is None:          # replaced, but its replacement could not start yet
+                self._restart(w)
+            elif not w.proc.is_alive():
+                self._bury(w)
+                self._restart(w)
 
     # -- lifecycle ------------------------------------------------------------------------
 

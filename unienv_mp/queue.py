@@ -22,6 +22,7 @@ import queue as _queue
 import struct
 import sys
 import threading
+import time
 import warnings
 import weakref
 import multiprocessing as _mp
@@ -31,7 +32,7 @@ import numpy as np
 
 from . import _codec
 from ._ring import DEFAULT_POLL_INTERVAL, DEFAULT_SPIN, RingBuffer, Segment, _segment_from_peer
-from .errors import PeerGoneError, RingClosed
+from .errors import CodecError, PeerGoneError, RingClosed
 
 __all__ = ["ShmQueue"]
 
@@ -49,6 +50,9 @@ _WHERE = 0xFF
 
 _SPILL_DESC = struct.Struct("<qiQQ")  # pid, fd, inode, size
 _SPILL_DATA = 64                      # spill segment: u32 ack flag, then data at 64
+
+#: Spills a process may have waiting for receivers before it waits for a free slot instead.
+MAX_PENDING_SPILLS = 16
 
 #: Default number of entries when ``maxsize`` is 0 (beyond it, puts are buffered locally
 #: and sent by a feeder thread, as multiprocessing.Queue does).
@@ -228,7 +232,12 @@ class ShmQueue:
         if (t is np.ndarray or t is dict or t is list or t is tuple
                 or (tensor is not None and isinstance(obj, tensor))
                 or (isinstance(obj, tuple) and hasattr(t, "_fields"))):
-            return _CODEC, _codec.prepare(obj)
+            try:
+                return _CODEC, _codec.prepare(obj)
+            except (CodecError, RecursionError) as e:
+                if "on the CPU" in str(e):
+                    raise
+                # e.g. a self-referencing or very deep container: pickle copes with it
         return _PICKLE, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
     # -- feeder thread ---------------------------------------------------------------------
@@ -264,8 +273,10 @@ class ShmQueue:
             raise ValueError("'timeout' must be a non-negative number")
         if _pending_spills:
             _reap_spills()
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            tag, slot, n, payload = self._msgs.pop_tagged(block, timeout)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            tag, slot, n, payload = self._msgs.pop_tagged(block, left)
             try:
                 return self._receive(tag, slot, n, payload)
             except PeerGoneError:
@@ -289,6 +300,7 @@ class ShmQueue:
                 raise ValueError(f"corrupt queue entry: slot {slot}, {n} bytes")
             lease = _codec.SlotLease(self._seg, self._slots_off + slot * self._slot_size, n,
                                      self._release_slot, slot)
+            self._release_slot.leased(slot)
         elif where == _SPILL:
             pid, fd, ino, size = _SPILL_DESC.unpack(payload)
             seg = _open_spill(pid, fd, ino, size)
@@ -307,7 +319,10 @@ class ShmQueue:
     def qsize(self):
         """Approximate number of messages in the queue (those in shared memory, plus those
         this process buffered locally)."""
-        return len(self._msgs) + len(self._buffer)
+        buffered = len(self._buffer)
+        if buffered and self._buffer[-1] is _STOP:
+            buffered -= 1
+        return len(self._msgs) + buffered
 
     def empty(self):
         """True if the queue looks empty (approximate, as for multiprocessing.Queue)."""
@@ -332,24 +347,19 @@ class ShmQueue:
         if _pending_spills:
             _reap_spills()
         if self._thread is not None:
-            self._close_feeder()   # the feeder sends what is buffered; join_thread detaches
-        else:
-            self._detach()
-        # else: join_thread() (or process exit, or garbage collection) detaches.
-
-    def _detach(self):
-        self._msgs.close()  # the ring, the free list and the slots share one segment
+            self._close_feeder()   # the feeder sends what is buffered, then ends
+        # The shared memory stays mapped (qsize() keeps working) until the queue is
+        # garbage collected or the process ends.
 
     def join_thread(self):
         """Wait for the feeder thread (and for receivers to map any spilled message) after
         :meth:`close`, as :meth:`multiprocessing.Queue.join_thread`."""
-        if not self._closed:
-            raise ValueError(f"Queue {self!r} not closed")
+        # AssertionError, as multiprocessing.Queue.join_thread raises
+        assert self._closed, f"Queue {self!r} not closed"
         if self._thread is not None:
             self._thread.join()
         if not self._joincancelled:
             _wait_for_spills(self._sender.policy)
-        self._detach()
 
     def cancel_join_thread(self):
         """Do not wait for buffered or spilled messages when this process exits."""
@@ -398,7 +408,15 @@ class _Sender:
             try:
                 slot = int.from_bytes(self.free.pop(False), "little")
             except _queue.Empty:
-                slot = None
+                # Every slot is queued or held by a receiver's arrays.  A few messages may
+                # go as spills (so that receivers holding arrays never block us for good);
+                # beyond that, wait for a slot like a full queue (each spill holds a
+                # descriptor until it is read).
+                if len(_pending_spills) >= MAX_PENDING_SPILLS:
+                    try:
+                        slot = int.from_bytes(self.free.pop(block, timeout), "little")
+                    except _queue.Empty:
+                        raise _queue.Full from None
         if slot is None:
             self.send_spill(enc, data, n, block, timeout)
             return
@@ -457,25 +475,53 @@ def _feed(buffer, cond, sender):
             sender.send(item[0], item[1], True, None)
         except (RingClosed, ValueError):
             return  # shut down, or detached under us: nothing more can be sent
+        except Exception as e:
+            # as multiprocessing.Queue's feeder: report, drop this message, go on
+            warnings.warn(f"ShmQueue feeder could not send a message and dropped it: "
+                          f"{type(e).__name__}: {e}", RuntimeWarning)
         with cond:
             buffer.popleft()
 
 
 class _SlotReleaser:
     """Called by a SlotLease when its last view is gone: the slot goes back to the free
-    ring.  A separate small object so that leases do not keep the whole queue alive."""
-    __slots__ = ("free",)
+    ring.  A separate small object so that leases do not keep the whole queue alive.
+
+    It also remembers which slots this process holds, and gives back those still held
+    when the process exits (multiprocessing children end with os._exit, so arrays kept
+    to the end are never garbage collected): they would be lost to the other processes.
+    """
+    __slots__ = ("free", "held", "finalizer", "__weakref__")
 
     def __init__(self, free):
         self.free = free
+        self.held = set()
+        self.finalizer = None
+
+    def leased(self, slot):
+        self.held.add(slot)
+        if self.finalizer is None:
+            self.finalizer = _mputil.Finalize(self, _give_back_all, [self.free, self.held],
+                                              exitpriority=-20)
 
     def __call__(self, slot):
-        try:
-            # Works even after this process closed the queue (the lease still maps it), so
-            # that a slot held past close() is not lost to the other processes.
-            self.free._give_back(slot.to_bytes(8, "little"))
-        except Exception:
-            pass  # unmapped here: nothing to give the slot back to
+        self.held.discard(slot)
+        _give_back(self.free, slot)
+
+
+def _give_back(free, slot):
+    try:
+        # Works even after this process closed the queue (the lease still maps it), so
+        # that a slot held past close() is not lost to the other processes.
+        free._give_back(slot.to_bytes(8, "little"))
+    except Exception:
+        pass  # unmapped here: nothing to give the slot back to
+
+
+def _give_back_all(free, held):
+    for slot in list(held):
+        _give_back(free, slot)
+    held.clear()
 
 
 def _open_spill(pid, fd, ino, size):
@@ -549,10 +595,12 @@ def _wait_for_spills(policy=None):
 
 def _forget_spills_after_fork():
     # A forked child inherits the list, not the duty: the parent waits for its own spills.
-    with _spill_lock:
-        for seg, _ in _pending_spills:
-            seg.close()
-        _pending_spills.clear()
+    # The lock is replaced, never taken: another thread may have held it at the fork.
+    global _spill_lock
+    _spill_lock = threading.Lock()
+    for seg, _ in _pending_spills:
+        seg.close()
+    _pending_spills.clear()
 
 
 os.register_at_fork(after_in_child=_forget_spills_after_fork)

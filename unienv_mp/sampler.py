@@ -247,7 +247,16 @@ class MultiprocessingSampler(BatchSampler):
         else:
             ticket = pool._first_ready(True, None, stream)
             stream.remove(ticket)
-        return pool.result(ticket)
+        return self._collect(pool, ticket)
+
+    @staticmethod
+    def _collect(pool, ticket):
+        try:
+            return pool.result(ticket)
+        except BaseException:
+            # interrupted or timed out: nobody will ask for this ticket again
+            pool.cancel(ticket)
+            raise
 
     def _epoch(self, getter):
         pool = self._ensure_pool()
@@ -264,7 +273,7 @@ class MultiprocessingSampler(BatchSampler):
                 else:
                     ticket = pool._first_ready(True, None, pending)
                     pending.remove(ticket)
-                yield pool.result(ticket)
+                yield self._collect(pool, ticket)
         finally:
             # Also on an early break (generator closed) or an error: drop what is in flight.
             if self._pool is pool and not pool.closed:

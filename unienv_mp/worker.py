@@ -56,20 +56,40 @@ def _die_with_parent(parent_pid, use_pdeathsig):
         threading.Thread(target=watch, name="unienv_mp parent watchdog", daemon=True).start()
 
 
-def error_payload(exc):
+def error_payload(exc, max_traceback=_MAX_TRACEBACK, max_message=_MAX_TRACEBACK):
     """What a worker sends for an exception: type, message, traceback, and the exception
-    itself when it can be pickled."""
+    itself when it survives pickling *and unpickling* (an exception whose ``__init__``
+    takes other arguments than its ``args`` pickles but does not load)."""
     try:
-        pickle.dumps(exc)
-        original = exc
+        original = exc if type(pickle.loads(pickle.dumps(exc))) is type(exc) else None
     except Exception:
         original = None
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    if len(tb) > _MAX_TRACEBACK:
-        tb = "...\n" + tb[-_MAX_TRACEBACK:]
+    if len(tb) > max_traceback:
+        tb = "...\n" + tb[-max_traceback:]
+    try:
+        message = str(exc)
+    except Exception:
+        message = f"<{type(exc).__name__} whose str() failed>"
+    if len(message) > max_message:
+        message = message[:max_message] + "..."
     t = type(exc)
-    return {"type": f"{t.__module__}.{t.__qualname__}", "message": str(exc),
+    return {"type": f"{t.__module__}.{t.__qualname__}", "message": message,
             "traceback": tb, "exception": original}
+
+
+def _fatal_payload(exc, limit):
+    """The encoded error of a worker that cannot start, cut down to fit inline."""
+    for tb, msg, keep in ((_MAX_TRACEBACK, _MAX_TRACEBACK, True), (2000, 500, False),
+                          (200, 100, False)):
+        info = error_payload(exc, tb, msg)
+        if not keep:
+            info["exception"] = None
+        data = _codec.encode(info)
+        if len(data) <= limit:
+            return data
+    return _codec.encode({"type": "builtins.Exception", "message": "worker could not start",
+                          "traceback": "", "exception": None})
 
 
 class _Slots:
@@ -133,7 +153,7 @@ def worker_main(index, target_fn, seg, doorbell_seg, parent_pid, init_fn, seed, 
             init_fn(seed)
         except Exception as e:
             results.push_tagged(P.tag(P.ST_FATAL, P.AT_INLINE), 0, 0,
-                                _codec.encode(error_payload(e)))
+                                _fatal_payload(e, inline_max))
             doorbell.notify()
             return
     slots = _Slots(index)
