@@ -397,7 +397,7 @@ def _take_and_keep(q, n):
         _kept.append(q.get(timeout=30))   # held until the process ends
 
 
-def test_slots_held_by_a_process_that_exits_come_back(ctx):
+def test_slots_held_by_a_process_that_exits_come_back_once(ctx):
     q = ShmQueue(slot_size=8192, n_slots=4, inline_size=64)
     for i in range(3):
         q.put(np.full(900, i))           # each in a slot
@@ -405,8 +405,146 @@ def test_slots_held_by_a_process_that_exits_come_back(ctx):
     p.start()
     p.join(60)
     assert p.exitcode == 0
-    assert wait_until(lambda: len(q._free) == 4, timeout=5), len(q._free)
+    # The process is gone: its slots came back, each once (a second give-back, e.g. from
+    # a lease freed at interpreter teardown, would let two messages share a slot).
+    assert len(q._free) == 4
+    for i in range(4):
+        q.put(np.full(900, 10 + i))
+    held = [q.get(timeout=10) for _ in range(4)]
+    assert [int(a[0]) for a in held] == [10, 11, 12, 13]
+    assert all((a == a[0]).all() for a in held)
+    del held
     q.close()
+
+
+def _keep_all_forever(q, n, out):
+    kept = [q.get(timeout=30) for _ in range(n)]   # holds every slot it is sent
+    out.put([int(a[0]) for a in kept])
+
+
+def _put_arrays(q, n):
+    for i in range(n):
+        q.put(np.full(4096, i, dtype=np.int64))    # 32 KiB: fits a slot
+
+
+def test_a_reader_keeping_every_array_still_gets_every_message(ctx):
+    # Slots all held, spills up to the limit: the producer must notice that its spills
+    # have been read and go on spilling, rather than wait for a slot that never comes.
+    import unienv_mp.queue as qm
+    n = 4 + qm.MAX_PENDING_SPILLS + 20
+    q = ShmQueue(slot_size=64 << 10, n_slots=4)
+    out = ShmQueue()
+    p = ctx.Process(target=_put_arrays, args=(q, n))
+    p.start()
+    time.sleep(0.5)                                 # the producer gets ahead
+    c = ctx.Process(target=_keep_all_forever, args=(q, n, out))
+    c.start()
+    assert out.get(timeout=60) == list(range(n))
+    c.join(30)
+    p.join(30)
+    assert (c.exitcode, p.exitcode) == (0, 0)
+    q.close()
+    out.close()
+
+
+def _fill_then_spill_via_feeder(q, n_small, n_big):
+    for i in range(n_small):
+        q.put(i)                                   # fills the ring: the feeder starts
+    for i in range(n_big):
+        q.put(np.full(64 << 10, i, dtype=np.uint8))  # larger than a slot: spills
+
+
+def test_spills_sent_by_the_feeder_are_waited_for_at_exit(ctx, monkeypatch):
+    import unienv_mp.queue as qm
+    monkeypatch.setattr(qm, "DEFAULT_CAPACITY", 8)
+    q = ShmQueue(slot_size=4096, n_slots=2)
+    p = ctx.Process(target=_fill_then_spill_via_feeder, args=(q, 8, 5))
+    p.start()
+    time.sleep(0.5)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")             # "a message was lost" fails the test
+        got = [q.get(timeout=30) for _ in range(13)]
+    p.join(30)
+    assert p.exitcode == 0
+    assert got[:8] == list(range(8))
+    assert [int(a[0]) for a in got[8:]] == list(range(5))
+    del got
+    q.close()
+
+
+def _drop_inherited(cache):
+    cache.clear()
+    import gc
+    gc.collect()
+
+
+def test_a_forked_child_dropping_inherited_arrays_leaves_the_parents_slots_alone():
+    q = ShmQueue(slot_size=64 << 10, n_slots=2)
+    q.put(np.full(4096, 7, dtype=np.int64))
+    cache = [q.get(timeout=5)]                     # the parent holds one slot
+    assert len(q._free) == 1
+    p = mp.get_context("fork").Process(target=_drop_inherited, args=(cache,))
+    p.start()
+    p.join(30)
+    assert p.exitcode == 0
+    pid = os.fork()
+    if pid == 0:                                   # a bare os.fork child too
+        try:
+            _drop_inherited(cache)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert len(q._free) == 1
+    for i in range(2):
+        q.put(np.full(4096, 100 + i, dtype=np.int64))
+    assert (cache[0] == 7).all()
+    assert [int(q.get(timeout=5)[0]) for _ in range(2)] == [100, 101]
+    del cache
+    q.close()
+
+
+def test_put_after_shutdown_raises_even_with_messages_buffered(monkeypatch):
+    import unienv_mp.queue as qm
+    monkeypatch.setattr(qm, "DEFAULT_CAPACITY", 4)
+    q = ShmQueue()
+    for i in range(6):
+        q.put(i)                                   # 4 in the ring, 2 with the feeder
+    q.shutdown()
+    q._thread.join(10)
+    assert not q._thread.is_alive()
+    with pytest.raises(RingClosed):
+        q.put("after")
+    assert q.qsize() == 4                          # the ring's; the feeder's were dropped
+    assert [q.get(timeout=5) for _ in range(4)] == [0, 1, 2, 3]
+    with pytest.raises(RingClosed):
+        q.get(timeout=5)
+    q.close()
+    q.join_thread()
+
+
+def _spill_one(q):
+    q.put(np.zeros(1 << 18))                       # 2 MiB > 1 MiB slot: a spill
+
+
+def test_a_producer_exits_once_its_unread_spill_cannot_be_read(ctx):
+    # (a) the queue is shut down; (b) the entry was taken by a reader that never mapped it
+    # (it died in between; simulated by popping the raw entry).  Either way the producer
+    # must not wait at exit forever.
+    for how in ("shutdown", "taken"):
+        q = ShmQueue()
+        p = ctx.Process(target=_spill_one, args=(q,))
+        p.start()
+        assert wait_until(lambda: len(q._msgs) == 1, timeout=30)
+        if how == "shutdown":
+            q.shutdown()
+        else:
+            q._msgs.pop_tagged(True, 5)
+        p.join(30)
+        assert p.exitcode == 0, how
+        if p.exitcode is None:
+            p.kill()
+        q.close()
 
 
 def test_self_referencing_and_deep_containers_are_carried():

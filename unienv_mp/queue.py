@@ -180,6 +180,7 @@ class ShmQueue:
         self._jointhread = None
         self._sender = _Sender(self)
         self._release_slot = _SlotReleaser(self._free)
+        _ensure_spill_hook()
 
     def __getstate__(self):
         if self._seg.closed:
@@ -206,6 +207,8 @@ class ShmQueue:
             return
         # Unbounded: never block.  Send directly while nothing is waiting locally (to keep
         # order), else leave the message to the feeder thread.
+        if self._msgs.is_shutdown:
+            raise RingClosed("the queue was shut down")
         if not self._buffer:
             try:
                 self._sender.send(enc, data, False, None)
@@ -248,18 +251,23 @@ class ShmQueue:
             name="ShmQueue feeder", daemon=True)
         self._thread.start()
         if not self._joincancelled:
-            self._jointhread = _mputil.Finalize(self._thread, ShmQueue._finalize_join,
-                                                [weakref.ref(self._thread)], exitpriority=-5)
+            self._jointhread = _mputil.Finalize(
+                self._thread, ShmQueue._finalize_join,
+                [weakref.ref(self._thread), self._sender.policy], exitpriority=-5)
         # At exit, or when the queue is garbage collected, tell the feeder to stop once it
         # has sent what is buffered (the feeder holds the sender, not the queue).
         self._close_feeder = _mputil.Finalize(self, _stop_feeder, [self._buffer, self._cond],
                                               exitpriority=10)
 
     @staticmethod
-    def _finalize_join(twr):
+    def _finalize_join(twr, policy):
         thread = twr()
         if thread is not None:
             thread.join()
+        # The feeder may have spilled while we joined it (even during the exit finalizers,
+        # after the process-wide spill hook took its turn): wait for those here.
+        if not policy.cancelled:
+            _wait_for_spills(policy)
 
     # -- get -------------------------------------------------------------------------------
 
@@ -370,7 +378,8 @@ class ShmQueue:
 
     def shutdown(self):
         """Mark the queue closed for *every* process: blocked ``get`` calls everywhere raise
-        :class:`~unienv_mp.RingClosed` once it is drained, and ``put`` raises it."""
+        :class:`~unienv_mp.RingClosed` once it is drained, and ``put`` raises it.  Messages
+        a feeder thread still buffered (``maxsize=0``) are dropped."""
         self._msgs.shutdown()
         self._free.shutdown()
 
@@ -391,12 +400,14 @@ class _Sender:
         self.inline = q._inline
         self.slot_size = q._slot_size
         self.slots_off = q._slots_off
-        self.policy = _JoinPolicy()
+        self.policy = _JoinPolicy(q._msgs)
 
     def send(self, enc, data, block, timeout):
-        """Route one serialised message: inline, through a slot, or through a spill."""
+        """Route one serialised message: inline, through a slot, or through a spill.
+        ``timeout`` bounds the whole call (waiting for a slot and for ring room)."""
         if _pending_spills:
             _reap_spills()
+        deadline = None if (timeout is None or not block) else time.monotonic() + timeout
         prepared = isinstance(data, _codec.Prepared)
         n = data.nbytes if prepared else len(data)
         if n <= self.inline:
@@ -412,14 +423,11 @@ class _Sender:
                 # go as spills (so that receivers holding arrays never block us for good);
                 # beyond that, wait for a slot like a full queue (each spill holds a
                 # descriptor until it is read).
-                if len(_pending_spills) >= MAX_PENDING_SPILLS:
-                    try:
-                        slot = int.from_bytes(self.free.pop(block, timeout), "little")
-                    except _queue.Empty:
-                        raise _queue.Full from None
+                slot = self._wait_for_slot(block, deadline)
         if slot is None:
-            self.send_spill(enc, data, n, block, timeout)
+            self.send_spill(enc, data, n, block, _left(deadline))
             return
+        pushed = False
         try:
             off = self.slots_off + slot * self.slot_size
             with memoryview(self.seg) as mv:
@@ -429,10 +437,28 @@ class _Sender:
                 else:
                     dest[:] = data
                 dest.release()
-            self.msgs.push_tagged(_SLOT | enc, slot, n, b"", block, timeout)
-        except BaseException:
-            self.free.push(slot.to_bytes(8, "little"), False)
-            raise
+            self.msgs.push_tagged(_SLOT | enc, slot, n, b"", block, _left(deadline))
+            pushed = True
+        finally:
+            if not pushed:  # the entry never went out: nobody else will free the slot
+                self.free.push(slot.to_bytes(8, "little"), False)
+
+    def _wait_for_slot(self, block, deadline):
+        """A free slot's number, or None when spilling is allowed (fewer than
+        MAX_PENDING_SPILLS of this process's spills are unread).  Both are re-checked every
+        few milliseconds: receivers may read our spills while holding every slot."""
+        while True:
+            if _reap_spills() < MAX_PENDING_SPILLS:
+                return None
+            left = _left(deadline)
+            if not block or left == 0:
+                raise _queue.Full
+            try:
+                return int.from_bytes(
+                    self.free.pop(True, _SLOT_WAIT if left is None else min(left, _SLOT_WAIT)),
+                    "little")
+            except _queue.Empty:
+                pass
 
     def send_spill(self, enc, data, n, block, timeout):
         seg = Segment.create(_SPILL_DATA + n, "spill")
@@ -454,6 +480,11 @@ class _Sender:
 
 
 _STOP = object()
+_SLOT_WAIT = 0.005   # seconds between re-checks of the spill limit while waiting for a slot
+
+
+def _left(deadline):
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def _stop_feeder(buffer, cond):
@@ -474,39 +505,17 @@ def _feed(buffer, cond, sender):
         try:
             sender.send(item[0], item[1], True, None)
         except (RingClosed, ValueError):
-            return  # shut down, or detached under us: nothing more can be sent
+            # Shut down, or detached under us: nothing more can be sent.  What is still
+            # buffered is dropped (put() raises RingClosed from now on).
+            with cond:
+                buffer.clear()
+            return
         except Exception as e:
             # as multiprocessing.Queue's feeder: report, drop this message, go on
             warnings.warn(f"ShmQueue feeder could not send a message and dropped it: "
                           f"{type(e).__name__}: {e}", RuntimeWarning)
         with cond:
             buffer.popleft()
-
-
-class _SlotReleaser:
-    """Called by a SlotLease when its last view is gone: the slot goes back to the free
-    ring.  A separate small object so that leases do not keep the whole queue alive.
-
-    It also remembers which slots this process holds, and gives back those still held
-    when the process exits (multiprocessing children end with os._exit, so arrays kept
-    to the end are never garbage collected): they would be lost to the other processes.
-    """
-    __slots__ = ("free", "held", "finalizer", "__weakref__")
-
-    def __init__(self, free):
-        self.free = free
-        self.held = set()
-        self.finalizer = None
-
-    def leased(self, slot):
-        self.held.add(slot)
-        if self.finalizer is None:
-            self.finalizer = _mputil.Finalize(self, _give_back_all, [self.free, self.held],
-                                              exitpriority=-20)
-
-    def __call__(self, slot):
-        self.held.discard(slot)
-        _give_back(self.free, slot)
 
 
 def _give_back(free, slot):
@@ -524,6 +533,40 @@ def _give_back_all(free, held):
     held.clear()
 
 
+class _SlotReleaser:
+    """Called by a SlotLease when its last view is gone: the slot goes back to the free
+    ring.  A separate small object so that leases do not keep the whole queue alive.
+
+    It also remembers which slots this process holds, and gives back those still held
+    when the process exits (multiprocessing children end with os._exit, so arrays kept
+    to the end are never garbage collected): they would be lost to the other processes.
+    A slot is given back once: a lease freed after that (during interpreter teardown)
+    does nothing.  In a forked child, inherited leases never give back the parent's
+    slots: the parent still holds them.
+    """
+    __slots__ = ("free", "held", "finalizer", "pid", "__weakref__")
+
+    def __init__(self, free):
+        self.free = free
+        self.held = set()
+        self.finalizer = None
+        self.pid = os.getpid()
+
+    def leased(self, slot):
+        self.held.add(slot)
+        if self.finalizer is None:
+            self.finalizer = _mputil.Finalize(self, _give_back_all, [self.free, self.held],
+                                              exitpriority=-20)
+
+    # The module's globals may already be gone when a lease is freed at teardown: keep
+    # what this needs as defaults.
+    def __call__(self, slot, _give_back=_give_back, _getpid=os.getpid):
+        if self.pid != _getpid() or slot not in self.held:
+            return
+        self.held.discard(slot)
+        _give_back(self.free, slot)
+
+
 def _open_spill(pid, fd, ino, size):
     seg = _segment_from_peer(pid, fd, ino, size, "spill")
     with memoryview(seg) as mv:
@@ -538,11 +581,13 @@ def _spill_acked(seg):
 
 class _JoinPolicy:
     """Whether this process waits at exit for the spills of one queue (see
-    ShmQueue.cancel_join_thread)."""
-    __slots__ = ("cancelled",)
+    ShmQueue.cancel_join_thread), and that queue's message ring (to tell when no
+    receiver can still map them)."""
+    __slots__ = ("cancelled", "msgs")
 
-    def __init__(self):
+    def __init__(self, msgs):
         self.cancelled = False
+        self.msgs = msgs
 
 
 # Spill segments this process sent and no receiver has mapped yet, with their queue's join
@@ -552,14 +597,29 @@ _pending_spills = []
 _spill_lock = threading.Lock()
 _spill_exit_hook = None
 
+#: How long the message ring of a queue must stay empty (or shut down) before this process
+#: stops waiting for receivers to map its spills: a receiver maps a spill right after taking
+#: its entry, so an empty ring means that receiver died; a shut-down queue gets this long
+#: to be drained.
+SPILL_ORPHAN_GRACE = 1.0
+
+
+def _ensure_spill_hook():
+    """Register (once per process) the exit hook that waits for unread spills.  It runs
+    after the feeder threads are joined (priority -5), which may still spill."""
+    global _spill_exit_hook
+    # (multiprocessing clears its finalizers when a child starts, after unpickling the
+    # Process's arguments: hence still_active.)
+    if (_spill_exit_hook is None or _spill_exit_hook.pid != os.getpid()
+            or not _spill_exit_hook.still_active()):
+        _spill_exit_hook = _mputil.Finalize(None, _wait_for_spills, exitpriority=-10)
+        _spill_exit_hook.pid = os.getpid()
+
 
 def _keep_spill(seg, policy):
-    global _spill_exit_hook
     with _spill_lock:
         _pending_spills.append((seg, policy))
-        if _spill_exit_hook is None or _spill_exit_hook.pid != os.getpid():
-            _spill_exit_hook = _mputil.Finalize(None, _wait_for_spills, exitpriority=-5)
-            _spill_exit_hook.pid = os.getpid()
+        _ensure_spill_hook()
 
 
 def _reap_spills(policy=None):
@@ -579,25 +639,57 @@ def _reap_spills(policy=None):
     return waiting
 
 
+def _nobody_will_map(ring):
+    """True when a receiver is unlikely to map this process's pending spills of this ring:
+    the ring is empty (their entries were taken) or it was shut down."""
+    try:
+        return ring.is_shutdown or len(ring) == 0
+    except Exception:
+        return True  # detached: nobody here can read it any more
+
+
 def _wait_for_spills(policy=None):
     """Block until receivers mapped this process's spills (of one queue, or of every queue
-    whose join was not cancelled)."""
-    import time
+    whose join was not cancelled).  Spills of a queue whose message ring stays empty, or
+    shut down, for SPILL_ORPHAN_GRACE seconds are given up: their entries were taken by a
+    receiver that died before mapping them, or the queue was closed for everyone, so
+    waiting longer could hang."""
+    empty_since = {}
     while True:
         _reap_spills()
         with _spill_lock:
-            left = [pol for _, pol in _pending_spills
+            left = [(seg, pol) for seg, pol in _pending_spills
                     if (pol is policy if policy is not None else not pol.cancelled)]
         if not left:
             return
+        now = time.monotonic()
+        orphans = set()
+        for pol in {id(pol): pol for _, pol in left}.values():
+            if _nobody_will_map(pol.msgs):
+                since = empty_since.setdefault(id(pol), now)
+                if now - since >= SPILL_ORPHAN_GRACE:
+                    orphans.add(id(pol))
+            else:
+                empty_since.pop(id(pol), None)
+        if orphans:
+            with _spill_lock:
+                keep = []
+                for seg, pol in _pending_spills:
+                    if id(pol) in orphans:
+                        seg.close()
+                    else:
+                        keep.append((seg, pol))
+                _pending_spills[:] = keep
+            continue
         time.sleep(0.01)
 
 
 def _forget_spills_after_fork():
     # A forked child inherits the list, not the duty: the parent waits for its own spills.
     # The lock is replaced, never taken: another thread may have held it at the fork.
-    global _spill_lock
+    global _spill_lock, _spill_exit_hook
     _spill_lock = threading.Lock()
+    _spill_exit_hook = None
     for seg, _ in _pending_spills:
         seg.close()
     _pending_spills.clear()
