@@ -316,3 +316,154 @@ def test_an_interrupted_wait_does_not_leak_its_task():
             m.sample()
         assert pool._tasks[first].cancelled  # given up on, not left behind
         assert wait_until(lambda: pool._poll_all() or first not in pool._tasks, timeout=30)
+
+
+# -- found in the second review --------------------------------------------------------------
+
+def test_a_worker_reaped_by_someone_else_is_still_noticed():
+    # os.waitpid here (as a SIGCHLD handler or os.wait() elsewhere would) collects the exit
+    # status behind multiprocessing's back: Process.is_alive() then stays True.
+    with MultiProcessingSampleManager(_slow_identity, n_workers=1, ctx="fork",
+                                      doze_time=0.01, timeout=30) as mgr:
+        assert mgr.result(mgr.submit(0)) == 0
+        mgr.add_work(1)
+        pid = mgr.workers[0].pid
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        assert mgr.fetch() == 1                  # replaced, and the work redone
+        assert mgr.workers[0].pid != pid
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+@pytest.mark.parametrize("respawn", [True, False])
+def test_polling_without_blocking_notices_a_dead_worker(in_order, respawn):
+    with MultiProcessingSampleManager(_slow_identity, n_workers=1, ctx="fork",
+                                      doze_time=0.01, in_order=in_order,
+                                      respawn=respawn) as mgr:
+        assert mgr.result(mgr.submit(0)) == 0
+        mgr.add_work(1)
+        ticket = mgr.submit(2)
+        os.kill(mgr.workers[0].pid, signal.SIGKILL)
+        mgr.workers[0].join(10)
+        got = []
+
+        def poll():
+            if not mgr.ready(ticket):
+                return False
+            got.append(mgr.fetch(block=False))
+            return got[-1] is not None
+
+        if respawn:
+            assert wait_until(poll, timeout=30)
+            assert got[-1] == 1 and mgr.result(ticket) == 2
+        else:
+            with pytest.raises(WorkerDiedError):
+                wait_until(poll, timeout=30)
+
+
+def test_ctrl_c_while_a_dead_worker_is_being_replaced(monkeypatch):
+    import unienv_mp.manager as M
+    real = M._stop_processes
+    armed = [True]
+
+    def interrupted(procs, timeout):
+        real(procs, timeout)
+        if armed[0] and procs:
+            armed[0] = False
+            raise KeyboardInterrupt
+
+    with MultiProcessingSampleManager(_slow_identity, n_workers=1, ctx="fork",
+                                      doze_time=0.01, timeout=30) as mgr:
+        for i in range(3):
+            mgr.add_work(i)
+        os.kill(mgr.workers[0].pid, signal.SIGKILL)
+        monkeypatch.setattr(M, "_stop_processes", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            mgr.fetch()
+        assert not armed[0]
+        assert [mgr.fetch() for _ in range(3)] == [0, 1, 2]
+
+
+def test_ctrl_c_while_a_result_is_recorded_keeps_the_result():
+    with MultiProcessingSampleManager(_identity, n_workers=1, ctx="fork",
+                                      timeout=30) as mgr:
+        real = mgr._accept
+        armed = [True]
+
+        def interrupted(w, entry):
+            if armed[0]:
+                armed[0] = False
+                raise KeyboardInterrupt
+            return real(w, entry)
+
+        mgr._accept = interrupted
+        mgr.add_work("a")
+        mgr.add_work("b")
+        with pytest.raises(KeyboardInterrupt):
+            mgr.fetch()
+        assert [mgr.fetch(), mgr.fetch()] == ["a", "b"]
+        assert not mgr._pool.workers[0].inflight
+
+
+def test_work_items_larger_than_a_task_entry_of_every_kind():
+    big = "x" * 100_000
+    with MultiProcessingSampleManager(len, n_workers=1, ctx="fork", timeout=30) as mgr:
+        assert mgr.result(mgr.submit(big)) == 100_000
+        assert mgr.result(mgr.submit((big, 1))) == 2
+        assert mgr.result(mgr.submit(list(big[:50_000]))) == 50_000
+        assert mgr.result(mgr.submit("small")) == 5
+
+
+_PLUGIN = """
+class PluginError(Exception):
+    pass
+"""
+
+
+def _add_plugin_path(seed):
+    sys.path.insert(0, os.environ["UNIENV_MP_TEST_PLUGIN_DIR"])
+
+
+def _raise_plugin_error(x):
+    import unienv_mp_test_plugin
+    raise unienv_mp_test_plugin.PluginError(f"bad input {x}")
+
+
+def test_an_exception_the_parent_cannot_import_still_arrives_as_text(tmp_path, monkeypatch):
+    from unienv_mp import WorkerError
+    (tmp_path / "unienv_mp_test_plugin.py").write_text(_PLUGIN)
+    monkeypatch.setenv("UNIENV_MP_TEST_PLUGIN_DIR", str(tmp_path))
+    with MultiProcessingSampleManager(_raise_plugin_error, n_workers=1, ctx="fork",
+                                      worker_init_fn=_add_plugin_path, worker_seeds=[0],
+                                      timeout=30) as mgr:
+        with pytest.raises(WorkerError, match="PluginError: bad input 7") as info:
+            mgr.result(mgr.submit(7))
+        assert info.value.original is None          # its class is not importable here
+        assert info.value.exc_type == "unienv_mp_test_plugin.PluginError"
+        assert "_raise_plugin_error" in info.value.worker_traceback
+        pid = mgr.workers[0].pid
+        with pytest.raises(WorkerError, match="bad input 8"):
+            mgr.result(mgr.submit(8))
+        assert mgr.workers[0].pid == pid            # the worker goes on
+    assert "unienv_mp_test_plugin" not in sys.modules
+
+
+def _no_more_descriptors(seed):
+    import resource
+    n = os.open("/dev/null", os.O_RDONLY)   # the lowest free descriptor number
+    os.close(n)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (n, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+
+def test_a_result_the_worker_cannot_put_in_a_slot_is_an_error_not_a_death():
+    from unienv_mp import WorkerError
+    with MultiProcessingSampleManager(_big_result, n_workers=1, ctx="fork",
+                                      worker_init_fn=_no_more_descriptors, worker_seeds=[0],
+                                      timeout=30) as mgr:
+        pid = mgr.workers[0].pid
+        with pytest.raises(WorkerError, match="OSError") as info:
+            mgr.result(mgr.submit(1))
+        assert "Too many open files" in str(info.value)
+        with pytest.raises(WorkerError, match="OSError"):
+            mgr.result(mgr.submit(2))
+        assert mgr.workers[0].pid == pid           # not killed, not replaced

@@ -52,7 +52,8 @@ def worker_loop(fetch_fn, workid_queue, result_queue, done_event, doze_time=0.00
 
 def _as_worker_error(e):
     info = error_payload(e)
-    return WorkerError(info["type"], info["message"], info["traceback"], info["exception"])
+    return WorkerError(info["type"], info["message"], info["traceback"],
+                       e if info["exception"] is not None else None)
 
 
 def _target_for(sampler, fn):

@@ -1,7 +1,33 @@
 """Exceptions raised by unienv_mp.  This module imports nothing from the package, so every
 layer can use it."""
 
+import pickle
+
 __all__ = ["RingClosed", "CodecError", "WorkerError", "WorkerDiedError", "PeerGoneError"]
+
+
+def _dumps_or_none(obj):
+    if obj is None:
+        return None
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        return None
+
+
+def _loads_or_none(data):
+    """The object pickled in ``data``, or None if there is none or it cannot be loaded here
+    (e.g. its class lives in a module only the worker can import)."""
+    if data is None:
+        return None
+    try:
+        return pickle.loads(data)
+    except Exception:
+        return None
+
+
+def _rebuild_worker_error(cls, exc_type, exc_message, worker_traceback, original, worker):
+    return cls(exc_type, exc_message, worker_traceback, _loads_or_none(original), worker)
 
 
 class RingClosed(Exception):
@@ -43,8 +69,11 @@ class WorkerError(RuntimeError):
         )
 
     def __reduce__(self):
-        return (type(self), (self.exc_type, self.exc_message, self.worker_traceback,
-                             self.original, self.worker))
+        # The original travels pickled on its own: if it cannot be loaded where this
+        # error arrives, only ``original`` is lost (None), not type, message and traceback.
+        return (_rebuild_worker_error,
+                (type(self), self.exc_type, self.exc_message, self.worker_traceback,
+                 _dumps_or_none(self.original), self.worker))
 
 
 class WorkerDiedError(RuntimeError):

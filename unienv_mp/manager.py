@@ -18,7 +18,9 @@ import os
 import pickle
 import queue as _queue
 import threading
+from multiprocessing import process as _mp_process
 from multiprocessing import util as _mputil
+from multiprocessing.connection import wait as _wait_ready
 from typing import Callable, Generic, Optional, Sequence, TypeVar
 
 import numpy as np
@@ -26,7 +28,7 @@ import numpy as np
 from . import _codec
 from . import _protocol as P
 from ._ring import Event, RingBuffer, Segment, _segment_from_peer
-from .errors import PeerGoneError, RingClosed, WorkerDiedError, WorkerError
+from .errors import PeerGoneError, RingClosed, WorkerDiedError, WorkerError, _loads_or_none
 from .worker import worker_main
 
 __all__ = ["MultiProcessingSampleManager", "TaskInfoT", "ResultT"]
@@ -64,6 +66,18 @@ def _check_seconds(value, what, allow_none=True):
     return float(value)
 
 
+def _exited(proc):
+    """True if ``proc`` has ended.  ``is_alive()`` alone says True for a child that
+    something else reaped (SIGCHLD ignored, an ``os.wait()`` elsewhere): its sentinel
+    still tells, since it becomes readable when the child ends."""
+    try:
+        if not proc.is_alive():
+            return True
+        return bool(_wait_ready([proc.sentinel], 0))
+    except ValueError:
+        return True   # the Process object was closed
+
+
 class _WorkerDied(Exception):
     def __init__(self, worker):
         self.worker = worker
@@ -91,6 +105,7 @@ class _Worker:
         self.index = index
         self.incarnation = 0
         self.proc = None
+        self.pid = None                      # of proc (no Python code to run to read it)
         self.seg = None
         self.tasks = None
         self.results = None
@@ -101,6 +116,7 @@ class _Worker:
         self.failed_starts = 0               # deaths since the last result
         self.check = None                    # liveness check used while waiting on it
         self.reissue = []                    # tasks waiting for a (new) process
+        self.unaccepted = []                 # result entries popped, then interrupted
 
     def take_slot(self):
         if self.free_slots:
@@ -120,7 +136,7 @@ class _LivenessCheck:
 
     def __call__(self):
         proc = self.w.proc
-        if proc is not None and not proc.is_alive():
+        if proc is not None and _exited(proc):
             raise _WorkerDied(self.w)
         if self.pool.closed:
             raise RuntimeError("manager was closed while waiting")
@@ -168,6 +184,13 @@ class _Pool:
                 self.doorbell_seg.close()
 
 
+def _exitcode(proc):
+    try:
+        return None if proc is None else proc.exitcode
+    except ValueError:
+        return None
+
+
 def _stop_processes(procs, join_timeout):
     """Join ``procs``, terminating (then killing) those still running after
     ``join_timeout`` seconds; tolerant of Process objects never started or already
@@ -193,7 +216,18 @@ def _stop_processes(procs, join_timeout):
             call(p, "kill")
             call(p, "join", 1.0)
     for p in started:
-        call(p, "close")
+        if call(p, "is_alive") and _exited(p):
+            # Reaped by someone else (its exit status is gone): multiprocessing would
+            # count it among active_children() for ever.
+            _mp_process._children.discard(p)
+        else:
+            call(p, "close")
+
+
+def _stop_started(proc):
+    """Stop a worker whose start was interrupted (if it was started at all)."""
+    if getattr(proc, "_popen", None) is not None:
+        _stop_processes([proc], 0.0)
 
 
 def _close_worker_memory(w):
@@ -370,15 +404,20 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             try:
                 proc.start()
             except (pickle.PicklingError, TypeError, AttributeError) as e:
+                _stop_started(proc)
                 raise TypeError(
                     f"cannot start workers with the {self._ctx.get_start_method()!r} start "
                     f"method: the work function (and everything it refers to, e.g. the "
                     f"wrapped sampler) must be picklable, but pickling failed with "
                     f"{type(e).__name__}: {e}") from e
+            except BaseException:
+                _stop_started(proc)   # e.g. Ctrl-C after the fork: leave no orphan
+                raise
         except BaseException:
             seg.close()
             raise
-        w.seg, w.tasks, w.results, w.proc = seg, tasks, results, proc
+        w.seg, w.tasks, w.results, w.proc, w.pid = seg, tasks, results, proc, proc.pid
+        w.unaccepted = []
         w.slot_maps = {}
         w.free_slots = []
         w.next_slot = 0
@@ -388,16 +427,18 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         unfinished work for the next process (see _restart).  Raises WorkerDiedError if
         the worker must not (respawn=False) or should not (it keeps dying) be replaced."""
         proc = w.proc
-        code = proc.exitcode if proc is not None else None
-        pid = proc.pid if proc is not None else None
+        code = _exitcode(proc)
+        pid = w.pid
         if w.results is not None:
             try:
+                self._unstash(w)
                 while True:
-                    self._accept(w, w.results.pop_tagged(False))
+                    self._take(w, w.results.pop_tagged(False))
             except (_queue.Empty, RingClosed, _WorkerDied):
                 pass
         how = (f"was killed by signal {-code}" if code is not None and code < 0
-               else f"exited with code {code}")
+               else f"exited with code {code}" if code is not None
+               else "ended (its exit status was collected elsewhere)")
         w.failed_starts += 1
         if not self.respawn:
             raise WorkerDiedError(f"worker {w.index} (pid {pid}) {how}; respawn=False",
@@ -407,9 +448,9 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 f"worker {w.index} {how}; it died {w.failed_starts} times in a row without "
                 f"producing a result ({self.max_respawns} replacements), giving up",
                 worker=w.index, exitcode=code)
-        _stop_processes([proc] if proc is not None else [], 1.0)
-        w.proc = None
-        _close_worker_memory(w)
+        # First the bookkeeping, with no Python-level call in between (this module is
+        # compiled, so a Ctrl-C cannot land half-way): the worker has no process, its
+        # unfinished work waits for the next one.  Then release the old process and memory.
         unfinished = []
         for t in w.inflight:
             task = self._tasks.get(t)
@@ -422,6 +463,16 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 unfinished.append(task)
         w.inflight.clear()
         w.reissue[0:0] = unfinished    # before anything queued for it meanwhile
+        w.unaccepted = []
+        w.proc = w.pid = None
+        old = _Worker(w.index)
+        old.tasks, old.results, old.seg = w.tasks, w.results, w.seg
+        w.tasks = w.results = w.seg = None
+        w.slot_maps = {}
+        try:
+            _stop_processes([proc] if proc is not None else [], 1.0)
+        finally:
+            _close_worker_memory(old)
 
     def _restart(self, w):
         """Start a process for ``w`` if it has none, and hand it the work queued in
@@ -496,9 +547,12 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             return None
         payload = self._work_cache.get(key)
         if payload is None:
+            payload = bytes(_codec.encode(work))
+            if len(payload) > TASK_INLINE:
+                return None   # e.g. a long string: it travels in a segment, uncached
             if len(self._work_cache) > 1024:
                 self._work_cache.clear()
-            payload = self._work_cache[key] = bytes(_codec.encode(work))
+            self._work_cache[key] = payload
         return payload
 
     def _dispatch(self, task, w):
@@ -519,9 +573,10 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         """Keep at most TASK_CAPACITY tasks in flight on ``w``: collect (not hand out)
         results until there is room.  A worker whose rings were both full would wait for
         the parent while the parent waits for it."""
+        self._unstash(w)
         while len(w.inflight) >= TASK_CAPACITY:
             try:
-                self._accept(w, w.results.pop_tagged(True, self.timeout, check=w.check))
+                self._take(w, w.results.pop_tagged(True, self.timeout, check=w.check))
             except _queue.Empty:
                 raise TimeoutError(f"worker {w.index} produced no result within "
                                    f"{self.timeout} s") from None
@@ -582,7 +637,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             mapped = w.slot_maps.get(slot)
             if mapped is None or mapped[0] != gen:
                 try:
-                    seg = _segment_from_peer(w.proc.pid, fd, ino, size, f"slot{w.index}")
+                    seg = _segment_from_peer(w.pid, fd, ino, size, f"slot{w.index}")
                 except PeerGoneError:
                     # The worker died before we could map its slot: the task stays in
                     # flight on it and is redone by its replacement.
@@ -591,6 +646,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                     # e.g. out of descriptors: this result is lost; its caller hears why
                     w.inflight.remove(ticket)
                     task.result = (_LOCAL_ERROR, e)
+                    if task.cancelled:
+                        self._forget(task)
                     return
                 seg.unlink()  # no descriptor needed: the mapping is what we use
                 w.slot_maps[slot] = (gen, seg)
@@ -603,6 +660,20 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         task.result = (status, where, slot, payload, seg)
         if task.cancelled:
             self._discard(task)
+
+    def _take(self, w, entry):
+        """_accept ``entry``; if a Ctrl-C interrupts that, keep the entry on ``w`` to be
+        accepted first next time (it was popped: nothing else would deliver it)."""
+        try:
+            self._accept(w, entry)
+        except KeyboardInterrupt:
+            w.unaccepted.append(entry)
+            raise
+
+    def _unstash(self, w):
+        while w.unaccepted:
+            self._accept(w, w.unaccepted[0])
+            w.unaccepted.pop(0)
 
     def _close_spill(self, task):
         if task.spill is not None:
@@ -652,7 +723,10 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 continue
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                self._accept(w, w.results.pop_tagged(True, left, check=w.check))
+                if w.unaccepted:
+                    self._unstash(w)
+                    continue
+                self._take(w, w.results.pop_tagged(True, left, check=w.check))
             except _queue.Empty:
                 raise TimeoutError(
                     f"no result from worker {w.index} within {timeout} s") from None
@@ -688,7 +762,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
     @staticmethod
     def _worker_error(info, index, prefix=""):
         return WorkerError(info["type"], prefix + info["message"], info["traceback"],
-                           info["exception"], index)
+                           _loads_or_none(info["exception"]), index)
 
     def result(self, ticket: int, timeout: Optional[float] = None):
         """The result of a :meth:`submit` ticket, waiting for it if needed.  Raises
@@ -708,7 +782,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         if task is None:
             raise KeyError(f"unknown or already collected ticket {ticket}")
         if task.result is None:
-            self._poll_all()
+            self._poll_all(check_alive=True)
         return task.result is not None
 
     def cancel(self, ticket: int) -> None:
@@ -720,17 +794,21 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         if task.result is not None:
             self._discard(task)
 
-    def _poll_all(self):
+    def _poll_all(self, check_alive=False):
         """Accept every result already published by any worker (never blocks, except to
-        replace a worker found dead)."""
+        replace a worker found dead).  ``check_alive``: also look for dead workers (a
+        caller that does not block never reaches the liveness checks of the waits)."""
         for w in self._pool.workers:
             if w.tasks is None or w.reissue:
                 self._restart(w)
             try:
+                self._unstash(w)
                 while True:
-                    self._accept(w, w.results.pop_tagged(False))
+                    self._take(w, w.results.pop_tagged(False))
             except _queue.Empty:
-                pass
+                if check_alive and w.proc is not None and _exited(w.proc):
+                    self._bury(w)
+                    self._restart(w)
             except _WorkerDied:
                 self._bury(w)
                 self._restart(w)
@@ -749,7 +827,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             task = self._tasks[self._order[0]]
             if task.result is None:
                 if not block:
-                    self._poll_all()
+                    self._poll_all(check_alive=True)
                     if task.result is None:
                         return None
                 else:
@@ -781,6 +859,9 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             return None
 
         found = find()
+        if found is None and not block:
+            self._check_all_alive()
+            found = find()
         if found is None and block:
             limit = timeout if timeout is not None else self.timeout
             found = self._doorbell.wait_until(find, limit, self.doze_time,
@@ -793,7 +874,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         for w in self._pool.workers:
             if w.proc is None:          # replaced, but its replacement could not start yet
                 self._restart(w)
-            elif not w.proc.is_alive():
+            elif _exited(w.proc):
                 self._bury(w)
                 self._restart(w)
 

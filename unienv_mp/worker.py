@@ -58,10 +58,14 @@ def _die_with_parent(parent_pid, use_pdeathsig):
 
 def error_payload(exc, max_traceback=_MAX_TRACEBACK, max_message=_MAX_TRACEBACK):
     """What a worker sends for an exception: type, message, traceback, and the exception
-    itself when it survives pickling *and unpickling* (an exception whose ``__init__``
-    takes other arguments than its ``args`` pickles but does not load)."""
+    itself, pickled (bytes), when it survives pickling *and unpickling* here (an exception
+    whose ``__init__`` takes other arguments than its ``args`` pickles but does not load).
+    It is pickled on its own so that the receiver, which may not be able to import its
+    class, still gets the rest (see errors._loads_or_none)."""
     try:
-        original = exc if type(pickle.loads(pickle.dumps(exc))) is type(exc) else None
+        original = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
+        if type(pickle.loads(original)) is not type(exc):
+            original = None
     except Exception:
         original = None
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -79,7 +83,8 @@ def error_payload(exc, max_traceback=_MAX_TRACEBACK, max_message=_MAX_TRACEBACK)
 
 
 def _fatal_payload(exc, limit):
-    """The encoded error of a worker that cannot start, cut down to fit inline."""
+    """The encoded error of a worker that cannot start (or cannot write a result into a
+    slot), cut down to fit inline."""
     for tb, msg, keep in ((_MAX_TRACEBACK, _MAX_TRACEBACK, True), (2000, 500, False),
                           (200, 100, False)):
         info = error_payload(exc, tb, msg)
@@ -141,11 +146,17 @@ def worker_main(index, target_fn, seg, doorbell_seg, parent_pid, init_fn, seed, 
             results.push_tagged(P.tag(status, P.AT_INLINE), slot, ticket,
                                 _codec.encode_prepared(p), check=check)
         else:
-            gen, sseg = slots.get(slot, p.nbytes)
-            with memoryview(sseg) as mv:
-                _codec.write(p, mv)
-            desc = P.SLOT_DESC.pack(gen, sseg.fd, sseg.ino, sseg.size, p.nbytes)
-            results.push_tagged(P.tag(status, P.AT_SLOT), slot, ticket, desc, check=check)
+            try:
+                gen, sseg = slots.get(slot, p.nbytes)
+                with memoryview(sseg) as mv:
+                    _codec.write(p, mv)
+                desc = P.SLOT_DESC.pack(gen, sseg.fd, sseg.ino, sseg.size, p.nbytes)
+            except Exception as e:   # e.g. out of memory or descriptors for a slot
+                results.push_tagged(P.tag(P.ST_ERROR, P.AT_INLINE), slot, ticket,
+                                    _fatal_payload(e, inline_max), check=check)
+            else:
+                results.push_tagged(P.tag(status, P.AT_SLOT), slot, ticket, desc,
+                                    check=check)
         doorbell.notify()
 
     if init_fn is not None and seed is not None:
