@@ -44,18 +44,27 @@ def test_worker_dying_mid_batch_is_replaced_without_a_gap(tmp_path, how):
             assert len(f.read().split()) == 2          # the workers really died
 
 
-def test_worker_killed_from_outside_during_an_epoch():
-    rb = replay_buffer(150)
+def _epoch_pool(m):
+    """The manager running ``m``'s current epoch: its own over unshared data, else the
+    sampler's."""
+    return next(iter(m._epoch_pools)) if m._epoch_pools else m._pool
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_worker_killed_from_outside_during_an_epoch(shared):
+    rb = replay_buffer(150, multiprocessing=shared)
     s = _data.SlowSampler(rb, 10, seed=0, delay=0.05)
     with MultiprocessingSampler(s, n_workers=3, n_buffers=6, ctx="fork", doze_time=0.01) as m:
         seen = []
         for i, b in enumerate(m.epoch_iter()):
             seen += indices_of(b)
             if i in (2, 7):
-                victim = m._pool.workers[i % 3]
-                os.kill(victim.pid, signal.SIGKILL)
+                pool = _epoch_pool(m)
+                assert (pool is m._pool) == shared
+                os.kill(pool.workers[i % 3].pid, signal.SIGKILL)
+            if i == 12:
+                assert all(w.is_alive() for w in _epoch_pool(m).workers)
         assert sorted(seen) == list(range(150))
-        assert all(w.is_alive() for w in m._pool.workers)
 
 
 def test_respawn_false_raises_worker_died_error(tmp_path):
@@ -69,7 +78,7 @@ def test_respawn_false_raises_worker_died_error(tmp_path):
 
 
 def test_a_worker_that_keeps_dying_at_start_raises():
-    rb = replay_buffer(20)
+    rb = replay_buffer(20, multiprocessing=True)   # shared: the epoch uses the seeded workers
     with MultiprocessingSampler(_data.CrashAtStart(StepSampler(rb, 4, seed=0)), n_workers=1,
                                 n_buffers=1, ctx="fork", doze_time=0.01) as m:
         with pytest.raises(WorkerDiedError, match="in a row") as info:
@@ -91,7 +100,7 @@ def test_close_while_work_is_in_flight():
     m = MultiprocessingSampler(s, n_workers=2, n_buffers=4, ctx="fork")
     it = m.epoch_iter()
     next(it)                      # now every worker is in the middle of a slow batch
-    pids = [p.pid for p in m._pool.workers]
+    pids = [p.pid for p in _epoch_pool(m).workers]
     t = time.monotonic()
     m.close()
     assert time.monotonic() - t < 30   # a hang detector, not a speed requirement

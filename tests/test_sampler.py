@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from unienv_data.base import BatchSampler
 from unienv_data.batches.backend_compat import ToBackendOrDeviceBatch
 from unienv_data.batches.framestack_batch import FrameStackedBatch
 from unienv_data.samplers import StepSampler
@@ -344,3 +345,76 @@ def test_worker_loop_with_multiprocessing_queues():
     assert p.exitcode == 0
     assert got[:3] == [0, 2, 4] and got[4] == 8
     assert isinstance(got[3], WorkerError) and got[3].exc_message == "three"
+
+
+# -- found in the compatibility review ---------------------------------------------------------
+
+def test_each_epoch_sees_the_data_as_it_is_when_the_epoch_starts():
+    # A ReplayBuffer in ordinary memory: workers hold a copy, so each epoch needs its own
+    # (as UniEnv's epochs do).  Grown between epochs, then overwritten at the same length.
+    rb = replay_buffer(100, capacity=200)
+    with MultiprocessingSampler(StepSampler(rb, 32, seed=0), n_workers=2, n_buffers=2,
+                                ctx="fork") as m:
+        assert sorted(i for b in m.epoch_iter() for i in indices_of(b)) == list(range(100))
+        assert len(indices_of(m.sample())) == 32       # the sampling pool starts here
+        rb.extend(_data.transitions(100, 100))
+        assert sorted(i for b in m.epoch_iter() for i in indices_of(b)) == list(range(200))
+        rb.extend(_data.transitions(200, 200))         # every row replaced, len unchanged
+        assert sorted(i for b in m.epoch_iter() for i in indices_of(b)) == \
+            list(range(200, 400))
+        assert max(indices_of(m.sample())) < 100       # sample() keeps its snapshot, as UniEnv
+        assert not m._epoch_pools
+
+
+def test_first_epoch_is_the_in_process_epoch_for_the_same_seed():
+    rb = replay_buffer(100)
+    expected = [indices_of(b) for b in StepSampler(rb, 16, seed=5).epoch_iter()]
+    with MultiprocessingSampler(StepSampler(rb, 16, seed=5), n_workers=2, n_buffers=3,
+                                ctx="fork") as m:
+        assert [indices_of(b) for b in m.epoch_iter()] == expected
+
+
+class _Synthetic(BatchSampler):
+    """A sampler that makes its batches up: no ``data``."""
+
+    def __init__(self):
+        from unienv_interface.backends.pytorch import PyTorchComputeBackend
+        from unienv_interface.space import BoxSpace
+        super().__init__(BoxSpace(PyTorchComputeBackend, -1.0, 1.0, torch.float32,
+                                  shape=(3,)), None, 4)
+        self.n = 0
+
+    def sample(self):
+        self.n += 1
+        return torch.full((4, 3), float(self.n))
+
+
+def test_a_sampler_without_data_is_wrapped():
+    with MultiprocessingSampler(_Synthetic(), n_workers=1, n_buffers=1, ctx="fork") as m:
+        assert [float(m.sample()[0, 0]) for _ in range(3)] == [1.0, 2.0, 3.0]
+
+
+class _TwiceSampler(StepSampler):
+    def sample_twice(self):
+        return self.sample_index(), self.sample_index()
+
+
+def test_an_extra_method_keeps_its_sampler_alive():
+    rb = replay_buffer(50)
+    fn = MultiprocessingSampler(_TwiceSampler(rb, 4, seed=0), n_workers=1, n_buffers=1,
+                                ctx="fork").sample_twice
+    gc.collect()
+    a, b = fn()
+    assert len(a) == 4 and len(b) == 4
+    assert "sample_twice" in dir(fn.__self__)
+    fn.__self__.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        fn()
+
+
+def test_numpy_integers_are_accepted_for_counts():
+    rb = replay_buffer(50)
+    with MultiprocessingSampler(StepSampler(rb, 4, seed=0), n_workers=np.int64(1),
+                                n_buffers=np.int32(2), ctx="fork") as m:
+        assert m.n_workers == 1 and type(m.n_workers) is int
+        assert len(indices_of(m.sample())) == 4

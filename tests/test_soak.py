@@ -38,11 +38,15 @@ def test_soak_mixed_work_with_random_worker_kills():
 
     def killer():
         while not stop.wait(rng.uniform(0.2, 1.0)):
-            pool = m._pool
-            if pool is None:
+            try:
+                # the sampling workers, or those of the epoch running now
+                pools = [p for p in (m._pool, *list(m._epoch_pools)) if p is not None]
+            except RuntimeError:   # the set changed while we copied it
+                continue
+            if not pools:
                 continue
             try:
-                pid = rng.choice(pool.workers).pid
+                pid = rng.choice(rng.choice(pools).workers).pid
                 os.kill(pid, signal.SIGKILL)
                 kills.append(pid)
             except (ProcessLookupError, ValueError, TypeError):

@@ -14,6 +14,7 @@ with the parent however the parent ends.
 """
 import collections
 import multiprocessing as mp
+import numbers
 import os
 import pickle
 import queue as _queue
@@ -48,8 +49,10 @@ _LOCAL_ERROR = 255   # a result that arrived but could not be mapped here
 
 
 def _check_int(value, what, minimum=1):
-    if isinstance(value, bool) or not isinstance(value, int):
+    """``value`` as an int (numpy integers accepted), or a clear TypeError/ValueError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}")
+    value = int(value)
     if value < minimum:
         raise ValueError(f"{what} must be >= {minimum}, got {value}")
     return value
@@ -296,9 +299,9 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         self.closed = True
         if not callable(target_fn):
             raise TypeError(f"target_fn must be callable, got {type(target_fn).__name__}")
-        _check_int(n_workers, "n_workers")
+        n_workers = _check_int(n_workers, "n_workers")
         _check_seconds(doze_time, "doze_time", allow_none=False)
-        _check_int(max_respawns, "max_respawns", 0)
+        max_respawns = _check_int(max_respawns, "max_respawns", 0)
         if worker_seeds is not None:
             worker_seeds = list(worker_seeds)
             if len(worker_seeds) != n_workers:

@@ -16,6 +16,7 @@ and, unless the queue was made with ``copy=True``, come out as views of the slot
 goes back to the free ring when the last of them is garbage collected.
 """
 import collections
+import numbers
 import os
 import pickle
 import queue as _queue
@@ -64,8 +65,9 @@ def _align(n, a):
 
 
 def _check_count(value, what, minimum):
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}")
+    value = int(value)
     if value < minimum:
         raise ValueError(f"{what} must be >= {minimum}, got {value}")
     return value
@@ -113,13 +115,13 @@ class ShmQueue:
     def __init__(self, maxsize=0, *, ctx=None, slot_size=1 << 20, n_slots=None,
                  inline_size=256, copy=False, poll_interval=DEFAULT_POLL_INTERVAL,
                  spin=DEFAULT_SPIN):
-        _check_count(maxsize, "maxsize", 0)
-        _check_count(slot_size, "slot_size", 1)
-        _check_count(inline_size, "inline_size", 0)
+        maxsize = _check_count(maxsize, "maxsize", 0)
+        slot_size = _check_count(slot_size, "slot_size", 1)
+        inline_size = _check_count(inline_size, "inline_size", 0)
         capacity = maxsize if maxsize > 0 else DEFAULT_CAPACITY
         if n_slots is None:
             n_slots = min(capacity, 64)
-        _check_count(n_slots, "n_slots", 1)
+        n_slots = _check_count(n_slots, "n_slots", 1)
         if inline_size > 1 << 20:
             raise ValueError(f"inline_size must be <= 1 MiB, got {inline_size}")
         slot_size = _align(slot_size, _PAGE)

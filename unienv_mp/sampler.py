@@ -3,15 +3,16 @@
     from unienv_mp import MultiprocessingSampler   # was: from unienv_data.samplers import ...
 
 The only module of the package that knows UniEnv.  One pool of worker processes serves every
-``sample*`` method and every epoch iterator of the wrapped sampler (UniEnv starts a pool per
-method, and a new one per epoch); batches come back through shared-memory slots as zero-copy
-views (see :class:`~unienv_mp.manager.MultiProcessingSampleManager`).
+``sample*`` method of the wrapped sampler (UniEnv starts a pool per method), and epochs too
+when the data is shared between processes; otherwise each epoch gets its own pool, started
+when the epoch starts, so that it sees the data as it is then (as UniEnv's epochs do).
+Batches come back through shared-memory slots as zero-copy views (see
+:class:`~unienv_mp.manager.MultiProcessingSampleManager`).
 """
 import collections
 import copy as _copy
 import multiprocessing as mp
 import sys
-import weakref
 from typing import Any, Optional
 
 from unienv_data.base import BatchSampler
@@ -102,6 +103,15 @@ def _epoch_batches(sampler):
     return [idx[s:s + bs] for s in range(0, n, bs)]
 
 
+def _data_is_shared(sampler):
+    """True if worker processes see changes the parent makes to the sampler's data (e.g. a
+    ReplayBuffer made with ``multiprocessing=True``)."""
+    try:
+        return bool(getattr(sampler.data, "is_multiprocessing_safe", False))
+    except Exception:
+        return False
+
+
 def _device_type(device):
     if device is None:
         return "cpu"
@@ -117,6 +127,9 @@ class MultiprocessingSampler(BatchSampler):
 
     A drop-in for ``unienv_data.samplers.MultiprocessingSampler`` (same constructor, same
     methods and properties), with batches moved through shared memory instead of pickles.
+    As in UniEnv, the ``sample*`` workers start at the first call and see the data as it
+    was then (unless it is shared between processes, e.g. a ReplayBuffer made with
+    ``multiprocessing=True``), and an epoch over unshared data starts workers of its own.
 
     Args:
         sampler: the ``BatchSampler`` to run in the workers (e.g. a ``StepSampler``).  Its
@@ -171,8 +184,8 @@ class MultiprocessingSampler(BatchSampler):
         if not isinstance(sampler, BatchSampler):
             raise TypeError(f"sampler must be a unienv_data BatchSampler (e.g. StepSampler), "
                             f"got {type(sampler).__module__}.{type(sampler).__qualname__}")
-        _check_int(n_workers, "n_workers")
-        _check_int(n_buffers, "n_buffers")
+        n_workers = _check_int(n_workers, "n_workers")
+        n_buffers = _check_int(n_buffers, "n_buffers")
         _check_seconds(doze_time, "doze_time", allow_none=False)
         _check_seconds(timeout, "timeout")
         if isinstance(ctx, str):
@@ -180,8 +193,9 @@ class MultiprocessingSampler(BatchSampler):
         elif ctx is not None and not hasattr(ctx, "Process"):
             raise TypeError(f"ctx must be a multiprocessing context or a start method name, "
                             f"got {ctx!r}")
+        data_device = getattr(getattr(sampler, "data", None), "device", None)
         for what, dev in (("sampler.device", sampler.device),
-                          ("sampler.data.device", getattr(sampler.data, "device", None))):
+                          ("sampler.data.device", data_device)):
             if _device_type(dev) not in ("cpu",):
                 raise ValueError(
                     f"MultiprocessingSampler returns CPU batches from worker processes, but "
@@ -201,24 +215,37 @@ class MultiprocessingSampler(BatchSampler):
         self.timeout = timeout
         self.respawn = bool(respawn)
         self._streams = {}
+        self._epoch_pools = set()
         # Every other sample* / get*_at method of the wrapped sampler runs in the workers
         # too (as UniEnv does): sample_x() directly, get_at_x as epoch_iter_x(), and
-        # get_flattened_at_x as epoch_flat_iter_x().
+        # get_flattened_at_x as epoch_flat_iter_x().  Made on access (see __getattr__), so
+        # that the sampler holds no reference to itself.
+        self._extra = {}
         for name in dir(sampler):
             if not name.startswith(("sample", "get_at", "get_flattened_at")):
                 continue
             if not callable(getattr(sampler, name, None)):
                 continue
             if name.startswith("sample"):
-                new, method = name, _StreamMethod(self, name)
+                new, kind = name, _StreamMethod
             elif name.startswith("get_at"):
-                new, method = "epoch_iter" + name[len("get_at"):], _EpochMethod(self, name)
+                new, kind = "epoch_iter" + name[len("get_at"):], _EpochMethod
             else:
-                new = "epoch_flat_iter" + name[len("get_flattened_at"):]
-                method = _EpochMethod(self, name)
+                new, kind = "epoch_flat_iter" + name[len("get_flattened_at"):], _EpochMethod
             if not hasattr(type(self), new):
-                setattr(self, new, method)
+                self._extra[new] = (kind, name)
         self._closed = False
+
+    def __getattr__(self, attr):
+        # only reached for attributes not found the normal way
+        extra = self.__dict__.get("_extra")
+        if extra is not None and attr in extra:
+            kind, name = extra[attr]
+            return kind(self, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}")
+
+    def __dir__(self):
+        return sorted(set(super().__dir__()) | set(self.__dict__.get("_extra", ())))
 
     # -- the pool ---------------------------------------------------------------------------
 
@@ -259,8 +286,20 @@ class MultiprocessingSampler(BatchSampler):
             raise
 
     def _epoch(self, getter):
-        pool = self._ensure_pool()
+        if self._closed:
+            raise RuntimeError("this MultiprocessingSampler is closed")
+        # The permutation first, as UniEnv draws it (before any worker seeds).
         batches = _epoch_batches(self.sampler)
+        if _data_is_shared(self.sampler):
+            pool, own = self._ensure_pool(), False
+        else:
+            # Workers hold a copy of unshared data as it was when they started: this epoch
+            # needs workers started now (its get*_at draw nothing random: no seeds).
+            pool, own = MultiProcessingSampleManager(
+                _SamplerTarget(self.sampler), n_workers=self.n_workers, ctx=self.mp_ctx,
+                doze_time=self.doze_time, daemon=self.daemon, in_order=self.in_order,
+                copy=self.copy, timeout=self.timeout, respawn=self.respawn), True
+            self._epoch_pools.add(pool)
         pending = collections.deque()
         nxt = 0
         try:
@@ -276,7 +315,10 @@ class MultiprocessingSampler(BatchSampler):
                 yield self._collect(pool, ticket)
         finally:
             # Also on an early break (generator closed) or an error: drop what is in flight.
-            if self._pool is pool and not pool.closed:
+            if own:
+                self._epoch_pools.discard(pool)
+                pool.close()
+            elif self._pool is pool and not pool.closed:
                 for t in pending:
                     pool.cancel(t)
 
@@ -414,12 +456,15 @@ class MultiprocessingSampler(BatchSampler):
     def close(self):
         """End the workers and release the shared memory; batches already returned stay
         valid.  Idempotent."""
-        if getattr(self, "_closed", True) and getattr(self, "_pool", None) is None:
+        if (getattr(self, "_closed", True) and getattr(self, "_pool", None) is None
+                and not getattr(self, "_epoch_pools", None)):
             return
         self._closed = True
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()
+        for epoch_pool in list(getattr(self, "_epoch_pools", ())):
+            epoch_pool.close()
         self._streams = {}
 
     def __enter__(self):
@@ -430,19 +475,24 @@ class MultiprocessingSampler(BatchSampler):
 
 
 class _StreamMethod:
-    """An extra ``sample*`` method of the wrapped sampler, run in the workers.  Holds its
-    sampler weakly, so that dropping the sampler still ends its workers at once."""
+    """An extra ``sample*`` method of the wrapped sampler, run in the workers (made on
+    each attribute access, like a bound method: it keeps its sampler alive)."""
+    __slots__ = ("__self__", "__name__")
 
     def __init__(self, owner, name):
-        self._owner = weakref.ref(owner)
+        self.__self__ = owner
         self.__name__ = name
 
     def __call__(self):
-        return self._owner()._sample(self.__name__)
+        return self.__self__._sample(self.__name__)
+
+    def __repr__(self):
+        return f"<worker method {self.__name__} of {self.__self__!r}>"
 
 
 class _EpochMethod(_StreamMethod):
     """An extra ``get*_at`` method of the wrapped sampler, as an epoch iterator."""
+    __slots__ = ()
 
     def __call__(self):
-        return self._owner()._epoch(self.__name__)
+        return self.__self__._epoch(self.__name__)
