@@ -476,3 +476,35 @@ def test_a_result_the_worker_cannot_put_in_a_slot_is_an_error_not_a_death():
         with pytest.raises(WorkerError, match="OSError"):
             mgr.result(mgr.submit(2))
         assert mgr.workers[0].pid == pid           # not killed, not replaced
+
+
+def _fork_grandchild_then(x):
+    if x == "fork":
+        pid = os.fork()
+        if pid == 0:                       # holds the worker's inherited descriptors
+            time.sleep(30)
+            os._exit(0)
+        return pid
+    return x
+
+
+def test_a_dead_worker_is_noticed_while_its_grandchild_lives_and_its_pid_is_not_signalled(
+        monkeypatch):
+    # The grandchild keeps multiprocessing's sentinel pipe open; waitpid here collects the
+    # worker's exit status behind multiprocessing's back.  Neither is_alive() nor the
+    # sentinel can tell: the pidfd can.  And a reaped pid may be reused: never signal it.
+    with MultiProcessingSampleManager(_fork_grandchild_then, n_workers=1, ctx="fork",
+                                      doze_time=0.01, timeout=20) as mgr:
+        grandchild = mgr.result(mgr.submit("fork"))
+        try:
+            pid = mgr.workers[0].pid
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            sent = []
+            real_kill = os.kill
+            monkeypatch.setattr(os, "kill", lambda p, s: (sent.append((p, s)), real_kill(p, s)))
+            assert mgr.result(mgr.submit(5)) == 5
+            assert mgr.workers[0].pid != pid
+            assert not [s for p, s in sent if p == pid]
+        finally:
+            os.kill(grandchild, signal.SIGKILL)

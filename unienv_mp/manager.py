@@ -18,6 +18,8 @@ import numbers
 import os
 import pickle
 import queue as _queue
+import select
+import signal
 import threading
 from multiprocessing import process as _mp_process
 from multiprocessing import util as _mputil
@@ -61,7 +63,7 @@ def _check_int(value, what, minimum=1):
 def _check_seconds(value, what, allow_none=True):
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
         raise TypeError(f"{what} must be a number of seconds, got {type(value).__name__} "
                         f"{value!r}")
     if value <= 0:
@@ -69,16 +71,50 @@ def _check_seconds(value, what, allow_none=True):
     return float(value)
 
 
-def _exited(proc):
-    """True if ``proc`` has ended.  ``is_alive()`` alone says True for a child that
-    something else reaped (SIGCHLD ignored, an ``os.wait()`` elsewhere): its sentinel
-    still tells, since it becomes readable when the child ends."""
+def _open_pidfd(proc):
+    """Keep a pidfd of a started worker on its Process object (see _exited, _signal)."""
     try:
+        proc._unienv_mp_pidfd = os.pidfd_open(proc.pid)
+    except ProcessLookupError:
+        proc._unienv_mp_pidfd = -1           # already gone (and reaped: SIGCHLD ignored)
+    except (AttributeError, OSError):
+        proc._unienv_mp_pidfd = None         # no pidfds here: fall back to the sentinel
+
+
+def _close_pidfd(proc):
+    fd = getattr(proc, "_unienv_mp_pidfd", None)
+    proc._unienv_mp_pidfd = -1 if fd is not None else None
+    if fd is not None and fd >= 0:
+        os.close(fd)
+
+
+def _exited(proc):
+    """True if ``proc`` has ended.  A pidfd says so even when something else reaped the
+    child (SIGCHLD ignored, an ``os.wait()`` elsewhere: ``is_alive()`` then stays True) and
+    when a grandchild holds the sentinel pipe open.  Without one: ``is_alive()``, then the
+    sentinel."""
+    fd = getattr(proc, "_unienv_mp_pidfd", None)
+    try:
+        if fd is not None:
+            return fd < 0 or bool(select.select([fd], [], [], 0)[0])
         if not proc.is_alive():
             return True
         return bool(_wait_ready([proc.sentinel], 0))
-    except ValueError:
+    except (ValueError, OSError):
         return True   # the Process object was closed
+
+
+def _signal(proc, sig):
+    """Send ``sig`` to a worker that has not exited, through its pidfd when it has one (a
+    pid alone may have been reused once the child was reaped)."""
+    fd = getattr(proc, "_unienv_mp_pidfd", None)
+    try:
+        if fd is None:
+            proc.kill() if sig == signal.SIGKILL else proc.terminate()
+        elif fd >= 0:
+            signal.pidfd_send_signal(fd, sig)
+    except (ValueError, AssertionError, OSError):
+        pass   # closed, not started, or already gone
 
 
 class _WorkerDied(Exception):
@@ -209,27 +245,33 @@ def _stop_processes(procs, join_timeout):
     started = [p for p in procs if call(p, "is_alive") is not None]
     deadline = time.monotonic() + join_timeout
     for p in started:
-        call(p, "join", max(0.0, deadline - time.monotonic()))
+        if not _exited(p):
+            call(p, "join", max(0.0, deadline - time.monotonic()))
     for p in started:
-        if call(p, "is_alive"):
-            call(p, "terminate")
+        if not _exited(p):
+            _signal(p, signal.SIGTERM)
     for p in started:
-        call(p, "join", 1.0)
-        if call(p, "is_alive"):
-            call(p, "kill")
+        if not _exited(p):
+            call(p, "join", 1.0)
+        if not _exited(p):
+            _signal(p, signal.SIGKILL)
             call(p, "join", 1.0)
     for p in started:
-        if call(p, "is_alive") and _exited(p):
+        call(p, "join", 0.1 if _exited(p) else 0)   # collect the exit status
+        if call(p, "is_alive"):
             # Reaped by someone else (its exit status is gone): multiprocessing would
             # count it among active_children() for ever.
             _mp_process._children.discard(p)
         else:
             call(p, "close")
+        _close_pidfd(p)
 
 
 def _stop_started(proc):
     """Stop a worker whose start was interrupted (if it was started at all)."""
     if getattr(proc, "_popen", None) is not None:
+        if getattr(proc, "_unienv_mp_pidfd", None) is None:
+            _open_pidfd(proc)
         _stop_processes([proc], 0.0)
 
 
@@ -386,6 +428,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         r_bytes = RingBuffer.footprint(r_cap, result_entry)
         t_off, r_off = P.RINGS_AT, P.RINGS_AT + t_bytes
         seg = Segment.create(r_off + r_bytes, f"worker{w.index}")
+        tasks = results = None
         try:
             with memoryview(seg) as mv:
                 P.HEADER.pack_into(mv, 0, P.MAGIC, P.VERSION, t_off, TASK_CAPACITY,
@@ -406,6 +449,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 daemon=self._daemon, name=f"unienv_mp-worker-{w.index}")
             try:
                 proc.start()
+                _open_pidfd(proc)
             except (pickle.PicklingError, TypeError, AttributeError) as e:
                 _stop_started(proc)
                 raise TypeError(
@@ -417,6 +461,10 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 _stop_started(proc)   # e.g. Ctrl-C after the fork: leave no orphan
                 raise
         except BaseException:
+            # (a worker started despite all is told to stop by its rings, then unmapped)
+            for ring in (tasks, results):
+                if ring is not None:
+                    ring.shutdown()
             seg.close()
             raise
         w.seg, w.tasks, w.results, w.proc, w.pid = seg, tasks, results, proc, proc.pid
@@ -473,6 +521,9 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         w.tasks = w.results = w.seg = None
         w.slot_maps = {}
         try:
+            for ring in (old.tasks, old.results):
+                if ring is not None:
+                    ring.shutdown()   # should the process not be dead after all: it stops
             _stop_processes([proc] if proc is not None else [], 1.0)
         finally:
             _close_worker_memory(old)
@@ -513,10 +564,10 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         self._reclaim()
         workers = self._pool.workers
         if worker is not None:
-            if isinstance(worker, bool) or not isinstance(worker, int) \
+            if isinstance(worker, bool) or not isinstance(worker, numbers.Integral) \
                     or not 0 <= worker < len(workers):
                 raise ValueError(f"worker must be an index below {len(workers)}, got {worker!r}")
-            w = workers[worker]
+            w = workers[int(worker)]
         elif self.in_order:
             w = workers[self._rr]
             self._rr = (self._rr + 1) % len(workers)

@@ -220,6 +220,10 @@ class ShmQueue:
         if isinstance(data, _codec.Prepared):
             data = _codec.encode_prepared(data)  # freeze it: the caller may change obj
         with self._cond:
+            # (again under the lock: a feeder that met the shutdown empties the buffer
+            # under it, and would never send what we add after that)
+            if self._msgs.is_shutdown:
+                raise RingClosed("the queue was shut down")
             self._buffer.append((enc, data))
             if self._thread is None:
                 self._start_thread()
@@ -266,9 +270,9 @@ class ShmQueue:
         thread = twr()
         if thread is not None:
             thread.join()
-        # The feeder may have spilled while we joined it (even during the exit finalizers,
-        # after the process-wide spill hook took its turn): wait for those here.
-        if not policy.cancelled:
+        # At exit, the feeder may have spilled while we joined it: wait for those here.
+        # (Not when the thread object is merely garbage collected: that must not block.)
+        if _mputil._exiting and not policy.cancelled:
             _wait_for_spills(policy)
 
     # -- get -------------------------------------------------------------------------------
@@ -308,9 +312,12 @@ class ShmQueue:
         if where == _SLOT:
             if slot >= self._n_slots or n > self._slot_size:
                 raise ValueError(f"corrupt queue entry: slot {slot}, {n} bytes")
+            release = self._release_slot
+            if release.pid != os.getpid():   # a child made by os.fork (no after-fork hook)
+                release = self._release_slot = _SlotReleaser(self._free)
             lease = _codec.SlotLease(self._seg, self._slots_off + slot * self._slot_size, n,
-                                     self._release_slot, slot)
-            self._release_slot.leased(slot)
+                                     release, slot)
+            release.leased(slot)
         elif where == _SPILL:
             pid, fd, ino, size = _SPILL_DESC.unpack(payload)
             seg = _open_spill(pid, fd, ino, size)
@@ -477,7 +484,9 @@ class _Sender:
         except BaseException:
             seg.close()
             raise
-        _keep_spill(seg, self.policy)
+        # Our entry's position is below this bound; once consumers have claimed up to it,
+        # the entry was taken (see _wait_for_spills).
+        _keep_spill(seg, self.policy, self.msgs.positions()[0])
 
 
 
@@ -583,8 +592,8 @@ def _spill_acked(seg):
 
 class _JoinPolicy:
     """Whether this process waits at exit for the spills of one queue (see
-    ShmQueue.cancel_join_thread), and that queue's message ring (to tell when no
-    receiver can still map them)."""
+    ShmQueue.cancel_join_thread), and that queue's message ring (to tell when a spill's
+    entry was taken)."""
     __slots__ = ("cancelled", "msgs")
 
     def __init__(self, msgs):
@@ -599,10 +608,9 @@ _pending_spills = []
 _spill_lock = threading.Lock()
 _spill_exit_hook = None
 
-#: How long the message ring of a queue must stay empty (or shut down) before this process
-#: stops waiting for receivers to map its spills: a receiver maps a spill right after taking
-#: its entry, so an empty ring means that receiver died; a shut-down queue gets this long
-#: to be drained.
+#: How long after a receiver took a spill's entry this process keeps waiting for it to map
+#: the spill: a receiver maps it right after taking the entry, so one that has not by then
+#: died in between, and nobody else can read that message.
 SPILL_ORPHAN_GRACE = 1.0
 
 
@@ -618,9 +626,9 @@ def _ensure_spill_hook():
         _spill_exit_hook.pid = os.getpid()
 
 
-def _keep_spill(seg, policy):
+def _keep_spill(seg, policy, bound):
     with _spill_lock:
-        _pending_spills.append((seg, policy))
+        _pending_spills.append((seg, policy, bound))
         _ensure_spill_hook()
 
 
@@ -630,57 +638,53 @@ def _reap_spills(policy=None):
     waiting = 0
     with _spill_lock:
         keep = []
-        for seg, pol in _pending_spills:
-            if _spill_acked(seg):
-                seg.close()
+        for item in _pending_spills:
+            if _spill_acked(item[0]):
+                item[0].close()
             else:
-                keep.append((seg, pol))
-                if policy is None or pol is policy:
+                keep.append(item)
+                if policy is None or item[1] is policy:
                     waiting += 1
         _pending_spills[:] = keep
     return waiting
 
 
-def _nobody_will_map(ring):
-    """True when a receiver is unlikely to map this process's pending spills of this ring:
-    the ring is empty (their entries were taken) or it was shut down."""
+def _taken(ring, bound):
+    """True if consumers of ``ring`` have claimed every position below ``bound``."""
     try:
-        return ring.is_shutdown or len(ring) == 0
+        return ring.positions()[1] >= bound
     except Exception:
         return True  # detached: nobody here can read it any more
 
 
 def _wait_for_spills(policy=None):
     """Block until receivers mapped this process's spills (of one queue, or of every queue
-    whose join was not cancelled).  Spills of a queue whose message ring stays empty, or
-    shut down, for SPILL_ORPHAN_GRACE seconds are given up: their entries were taken by a
-    receiver that died before mapping them, or the queue was closed for everyone, so
-    waiting longer could hang."""
-    empty_since = {}
+    whose join was not cancelled).  A spill whose entry a receiver took but did not map
+    within SPILL_ORPHAN_GRACE seconds is given up: that receiver died in between.  Spills
+    nobody reads are waited for, as multiprocessing.Queue waits for unsent data
+    (``cancel_join_thread`` turns both off)."""
+    taken_since = {}
     while True:
         _reap_spills()
         with _spill_lock:
-            left = [(seg, pol) for seg, pol in _pending_spills
-                    if (pol is policy if policy is not None else not pol.cancelled)]
+            left = [item for item in _pending_spills
+                    if (item[1] is policy if policy is not None else not item[1].cancelled)]
         if not left:
             return
         now = time.monotonic()
         orphans = set()
-        for pol in {id(pol): pol for _, pol in left}.values():
-            if _nobody_will_map(pol.msgs):
-                since = empty_since.setdefault(id(pol), now)
-                if now - since >= SPILL_ORPHAN_GRACE:
-                    orphans.add(id(pol))
-            else:
-                empty_since.pop(id(pol), None)
+        for seg, pol, bound in left:
+            if _taken(pol.msgs, bound):
+                if now - taken_since.setdefault(id(seg), now) >= SPILL_ORPHAN_GRACE:
+                    orphans.add(id(seg))
         if orphans:
             with _spill_lock:
                 keep = []
-                for seg, pol in _pending_spills:
-                    if id(pol) in orphans:
-                        seg.close()
+                for item in _pending_spills:
+                    if id(item[0]) in orphans:
+                        item[0].close()
                     else:
-                        keep.append((seg, pol))
+                        keep.append(item)
                 _pending_spills[:] = keep
             continue
         time.sleep(0.01)
@@ -692,8 +696,8 @@ def _forget_spills_after_fork():
     global _spill_lock, _spill_exit_hook
     _spill_lock = threading.Lock()
     _spill_exit_hook = None
-    for seg, _ in _pending_spills:
-        seg.close()
+    for item in _pending_spills:
+        item[0].close()
     _pending_spills.clear()
 
 

@@ -463,7 +463,8 @@ class MultiprocessingSampler(BatchSampler):
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()
-        for epoch_pool in list(getattr(self, "_epoch_pools", ())):
+        epoch_pools, self._epoch_pools = getattr(self, "_epoch_pools", ()), set()
+        for epoch_pool in list(epoch_pools):
             epoch_pool.close()
         self._streams = {}
 
