@@ -508,3 +508,25 @@ def test_a_dead_worker_is_noticed_while_its_grandchild_lives_and_its_pid_is_not_
             assert not [s for p, s in sent if p == pid]
         finally:
             os.kill(grandchild, signal.SIGKILL)
+
+
+def test_workers_are_watched_correctly_with_descriptors_above_1024():
+    # select() cannot watch descriptors >= FD_SETSIZE: a live worker must not look dead.
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 2048:
+        pytest.skip(f"the descriptor limit here ({hard}) is too low for this check")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    fillers = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]
+    try:
+        with MultiProcessingSampleManager(_slow_identity, n_workers=2, ctx="fork",
+                                          doze_time=0.01, timeout=30) as mgr:
+            pids = [p.pid for p in mgr.workers]
+            for i in range(6):
+                mgr.add_work(i)
+            assert [mgr.fetch() for _ in range(6)] == list(range(6))
+            assert [p.pid for p in mgr.workers] == pids    # nobody was taken for dead
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -96,7 +96,11 @@ def _exited(proc):
     fd = getattr(proc, "_unienv_mp_pidfd", None)
     try:
         if fd is not None:
-            return fd < 0 or bool(select.select([fd], [], [], 0)[0])
+            if fd < 0:
+                return True
+            poller = select.poll()   # (not select.select: it fails on descriptors >= 1024)
+            poller.register(fd, select.POLLIN)
+            return bool(poller.poll(0))
         if not proc.is_alive():
             return True
         return bool(_wait_ready([proc.sentinel], 0))

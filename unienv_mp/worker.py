@@ -51,7 +51,10 @@ def _die_with_parent(parent_pid, use_pdeathsig):
         pidfd = None
     if pidfd is not None:
         def watch():
-            select.select([pidfd], [], [])
+            poller = select.poll()   # (select.select fails on descriptors >= 1024)
+            poller.register(pidfd, select.POLLIN)
+            while not poller.poll():
+                pass
             os._exit(0)
         threading.Thread(target=watch, name="unienv_mp parent watchdog", daemon=True).start()
 
