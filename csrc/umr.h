@@ -83,7 +83,6 @@ uint64_t umr_ring_capacity(const umr_ring_t *r);
 uint32_t umr_ring_entry_size(const umr_ring_t *r);
 /* Entries published and not yet claimed by a consumer: exact when nobody is mid-operation. */
 uint64_t umr_ring_count(const umr_ring_t *r);
-void umr_ring_positions(const umr_ring_t *r, uint64_t *pushed, uint64_t *popped);
 int umr_ring_is_closed(const umr_ring_t *r);
 /* Mark the ring closed and wake every sleeper.  Pushes then fail with UMR_CLOSED; pops
  * still return what was published, then UMR_CLOSED once the ring is empty. */

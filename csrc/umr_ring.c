@@ -295,16 +295,6 @@ uint64_t umr_ring_count(const umr_ring_t *r) {
     return (uint64_t)n > r->capacity ? r->capacity : (uint64_t)n;
 }
 
-void umr_ring_positions(const umr_ring_t *r, uint64_t *pushed, uint64_t *popped) {
-    /* Positions claimed so far by producers (head, without the shutdown mark) and by
-     * consumers (tail).  Both only grow.  Acquire, as in umr_ring_count: a caller that
-     * read head after its own push returned has a bound B > its position, and once it
-     * reads tail >= B, some consumer has claimed (and is reading, or died reading) its
-     * entry.  A heuristic for "was my message taken", not a synchronisation point. */
-    *pushed = atomic_load_explicit(&r->hdr->head, memory_order_acquire) & ~UMR_MARK;
-    *popped = atomic_load_explicit(&r->hdr->tail, memory_order_acquire);
-}
-
 int umr_ring_is_closed(const umr_ring_t *r) {
     return (atomic_load_explicit(&r->hdr->head, memory_order_acquire) & UMR_MARK) != 0;
 }

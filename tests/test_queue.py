@@ -527,24 +527,6 @@ def _spill_one(q):
     q.put(np.zeros(1 << 18))                       # 2 MiB > 1 MiB slot: a spill
 
 
-def test_a_producer_exits_once_a_dead_reader_took_its_spill(ctx):
-    # The entry was taken by a reader that died before mapping the spill (simulated by
-    # popping the raw entry), with the ring empty afterwards, or still holding others.
-    import unienv_mp.queue as qm
-    for others in (0, 2):
-        q = ShmQueue()
-        p = ctx.Process(target=_spill_one, args=(q,))
-        p.start()
-        assert wait_until(lambda: len(q._msgs) == 1, timeout=30)
-        q._msgs.pop_tagged(True, 5)
-        for i in range(others):
-            q.put(i)                               # nobody reads these
-        p.join(30 + qm.SPILL_ORPHAN_GRACE)
-        assert p.exitcode == 0, others
-        assert [q.get(timeout=5) for _ in range(others)] == list(range(others))
-        q.close()
-
-
 def _spill_then_shut_down(q):
     q.put(np.arange(1 << 18, dtype=np.int64))      # 2 MiB: a spill
     q.shutdown()
@@ -556,7 +538,7 @@ def test_a_spill_put_before_shutdown_is_drained_by_a_slow_reader(ctx):
     p = ctx.Process(target=_spill_then_shut_down, args=(q,))
     p.start()
     assert wait_until(lambda: q._msgs.is_shutdown, timeout=30)
-    time.sleep(qm.SPILL_ORPHAN_GRACE + 0.5)        # slower than the grace period
+    time.sleep(1.5)                                # a slow reader
     assert p.is_alive()                            # it waits for us, as mp.Queue would
     got = q.get(timeout=10)
     assert np.array_equal(got, np.arange(1 << 18))

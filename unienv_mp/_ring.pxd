@@ -30,7 +30,6 @@ cdef extern from "umr.h" nogil:
                       uint32_t entry_size)
     int umr_ring_attach(umr_ring_t *r, void *mem, size_t mem_size)
     uint64_t umr_ring_count(const umr_ring_t *r)
-    void umr_ring_positions(const umr_ring_t *r, uint64_t *pushed, uint64_t *popped)
     int umr_ring_is_closed(const umr_ring_t *r)
     void umr_ring_shutdown(umr_ring_t *r)
     umr_event_t *umr_ring_not_empty(umr_ring_t *r)

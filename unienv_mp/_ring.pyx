@@ -497,15 +497,6 @@ cdef class RingBuffer:
         self._ensure_open()
         return umr_ring_count(&self.r)
 
-    def positions(self):
-        """``(pushed, popped)``: how many positions producers and consumers have claimed
-        so far (both only grow).  Read ``pushed`` after a push returns: once ``popped``
-        reaches it, a consumer has taken that entry."""
-        cdef uint64_t pushed, popped
-        self._ensure_open()
-        umr_ring_positions(&self.r, &pushed, &popped)
-        return pushed, popped
-
     def empty(self):
         """True if the ring holds no entry (a snapshot: others may push meanwhile)."""
         return len(self) == 0

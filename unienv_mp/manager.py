@@ -85,7 +85,10 @@ def _close_pidfd(proc):
     fd = getattr(proc, "_unienv_mp_pidfd", None)
     proc._unienv_mp_pidfd = -1 if fd is not None else None
     if fd is not None and fd >= 0:
-        os.close(fd)
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def _exited(proc):
@@ -247,28 +250,33 @@ def _stop_processes(procs, join_timeout):
             return None   # closed, not started, or already reaped
 
     started = [p for p in procs if call(p, "is_alive") is not None]
-    deadline = time.monotonic() + join_timeout
-    for p in started:
-        if not _exited(p):
-            call(p, "join", max(0.0, deadline - time.monotonic()))
-    for p in started:
-        if not _exited(p):
-            _signal(p, signal.SIGTERM)
-    for p in started:
-        if not _exited(p):
-            call(p, "join", 1.0)
-        if not _exited(p):
-            _signal(p, signal.SIGKILL)
-            call(p, "join", 1.0)
-    for p in started:
-        call(p, "join", 0.1 if _exited(p) else 0)   # collect the exit status
-        if call(p, "is_alive"):
-            # Reaped by someone else (its exit status is gone): multiprocessing would
-            # count it among active_children() for ever.
-            _mp_process._children.discard(p)
-        else:
-            call(p, "close")
-        _close_pidfd(p)
+    try:
+        deadline = time.monotonic() + join_timeout
+        for p in started:
+            if not _exited(p):
+                call(p, "join", max(0.0, deadline - time.monotonic()))
+        for p in started:
+            if not _exited(p):
+                _signal(p, signal.SIGTERM)
+        for p in started:
+            if not _exited(p):
+                call(p, "join", 1.0)
+            if not _exited(p):
+                _signal(p, signal.SIGKILL)
+                call(p, "join", 1.0)
+        for p in started:
+            if not _exited(p):
+                continue   # still dying: multiprocessing reaps it later
+            call(p, "join", 0.1)   # collect the exit status
+            if call(p, "is_alive"):
+                # Ended, but reaped by someone else (its exit status is gone):
+                # multiprocessing would count it among active_children() for ever.
+                _mp_process._children.discard(p)
+            else:
+                call(p, "close")
+    finally:
+        for p in procs:
+            _close_pidfd(p)
 
 
 def _stop_started(proc):
@@ -483,6 +491,13 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         the worker must not (respawn=False) or should not (it keeps dying) be replaced."""
         proc = w.proc
         code = _exitcode(proc)
+        if code is None and proc is not None:
+            # Its pidfd may tell before the exit status reaches us (forkserver sends it)
+            try:
+                proc.join(1.0)
+            except (ValueError, AssertionError, OSError):
+                pass
+            code = _exitcode(proc)
         pid = w.pid
         if w.results is not None:
             try:

@@ -409,7 +409,7 @@ class _Sender:
         self.inline = q._inline
         self.slot_size = q._slot_size
         self.slots_off = q._slots_off
-        self.policy = _JoinPolicy(q._msgs)
+        self.policy = _JoinPolicy()
 
     def send(self, enc, data, block, timeout):
         """Route one serialised message: inline, through a slot, or through a spill.
@@ -484,9 +484,7 @@ class _Sender:
         except BaseException:
             seg.close()
             raise
-        # Our entry's position is below this bound; once consumers have claimed up to it,
-        # the entry was taken (see _wait_for_spills).
-        _keep_spill(seg, self.policy, self.msgs.positions()[0])
+        _keep_spill(seg, self.policy)
 
 
 
@@ -592,13 +590,11 @@ def _spill_acked(seg):
 
 class _JoinPolicy:
     """Whether this process waits at exit for the spills of one queue (see
-    ShmQueue.cancel_join_thread), and that queue's message ring (to tell when a spill's
-    entry was taken)."""
-    __slots__ = ("cancelled", "msgs")
+    ShmQueue.cancel_join_thread)."""
+    __slots__ = ("cancelled",)
 
-    def __init__(self, msgs):
+    def __init__(self):
         self.cancelled = False
-        self.msgs = msgs
 
 
 # Spill segments this process sent and no receiver has mapped yet, with their queue's join
@@ -607,12 +603,6 @@ class _JoinPolicy:
 _pending_spills = []
 _spill_lock = threading.Lock()
 _spill_exit_hook = None
-
-#: How long after a receiver took a spill's entry this process keeps waiting for it to map
-#: the spill: a receiver maps it right after taking the entry, so one that has not by then
-#: died in between, and nobody else can read that message.
-SPILL_ORPHAN_GRACE = 1.0
-
 
 def _ensure_spill_hook():
     """Register (once per process) the exit hook that waits for unread spills.  It runs
@@ -626,9 +616,9 @@ def _ensure_spill_hook():
         _spill_exit_hook.pid = os.getpid()
 
 
-def _keep_spill(seg, policy, bound):
+def _keep_spill(seg, policy):
     with _spill_lock:
-        _pending_spills.append((seg, policy, bound))
+        _pending_spills.append((seg, policy))
         _ensure_spill_hook()
 
 
@@ -649,21 +639,12 @@ def _reap_spills(policy=None):
     return waiting
 
 
-def _taken(ring, bound):
-    """True if consumers of ``ring`` have claimed every position below ``bound``."""
-    try:
-        return ring.positions()[1] >= bound
-    except Exception:
-        return True  # detached: nobody here can read it any more
-
-
 def _wait_for_spills(policy=None):
     """Block until receivers mapped this process's spills (of one queue, or of every queue
-    whose join was not cancelled).  A spill whose entry a receiver took but did not map
-    within SPILL_ORPHAN_GRACE seconds is given up: that receiver died in between.  Spills
-    nobody reads are waited for, as multiprocessing.Queue waits for unsent data
-    (``cancel_join_thread`` turns both off)."""
-    taken_since = {}
+    whose join was not cancelled).  Spills nobody reads are waited for, as
+    multiprocessing.Queue waits for data its pipe has not taken (``cancel_join_thread``
+    turns both off): a receiver that took the entry may be slow rather than dead, and
+    this process cannot tell which."""
     while True:
         _reap_spills()
         with _spill_lock:
@@ -671,22 +652,6 @@ def _wait_for_spills(policy=None):
                     if (item[1] is policy if policy is not None else not item[1].cancelled)]
         if not left:
             return
-        now = time.monotonic()
-        orphans = set()
-        for seg, pol, bound in left:
-            if _taken(pol.msgs, bound):
-                if now - taken_since.setdefault(id(seg), now) >= SPILL_ORPHAN_GRACE:
-                    orphans.add(id(seg))
-        if orphans:
-            with _spill_lock:
-                keep = []
-                for item in _pending_spills:
-                    if id(item[0]) in orphans:
-                        item[0].close()
-                    else:
-                        keep.append(item)
-                _pending_spills[:] = keep
-            continue
         time.sleep(0.01)
 
 

@@ -53,9 +53,12 @@ def _die_with_parent(parent_pid, use_pdeathsig):
         def watch():
             poller = select.poll()   # (select.select fails on descriptors >= 1024)
             poller.register(pidfd, select.POLLIN)
-            while not poller.poll():
-                pass
-            os._exit(0)
+            while True:
+                events = poller.poll()
+                if any(ev & select.POLLIN for _, ev in events):
+                    os._exit(0)      # the parent ended
+                if any(ev & select.POLLNVAL for _, ev in events):
+                    return           # the work function closed our descriptor
         threading.Thread(target=watch, name="unienv_mp parent watchdog", daemon=True).start()
 
 
