@@ -16,7 +16,7 @@ import pytest
 from unienv_mp import RingClosed
 from unienv_mp.queue import ShmQueue
 
-from conftest import own_segment_fds, shm_files, wait_until
+from conftest import own_segment_fds, wait_until
 
 Point = collections.namedtuple("Point", "x y")
 
@@ -533,7 +533,6 @@ def _spill_then_shut_down(q):
 
 
 def test_a_spill_put_before_shutdown_is_drained_by_a_slow_reader(ctx):
-    import unienv_mp.queue as qm
     q = ShmQueue()
     p = ctx.Process(target=_spill_then_shut_down, args=(q,))
     p.start()

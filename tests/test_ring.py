@@ -12,7 +12,7 @@ import pytest
 from unienv_mp import RingBuffer, RingClosed, Segment
 from unienv_mp._ring import Event
 
-from conftest import own_segment_fds, own_segment_maps, wait_until
+from conftest import own_segment_fds, own_segment_maps
 
 
 # -- single process ------------------------------------------------------------------------

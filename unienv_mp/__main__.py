@@ -7,7 +7,6 @@ with the same number of workers, all over the same data; prints a table.
 """
 import argparse
 import json
-import os
 import sys
 
 from . import compare

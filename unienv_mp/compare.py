@@ -8,7 +8,6 @@ batch would.
 import gc
 import importlib.util
 import multiprocessing as mp
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional

@@ -26,7 +26,6 @@ import threading
 import time
 import warnings
 import weakref
-import multiprocessing as _mp
 from multiprocessing import util as _mputil
 
 import numpy as np

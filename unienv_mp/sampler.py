@@ -12,7 +12,6 @@ Batches come back through shared-memory slots as zero-copy views (see
 import collections
 import copy as _copy
 import multiprocessing as mp
-import sys
 from typing import Any, Optional
 
 from unienv_data.base import BatchSampler
