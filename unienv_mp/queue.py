@@ -627,12 +627,12 @@ def _reap_spills(policy=None):
     waiting = 0
     with _spill_lock:
         keep = []
-        for item in _pending_spills:
-            if _spill_acked(item[0]):
-                item[0].close()
+        for seg, pol in _pending_spills:
+            if _spill_acked(seg):
+                seg.close()
             else:
-                keep.append(item)
-                if policy is None or item[1] is policy:
+                keep.append((seg, pol))
+                if policy is None or pol is policy:
                     waiting += 1
         _pending_spills[:] = keep
     return waiting
@@ -647,8 +647,8 @@ def _wait_for_spills(policy=None):
     while True:
         _reap_spills()
         with _spill_lock:
-            left = [item for item in _pending_spills
-                    if (item[1] is policy if policy is not None else not item[1].cancelled)]
+            left = [pol for _, pol in _pending_spills
+                    if (pol is policy if policy is not None else not pol.cancelled)]
         if not left:
             return
         time.sleep(0.01)
@@ -660,8 +660,8 @@ def _forget_spills_after_fork():
     global _spill_lock, _spill_exit_hook
     _spill_lock = threading.Lock()
     _spill_exit_hook = None
-    for item in _pending_spills:
-        item[0].close()
+    for seg, _ in _pending_spills:
+        seg.close()
     _pending_spills.clear()
 
 
