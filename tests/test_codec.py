@@ -427,6 +427,37 @@ def test_write_checks_the_slot_size():
     buf.extend(b"x")
 
 
+def test_a_frame_filled_in_place_decodes_like_a_written_encoding():
+    """write_frame writes all but the arrays; filling them at array_layout's offsets gives
+    the bytes write() gives, and the same decoded tree."""
+    tree = {"b": torch.arange(12, dtype=torch.int16).view(3, 4), "meta": None,
+            "a": (np.linspace(0, 1, 5), "text", torch.ones(2, dtype=torch.bfloat16))}
+    p = _codec.prepare(tree)
+    written = bytearray(p.nbytes)
+    _codec.write(p, written)
+    layout = p.array_layout()
+    assert [type(leaf) for leaf, _, _ in layout] == [torch.Tensor, np.ndarray, torch.Tensor]
+    framed = bytearray(p.nbytes)
+    for _, off, nbytes in layout:
+        framed[off:off + nbytes] = b"\xee" * nbytes   # garbage where the arrays go
+    _codec.write_frame(p, framed)
+    for _, off, nbytes in layout:   # the frame leaves the arrays' bytes alone
+        assert framed[off:off + nbytes] == b"\xee" * nbytes
+    for leaf, off, nbytes in layout:
+        src = leaf if isinstance(leaf, np.ndarray) else leaf.view(torch.int16).numpy()
+        assert src.nbytes == nbytes and off % _codec.ALIGN == 0
+        framed[off:off + nbytes] = src.tobytes()
+    assert framed == written
+    out = _codec.decode(framed, copy=True)
+    assert list(out) == ["b", "meta", "a"] and out["meta"] is None and out["a"][1] == "text"
+    assert torch.equal(out["b"], tree["b"]) and np.array_equal(out["a"][0], tree["a"][0])
+    assert out["a"][2].dtype == torch.bfloat16 and torch.equal(out["a"][2], tree["a"][2])
+    with pytest.raises(CodecError, match="needs"):
+        _codec.write_frame(p, bytearray(p.nbytes - 1))
+    with pytest.raises(CodecError, match="prepare"):
+        _codec.Prepared().array_layout()
+
+
 def test_write_rejects_sources_resized_after_prepare():
     # Regression: write() copied the byte count recorded by prepare() from the source's
     # current data pointer; a tensor set_ to an empty storage made it read address 0

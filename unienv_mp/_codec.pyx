@@ -51,7 +51,8 @@ from .errors import CodecError
 cnp.import_array()
 
 __all__ = ["MAGIC", "VERSION", "HEADER_SIZE", "ALIGN", "Prepared", "prepare", "encode",
-           "decode", "encode_prepared", "write", "SlotLease", "clear_plan_cache", "plan_cache_size"]
+           "decode", "encode_prepared", "write", "write_frame", "SlotLease", "clear_plan_cache",
+           "plan_cache_size"]
 
 cdef extern from "numpy/arrayobject.h":
     object PyArray_NewFromDescr_raw "PyArray_NewFromDescr" (
@@ -137,6 +138,14 @@ cdef class Prepared:
     def __repr__(self):
         return (f"<Prepared {self.nbytes} bytes, {len(self.arrays)} arrays, "
                 f"{self.n_objects} pickled objects>")
+
+    def array_layout(self):
+        """``[(leaf, offset, nbytes)]`` for every array leaf, in encoding order: where
+        :func:`write` copies each leaf, and where :func:`write_frame` leaves room for it
+        (``leaf`` is the object given to :func:`prepare`)."""
+        if self.arrays is None:
+            raise CodecError("not a prepared encoding: use prepare()")
+        return [(source, off, nbytes) for source, kind, off, nbytes in self.arrays]
 
 
 cdef class _Walker:
@@ -355,6 +364,18 @@ ctypedef size_t uintptr_t
 def write(Prepared p, buffer):
     """Write a prepared encoding at the start of the writable ``buffer`` (at least
     ``p.nbytes`` bytes long: a slot, a ``bytearray``, a ``memoryview``...)."""
+    return _write(p, buffer, True)
+
+
+def write_frame(Prepared p, buffer):
+    """Write everything of a prepared encoding but its array data: the header, the tree
+    description and the pickled leaves.  The caller fills each array's bytes itself, at
+    the offsets of :meth:`Prepared.array_layout` (e.g. gathering rows straight into the
+    slot); until it has, the encoding decodes to whatever those bytes hold."""
+    return _write(p, buffer, False)
+
+
+cdef _write(Prepared p, buffer, bint arrays):
     cdef Py_buffer view
     if p.meta is None or p.arrays is None:
         # a Prepared() made directly rather than by prepare(): len(p.meta) below used to
@@ -383,8 +404,9 @@ def write(Prepared p, buffer):
             memcpy(base + 32, &p.blob_off, 8)
             memcpy(base + 40, &u64, 8)
             memcpy(base + p.blob_off, <char *>p.blob, u64)
-        for source, kind, off, nbytes in p.arrays:
-            _write_array(base, view.len, buffer, source, kind, off, nbytes)
+        if arrays:
+            for source, kind, off, nbytes in p.arrays:
+                _write_array(base, view.len, buffer, source, kind, off, nbytes)
     finally:
         PyBuffer_Release(&view)
     return p.nbytes
