@@ -103,12 +103,31 @@ def _fatal_payload(exc, limit):
                           "traceback": "", "exception": None})
 
 
+class SlotWriter:
+    """A result that writes itself into the worker's memory, instead of being encoded by
+    the codec: what a work function returns to gather a batch straight into a slot (see
+    :mod:`unienv_mp.gather`).
+
+    ``nbytes``: the bytes it needs.  ``write_into(buffer, cache)`` writes a complete slot
+    encoding (as :func:`_codec.write` would) at the start of ``buffer``, a writable buffer
+    of at least ``nbytes``; ``cache`` is a dict that lives as long as that buffer does, for
+    whatever the writer keeps per buffer (views of it, typically).
+    """
+    __slots__ = ()
+    nbytes = 0
+
+    def write_into(self, buffer, cache):
+        raise NotImplementedError
+
+
 class _Slots:
-    """This worker's result slots: one growable segment per slot number."""
+    """This worker's result slots: one growable segment per slot number, and small reused
+    buffers for SlotWriter results that travel inline."""
 
     def __init__(self, index):
         self.index = index
-        self.segs = {}   # slot -> [generation, Segment]
+        self.segs = {}     # slot -> [generation, Segment, cache of the SlotWriters]
+        self.inline = {}   # nbytes -> (bytearray, cache of the SlotWriters)
 
     def get(self, slot, nbytes):
         entry = self.segs.get(slot)
@@ -117,9 +136,20 @@ class _Slots:
             gen = 1 if entry is None else entry[0] + 1
             seg = Segment.create(size, f"slot{self.index}")
             if entry is not None:
-                entry[1].close()   # the parent keeps its own mapping for as long as it needs
-            entry = [gen, seg]
+                # (views the old cache holds keep the old mapping until it is dropped here;
+                # the parent keeps its own mapping for as long as it needs)
+                entry[2].clear()
+                entry[1].close()
+            entry = [gen, seg, {}]
             self.segs[slot] = entry
+        return entry
+
+    def inline_buffer(self, nbytes):
+        entry = self.inline.get(nbytes)
+        if entry is None:
+            if len(self.inline) >= 16:
+                self.inline.clear()
+            entry = self.inline[nbytes] = (bytearray(nbytes), {})
         return entry
 
 
@@ -144,6 +174,15 @@ def worker_main(index, target_fn, seg, doorbell_seg, parent_pid, init_fn, seed, 
             raise _Stop
 
     def send(status, slot, ticket, value):
+        if isinstance(value, SlotWriter):
+            try:
+                where, payload = write(slot, value)
+            except Exception as e:   # e.g. rows out of bounds, no memory for a slot
+                status, value = P.ST_ERROR, error_payload(e)
+            else:
+                results.push_tagged(P.tag(status, where), slot, ticket, payload, check=check)
+                doorbell.notify()
+                return
         try:
             p = _codec.prepare(value)
         except Exception as e:   # e.g. a CUDA tensor, an unpicklable leaf
@@ -153,7 +192,7 @@ def worker_main(index, target_fn, seg, doorbell_seg, parent_pid, init_fn, seed, 
                                 _codec.encode_prepared(p), check=check)
         else:
             try:
-                gen, sseg = slots.get(slot, p.nbytes)
+                gen, sseg, cache = slots.get(slot, p.nbytes)
                 with memoryview(sseg) as mv:
                     _codec.write(p, mv)
                 desc = P.SLOT_DESC.pack(gen, sseg.fd, sseg.ino, sseg.size, p.nbytes)
@@ -164,6 +203,18 @@ def worker_main(index, target_fn, seg, doorbell_seg, parent_pid, init_fn, seed, 
                 results.push_tagged(P.tag(status, P.AT_SLOT), slot, ticket, desc,
                                     check=check)
         doorbell.notify()
+
+    def write(slot, writer):
+        """Let ``writer`` write its result (inline if it is small, as encoded results
+        are); returns where it is and the entry's payload."""
+        nbytes = writer.nbytes
+        if nbytes <= inline_max:
+            buf, cache = slots.inline_buffer(nbytes)
+            writer.write_into(buf, cache)
+            return P.AT_INLINE, buf
+        gen, sseg, cache = slots.get(slot, nbytes)
+        writer.write_into(sseg, cache)
+        return P.AT_SLOT, P.SLOT_DESC.pack(gen, sseg.fd, sseg.ino, sseg.size, nbytes)
 
     if init_fn is not None and seed is not None:
         try:
