@@ -58,6 +58,18 @@ def indices_of(batch, img=IMG):
     return np.asarray(x).round().astype(np.int64).tolist()
 
 
+def refuse(*args, **kwargs):
+    """Stands in for a method that must not be called."""
+    raise RuntimeError("refused: this method must not be called")
+
+
+class NegatedStorage(PytorchTensorStorage):
+    """A storage whose rows are computed (negated) on the way out."""
+
+    def get(self, index):
+        return -super().get(index)
+
+
 class SlowSampler(StepSampler):
     """A StepSampler whose every batch takes ``delay`` seconds."""
 

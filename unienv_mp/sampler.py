@@ -17,6 +17,7 @@ from typing import Any, Optional
 from unienv_data.base import BatchSampler
 from unienv_interface.utils.seed_util import next_seed_rng
 
+from . import gather as _gather
 from .manager import MultiProcessingSampleManager, _check_int, _check_seconds
 
 __all__ = ["MultiprocessingSampler"]
@@ -29,14 +30,20 @@ class _SamplerTarget:
     """The work function the workers run: ``(method name, argument)`` -> result, calling
     the wrapped sampler's method (or ``fn``, for a name of ``None``).
 
+    With ``direct=True`` the methods a direct plan serves (see :mod:`unienv_mp.gather`)
+    return a batch that the worker gathers straight into its slot; the plan is made in the
+    worker, from the worker's own sampler, at the first such task.
+
     Picklable for spawn and forkserver: the sampler travels as a shallow copy without its
     random number generators (their state is replaced in the worker by :meth:`reseed`).
     """
     _RNG_ATTRS = ("rng", "data_rng")
 
-    def __init__(self, sampler, fn=None):
+    def __init__(self, sampler, fn=None, direct=False):
         self.sampler = sampler
         self.fn = fn
+        self.direct = direct
+        self._gatherer = None
         self._stripped = ()
 
     def __call__(self, work):
@@ -44,6 +51,13 @@ class _SamplerTarget:
         if name == _RESEED:
             self.reseed(arg)
             return None
+        if self.direct:
+            gatherer = self._gatherer
+            if gatherer is None:
+                gatherer = self._gatherer = _gather.Gatherer(self.sampler)
+            batch = gatherer(name, arg)
+            if batch is not None:
+                return batch
         fn = self.fn if name is None else getattr(self.sampler, name)
         return fn() if arg is _NO_ARG else fn(arg)
 
@@ -66,6 +80,7 @@ class _SamplerTarget:
             attrs[n] = None
         state["sampler"] = sampler
         state["_stripped"] = stripped
+        state["_gatherer"] = None   # made again from the sampler where it is needed
         return state
 
 
@@ -156,6 +171,16 @@ class MultiprocessingSampler(BatchSampler):
         respawn: ``True`` (default): a worker that dies is replaced and its unfinished
             batches are requested again, so the caller sees no gap; ``False``: raise
             :class:`~unienv_mp.WorkerDiedError`.
+        direct_gather: ``None`` (default): where the wrapped sampler's batches are rows of
+            tensors held in memory (a ``StepSampler`` over a ``ReplayBuffer`` of
+            ``PytorchTensorStorage``, ``DictStorage`` or ``FlattenedStorage``; see
+            :mod:`unienv_mp.gather`), workers draw the indices with the wrapped sampler's
+            own RNG and gather the rows straight into the shared slot, with no
+            intermediate batch; everything else runs the wrapped sampler's methods.
+            ``True``: require that, raising ``ValueError`` (saying why) if it does not
+            apply.  ``False``: always run the wrapped sampler's methods.  Both paths give
+            the same batches, bit for bit, for the same seed; :attr:`gather_path` says
+            which one ``sample()`` and ``epoch_iter()`` take.
 
     A worker that raises does not end the sampler: the call that needed that batch raises
     :class:`~unienv_mp.WorkerError` (with the worker's traceback) and later calls work.
@@ -177,6 +202,7 @@ class MultiprocessingSampler(BatchSampler):
         copy: bool = False,
         timeout: Optional[float] = None,
         respawn: bool = True,
+        direct_gather: Optional[bool] = None,
     ):
         self._closed = True   # first: __del__ -> close() must work on a half-built sampler
         self._pool = None
@@ -200,8 +226,21 @@ class MultiprocessingSampler(BatchSampler):
                     f"MultiprocessingSampler returns CPU batches from worker processes, but "
                     f"{what} is {dev!r}: wrap a sampler whose data and batches are on the "
                     f"CPU and move batches to {dev!r} in the training loop")
+        if direct_gather not in (None, True, False):
+            raise TypeError(f"direct_gather must be None, True or False, got {direct_gather!r}")
+        not_direct = "direct_gather=False" if direct_gather is False else None
+        if not_direct is None:
+            try:
+                _gather.check(sampler)
+            except _gather.NotDirect as e:
+                not_direct = str(e)
+                if direct_gather:
+                    raise ValueError(f"direct_gather=True, but batches of this sampler cannot "
+                                     f"be gathered directly: {e}") from None
         super().__init__(sampler.single_space, sampler.single_metadata_space,
                          sampler.batch_size)
+        self._direct = not_direct is None
+        self._not_direct = not_direct
         self.sampler = sampler
         self.n_workers = n_workers
         self.n_buffers = n_buffers
@@ -252,7 +291,7 @@ class MultiprocessingSampler(BatchSampler):
         if self._closed:
             raise RuntimeError("this MultiprocessingSampler is closed")
         if self._pool is None:
-            target = _SamplerTarget(self.sampler)
+            target = _SamplerTarget(self.sampler, direct=self._direct)
             self._pool = MultiProcessingSampleManager(
                 target, n_workers=self.n_workers, ctx=self.mp_ctx, doze_time=self.doze_time,
                 daemon=self.daemon, worker_init_fn=target.reseed,
@@ -295,7 +334,7 @@ class MultiprocessingSampler(BatchSampler):
             # Workers hold a copy of unshared data as it was when they started: this epoch
             # needs workers started now (its get*_at draw nothing random: no seeds).
             pool, own = MultiProcessingSampleManager(
-                _SamplerTarget(self.sampler), n_workers=self.n_workers, ctx=self.mp_ctx,
+                _SamplerTarget(self.sampler, direct=self._direct), n_workers=self.n_workers, ctx=self.mp_ctx,
                 doze_time=self.doze_time, daemon=self.daemon, in_order=self.in_order,
                 copy=self.copy, timeout=self.timeout, respawn=self.respawn), True
             self._epoch_pools.add(pool)
@@ -320,6 +359,18 @@ class MultiprocessingSampler(BatchSampler):
             elif self._pool is pool and not pool.closed:
                 for t in pending:
                     pool.cancel(t)
+
+    @property
+    def gather_path(self):
+        """``"direct"``: workers gather ``sample()`` and epoch batches straight into the
+        shared slots (see ``direct_gather``); ``"generic"``: they call the wrapped
+        sampler's methods (:attr:`gather_path_reason` says why)."""
+        return "direct" if self._direct else "generic"
+
+    @property
+    def gather_path_reason(self):
+        """Why :attr:`gather_path` is ``"generic"`` (None when it is ``"direct"``)."""
+        return self._not_direct
 
     # -- sampling -------------------------------------------------------------------------
 

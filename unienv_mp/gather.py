@@ -1,0 +1,436 @@
+"""Direct gather: a worker writes a batch straight into its slot, row by row from the
+replay buffer's own tensors, with no intermediate batch.
+
+When a wrapped sampler's batch is a pure function of row indices into tensors held in
+memory, the worker does what UniEnv's generic path does, minus the allocations:
+
+1. it draws the indices with the wrapped sampler's own ``sample_index()`` (its RNG advances
+   exactly as ``sample()`` would advance it), or takes an epoch's indices as given;
+2. it maps them to storage rows with the ReplayBuffer's own mapping (offset, wrap-around,
+   count, read once, as ``get_at`` reads them);
+3. it gathers every leaf of the batch with ``torch.index_select(..., out=)`` into its place
+   in the slot.  The slot's layout (the codec's frame: header, tree description, offsets)
+   is planned once per method and batch size; per batch only the frame's few hundred
+   bytes and the rows are written.
+
+Which configurations qualify (:func:`check`): a ``StepSampler`` (or a subclass that
+overrides none of the sampling methods) on the CPU over a ``ReplayBuffer`` (likewise) whose
+storage is a ``PytorchTensorStorage`` (in memory, memory-mapped or shared), a
+``DictStorage`` of qualifying storages (nested too), or a ``FlattenedStorage`` over a
+``PytorchTensorStorage``.  Everything else -- transformations, image, video, HDF5 and
+parquet storages, custom samplers -- takes the generic path, where the worker calls the
+wrapped sampler and the codec copies its result into the slot.
+
+The contract is exactness: for the same seed, both paths give the same batches bit for bit,
+with the same structure, key order, dtypes, shapes and array types.  The plan is therefore
+built by walking UniEnv's own structures the way UniEnv's ``get`` / ``get_flattened`` /
+``flatten_data`` / ``unflatten_data`` walk them (``DictStorage``'s key mapping is UniEnv's
+own ``map_transform``), and every case it does not reproduce exactly is refused, with the
+reason, rather than approximated.
+
+This module is the only one besides :mod:`unienv_mp.sampler` that knows UniEnv's classes.
+"""
+import numpy as np
+
+from .worker import SlotWriter
+
+__all__ = ["NotDirect", "check", "Gatherer", "DIRECT_METHODS"]
+
+#: Sampler methods a direct plan can serve (``sample_index`` stays generic: it gathers
+#: nothing), by the epoch getter that computes the same thing from given indices.
+DIRECT_METHODS = {
+    "sample": "get_at",
+    "sample_with_metadata": "get_at_with_metadata",
+    "sample_flat": "get_flattened_at",
+    "sample_flat_with_metadata": "get_flattened_at_with_metadata",
+}
+_GETTERS = {g: s for s, g in DIRECT_METHODS.items()}
+_SAMPLER_METHODS = ("sample_index", *DIRECT_METHODS, *_GETTERS)
+_BUFFER_METHODS = ("get_at", "get_at_with_metadata", "get_flattened_at",
+                   "get_flattened_at_with_metadata", "_logical_to_physical_index")
+
+
+class NotDirect(Exception):
+    """The batch cannot be gathered directly; ``str()`` says why."""
+
+
+def check(sampler):
+    """Raise :class:`NotDirect` (saying why) unless ``sampler.sample()`` can be gathered
+    directly; build nothing that lasts."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise NotDirect("torch is not installed") from None
+    _Planner(sampler).structure("get_at")
+
+
+def _unchanged(obj, base, names):
+    """The first of ``names`` that ``type(obj)`` overrides from ``base``, or None."""
+    for n in names:
+        if getattr(type(obj), n, None) is not getattr(base, n, None):
+            return n
+    return None
+
+
+def _qualname(obj):
+    t = type(obj)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+class _Leaf:
+    """One array of the batch: ``(B, *tail)`` of ``dtype``, made of ``parts``: column
+    ranges ``[a, b)`` of the output viewed as ``(B, -1)``, each filled with the rows of a
+    2-D source ``(N, b - a)`` (or, for a single part, rows of an N-D source of the output's
+    own shape)."""
+    __slots__ = ("tail", "dtype", "parts", "direct")
+
+    def __init__(self, tail, dtype, parts):
+        self.tail = tuple(int(d) for d in tail)
+        self.dtype = dtype
+        self.parts = parts
+        # one source of the output's own row shape and dtype: index_select straight into
+        # the output
+        self.direct = (len(parts) == 1 and tuple(parts[0][0].shape[1:]) == self.tail
+                       and parts[0][0].dtype == dtype)
+
+
+class _Planner:
+    """Reads a wrapped sampler's structure: which tensor each leaf of a batch comes from."""
+
+    def __init__(self, sampler):
+        import torch
+        from unienv_data.replay_buffer.replay_buffer import ReplayBuffer
+        from unienv_data.samplers.step_sampler import StepSampler
+        self.torch = torch
+        if not isinstance(sampler, StepSampler):
+            raise NotDirect(f"the wrapped sampler is a {_qualname(sampler)}, not a UniEnv "
+                            f"StepSampler")
+        name = _unchanged(sampler, StepSampler, _SAMPLER_METHODS)
+        if name is not None:
+            raise NotDirect(f"{_qualname(sampler)} overrides {name}()")
+        device = getattr(sampler, "_device", None)
+        if device is not None and torch.device(device).type != "cpu":
+            raise NotDirect(f"the sampler moves batches to {device}")
+        rb = sampler.data
+        if not isinstance(rb, ReplayBuffer):
+            raise NotDirect(f"the sampler's data is a {_qualname(rb)}, not a UniEnv "
+                            f"ReplayBuffer")
+        name = _unchanged(rb, ReplayBuffer, _BUFFER_METHODS)
+        if name is not None:
+            raise NotDirect(f"{_qualname(rb)} overrides {name}()")
+        self.sampler = sampler
+        self.buffer = rb
+
+    # -- what storage.get(rows) returns: a tree of _Leaf ------------------------------------
+
+    def rows(self, storage):
+        from unienv_data.storages.dict_storage import DictStorage, map_transform
+        from unienv_data.storages.flattened import FlattenedStorage
+        from unienv_data.storages.pytorch import PytorchTensorStorage
+        if isinstance(storage, PytorchTensorStorage):
+            self._no_override(storage, PytorchTensorStorage, ("get",))
+            src = self._source(storage.data, storage)
+            return _Leaf(src.shape[1:], src.dtype, [(src, 0, self._width(src))])
+        if isinstance(storage, DictStorage):
+            self._no_override(storage, DictStorage, ("get", "get_flattened"))
+            tree, residual = map_transform(
+                storage.single_instance_space, storage.storage_map,
+                lambda key, space, sub: self.rows(sub),
+                nested_separator=storage.nested_separator)
+            if residual:
+                raise NotDirect(f"DictStorage keys without a storage: {sorted(residual)}")
+            return tree
+        if isinstance(storage, FlattenedStorage):
+            self._no_override(storage, FlattenedStorage, ("get", "get_flattened"))
+            flat = self.flat_rows(storage)
+            return self._unflatten(storage.single_instance_space, flat.parts[0][0], [0])
+        raise NotDirect(f"storage {_qualname(storage)} is not one that keeps its rows in one "
+                        f"in-memory tensor (PytorchTensorStorage, DictStorage or "
+                        f"FlattenedStorage of those)")
+
+    def flat_rows(self, storage):
+        """The single 2-D leaf of a FlattenedStorage's ``get_flattened``."""
+        from unienv_data.storages.pytorch import PytorchTensorStorage
+        inner = storage.inner_storage
+        if not isinstance(inner, PytorchTensorStorage):
+            raise NotDirect(f"FlattenedStorage over {_qualname(inner)}")
+        leaf = self.rows(inner)
+        if len(leaf.tail) != 1:
+            raise NotDirect("FlattenedStorage whose inner rows are not 1-D")
+        return leaf
+
+    def _no_override(self, storage, base, names):
+        name = _unchanged(storage, base, names)
+        if name is not None:
+            raise NotDirect(f"{_qualname(storage)} overrides {name}()")
+
+    def _source(self, data, storage):
+        torch = self.torch
+        if not isinstance(data, torch.Tensor):
+            raise NotDirect(f"{_qualname(storage)} holds a {_qualname(data)}, not a tensor")
+        if data.device.type != "cpu":
+            raise NotDirect(f"{_qualname(storage)} holds its rows on {data.device}")
+        if data.dim() < 1 or data.layout != torch.strided or data.is_quantized:
+            raise NotDirect(f"{_qualname(storage)} holds a tensor that is not a strided "
+                            f"array of rows")
+        if data.requires_grad or data.is_conj() or data.is_neg():
+            raise NotDirect(f"{_qualname(storage)} holds a tensor that requires grad or "
+                            f"has a lazy conjugate/negative bit")
+        if type(data) is not torch.Tensor:
+            # e.g. a MemoryMappedTensor: the same memory as a plain tensor, without the
+            # subclass's __torch_function__ on every gather
+            data = torch.Tensor.as_subclass(data, torch.Tensor)
+        return data
+
+    def _width(self, src):
+        return int(np.prod(src.shape[1:], dtype=np.int64))
+
+    def _as_2d(self, src):
+        """``src`` viewed as ``(N, row elements)``, sharing its memory."""
+        try:
+            return src.view(src.shape[0], -1)
+        except RuntimeError:
+            raise NotDirect("a storage tensor whose rows cannot be viewed as flat rows "
+                            "(not contiguous)") from None
+
+    def _unflatten(self, space, flat, col):
+        """Mirror of UniEnv's ``unflatten_data(space, rows, start_dim=1)``: the columns of
+        the flat rows each leaf is cut from (``col``: the next column, a 1-list)."""
+        from unienv_interface.space import BinarySpace, BoxSpace, DictSpace, TupleSpace
+        if type(space) is BoxSpace:
+            n = int(np.prod(space.shape, dtype=np.int64))
+            a = col[0]
+            col[0] += n
+            dtype = space.dtype
+            if not isinstance(dtype, self.torch.dtype):
+                raise NotDirect(f"a space whose dtype {dtype!r} is not a torch dtype")
+            return _Leaf(space.shape, dtype, [(flat[:, a:a + n], 0, n)])
+        if type(space) is DictSpace:
+            return {k: self._unflatten(sub, flat, col) for k, sub in _dict_items(space)}
+        if type(space) is TupleSpace:
+            return tuple(self._unflatten(sub, flat, col) for sub in space.spaces)
+        if isinstance(space, BinarySpace):
+            raise NotDirect("BinarySpace leaves (cast on flattening)")
+        raise NotDirect(f"flattened {type(space).__name__} leaves")
+
+    def _flatten(self, space, tree, parts, col):
+        """Mirror of UniEnv's ``flatten_data(space, tree, start_dim=1)``: append to
+        ``parts`` the 2-D source of each column range of the flat rows."""
+        from unienv_interface.space import BoxSpace, DictSpace, TupleSpace
+        if type(space) is BoxSpace:
+            # (a batched space: its first dimension is the batch's)
+            if not isinstance(tree, _Leaf) or tree.tail != tuple(space.shape[1:]):
+                raise NotDirect("a leaf whose shape differs from its space")
+            if len(tree.parts) != 1 or not tree.direct:
+                raise NotDirect("flattening a leaf that is itself cut from flat rows")
+            src = self._as_2d(tree.parts[0][0])
+            n = src.shape[1]
+            parts.append((src, col[0], col[0] + n))
+            col[0] += n
+        elif type(space) is DictSpace:
+            if not isinstance(tree, dict):
+                raise NotDirect("a DictSpace whose data is not a dict")
+            for k, sub in _dict_items(space):
+                self._flatten(sub, tree[k], parts, col)
+        elif type(space) is TupleSpace:
+            for i, sub in enumerate(space.spaces):
+                self._flatten(sub, tree[i], parts, col)
+        else:
+            raise NotDirect(f"flattening {type(space).__name__} leaves")
+
+    # -- what each getter returns ---------------------------------------------------------
+
+    def structure(self, getter):
+        """The tree of _Leaf (and None) that ``sampler.<getter>(idx)`` returns."""
+        rb = self.buffer
+        storage = rb.storage
+        if getter in ("get_at", "get_at_with_metadata"):
+            tree = self.rows(storage)
+        elif getter in ("get_flattened_at", "get_flattened_at_with_metadata"):
+            tree = self.flat(storage)
+        else:
+            raise NotDirect(f"{getter} is not a gathering method")
+        if getter.endswith("_with_metadata"):
+            tree = (tree, None)
+        return tree
+
+    def flat(self, storage):
+        from unienv_data.storages.dict_storage import DictStorage
+        from unienv_data.storages.flattened import FlattenedStorage
+        if isinstance(storage, FlattenedStorage):
+            self._no_override(storage, FlattenedStorage, ("get", "get_flattened"))
+            return self.flat_rows(storage)
+        if isinstance(storage, DictStorage):
+            self._no_override(storage, DictStorage, ("get", "get_flattened"))
+            space = storage._batched_instance_space
+            tree = self.rows(storage)
+        elif hasattr(storage, "get_flattened"):
+            raise NotDirect(f"{_qualname(storage)}.get_flattened")
+        else:
+            # ReplayBuffer: flatten_data(self._batched_space, get_at(idx), start_dim=1)
+            space = self.buffer._batched_space
+            tree = self.rows(storage)
+        parts = []
+        col = [0]
+        self._flatten(space, tree, parts, col)
+        if not parts:
+            raise NotDirect("nothing to flatten")
+        dtype = parts[0][0].dtype
+        for src, _, _ in parts[1:]:
+            dtype = self.torch.promote_types(dtype, src.dtype)
+        return _Leaf((col[0],), dtype, parts)
+
+
+def _dict_items(space):
+    """Items of a DictSpace in UniEnv's flattening order: sorted keys, insertion order if
+    the keys do not sort."""
+    try:
+        return sorted(space.spaces.items(), key=lambda x: x[0])
+    except TypeError:
+        return list(space.spaces.items())
+
+
+class Gatherer:
+    """Lives in a worker: turns a task ``(method, argument)`` into a :class:`SlotWriter`
+    that gathers the batch into the worker's slot, or None for tasks it does not serve."""
+
+    def __init__(self, sampler):
+        self._planner = _Planner(sampler)
+        self.sampler = sampler
+        self.buffer = self._planner.buffer
+        self._structures = {}   # getter -> tree of _Leaf, or None (not direct)
+        self._plans = {}        # (getter, batch size) -> _Plan
+
+    def structure(self, getter):
+        try:
+            return self._structures[getter]
+        except KeyError:
+            pass
+        try:
+            tree = self._planner.structure(getter)
+        except NotDirect:
+            tree = None
+        self._structures[getter] = tree
+        return tree
+
+    def __call__(self, name, arg):
+        """A :class:`SlotWriter` for the task, or None to run it the generic way."""
+        getter = DIRECT_METHODS.get(name)
+        if getter is not None:
+            if arg is not None or self.structure(getter) is None:
+                return None
+            idx = self.sampler.sample_index()   # the RNG advances as in sample*()
+            rows = self._sampled_rows(idx)
+        else:
+            if name not in _GETTERS or self.structure(name) is None:
+                return None
+            getter = name
+            # indices from outside: the ReplayBuffer's own mapping, bounds checks included
+            rows = self.buffer._logical_to_physical_index(arg)
+        n = int(rows.shape[0])
+        plan = self._plans.get((getter, n))
+        if plan is None:
+            plan = self._plans[(getter, n)] = _Plan(self.structure(getter), n)
+        return _Batch(plan, rows)
+
+
+    def _sampled_rows(self, idx):
+        """Storage rows of indices drawn by ``sample_index()``: the ReplayBuffer's mapping
+        ``(idx + count + offset) % count`` on one snapshot of its ring state, as
+        ``_logical_to_physical_index`` computes it, without its bounds check (a reduction
+        that costs more than gathering a small batch): the indices were drawn in
+        ``[0, len)``, and a buffer only grows while it is sampled, so they are in bounds.
+        For those indices the mapping is ``(idx + offset) % count``, and ``idx`` itself
+        when the offset is 0."""
+        ring = getattr(self.buffer, "_ring_state", None)
+        if ring is None:
+            return self.buffer._logical_to_physical_index(idx)
+        count, offset = ring.read()
+        if offset == 0:
+            return idx
+        return (idx + offset).remainder_(count)
+
+
+class _Plan:
+    """The slot layout of one batch structure at one batch size: the codec frame, and for
+    every array, where it goes and what fills it."""
+
+    def __init__(self, tree, n):
+        import torch
+        from . import _codec
+        self.torch = torch
+        self.n = n
+        fills = {}
+
+        def template(node):
+            if isinstance(node, _Leaf):
+                # zero-stride stand-in with the leaf's shape and dtype: the codec reads
+                # shapes and dtypes from it, never its data
+                t = torch.empty((), dtype=node.dtype).expand((n, *node.tail))
+                fills[id(t)] = node
+                keep.append(t)
+                return t
+            if isinstance(node, dict):
+                return {k: template(v) for k, v in node.items()}
+            if isinstance(node, tuple):
+                return tuple(template(v) for v in node)
+            return node
+
+        keep = []
+        self.prepared = _codec.prepare(template(tree))
+        self.nbytes = self.prepared.nbytes
+        self.leaves = []   # (offset, nbytes, _Leaf)
+        for t, off, nbytes in self.prepared.array_layout():
+            self.leaves.append((off, nbytes, fills[id(t)]))
+        self.scratch = {}  # (leaf index, part index) -> tensor, for converting parts
+
+    def views(self, buffer):
+        """The output arrays of this layout over ``buffer`` (a slot)."""
+        torch = self.torch
+        out = []
+        for off, nbytes, leaf in self.leaves:
+            if nbytes == 0:
+                out.append(None)
+                continue
+            count = nbytes // torch.empty((), dtype=leaf.dtype).element_size()
+            v = torch.frombuffer(buffer, dtype=leaf.dtype, count=count, offset=off)
+            out.append(v.view(self.n, *leaf.tail) if leaf.direct else v.view(self.n, -1))
+        return out
+
+    def fill(self, views, rows):
+        torch = self.torch
+        for i, (off, nbytes, leaf) in enumerate(self.leaves):
+            out = views[i]
+            if out is None:
+                continue
+            if leaf.direct:
+                torch.index_select(leaf.parts[0][0], 0, rows, out=out)
+                continue
+            for j, (src, a, b) in enumerate(leaf.parts):
+                if src.dtype == leaf.dtype and len(leaf.parts) == 1:
+                    torch.index_select(src, 0, rows, out=out)
+                    continue
+                tmp = self.scratch.get((i, j))
+                if tmp is None:
+                    tmp = self.scratch[(i, j)] = torch.empty((self.n, b - a), dtype=src.dtype)
+                torch.index_select(src, 0, rows, out=tmp)
+                out[:, a:b].copy_(tmp)
+
+
+class _Batch(SlotWriter):
+    """One batch to gather: a plan and the storage rows."""
+    __slots__ = ("plan", "rows", "nbytes")
+
+    def __init__(self, plan, rows):
+        self.plan = plan
+        self.rows = rows
+        self.nbytes = plan.nbytes
+
+    def write_into(self, buffer, cache):
+        from . import _codec
+        plan = self.plan
+        views = cache.get(plan)
+        if views is None:
+            views = cache[plan] = plan.views(buffer)
+        _codec.write_frame(plan.prepared, buffer)
+        plan.fill(views, self.rows)
