@@ -1,7 +1,10 @@
 """MultiprocessingSampler side by side (the sampler issue): unienv_mp's, UniEnv's
-(``shared_memory`` False and True), UniEnv's StepSampler in process, and a torch DataLoader
-with as many workers, over one in-memory ReplayBuffer of 20k transitions; 4 workers, fork;
-the consumer touches one byte per 4 KiB page of every batch.
+(``shared_memory`` False and True), UniEnv's StepSampler in process, a torch DataLoader
+with as many workers, ``torch.index_select`` of the StepSampler's indices into reused
+output tensors in process (the speed limit of in-process sampling), and a TorchRL
+ReplayBuffer with 4 prefetch threads (skipped without torchrl), over one in-memory
+ReplayBuffer of 20k transitions; 4 workers, fork; the consumer touches one byte per 4 KiB
+page of every batch.
 
 * image: batches of 256 {state 10 f32, action 7 f32, image 3x128x128 u8} (12.6 MB)
 * state: batches of 32 {state 10 f32, action 7 f32}

@@ -1,8 +1,10 @@
 """The main job, python -m unienv_mp: options, output, and what happens when a piece is
 missing."""
+import importlib.util
 import json
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -79,3 +81,163 @@ def test_plot_writes_a_png(tmp_path, capsys):
     assert main_mod.main(SMALL + ["--impl", "unienv_mp,in_process", "--plot", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "plot saved" in capsys.readouterr().err
+
+
+# The in-process speed limit and TorchRL's ReplayBuffer: rows in the same comparison.
+
+TINY = compare.Config(transitions=300, batch_size=16, image_shape=(3, 8, 8), workers=2,
+                      buffers=2)
+needs_torchrl = pytest.mark.skipif("torchrl" in compare.available(),
+                                   reason="torchrl is not installed")
+
+
+@pytest.fixture(scope="module")
+def tiny_rb():
+    return compare.build_buffer(TINY)
+
+
+@pytest.fixture(scope="module")
+def wrapped_rb():
+    """A full ring whose logical row 0 is physical row 37 (logical and physical differ)."""
+    import torch
+    rb = compare.build_buffer(TINY)
+    g = torch.Generator().manual_seed(1)
+    rb.extend({"state": torch.rand(37, 10, generator=g) + 2,
+               "action": torch.rand(37, 7, generator=g),
+               "image": torch.randint(0, 256, (37, 3, 8, 8), dtype=torch.uint8, generator=g)})
+    assert len(rb) == TINY.transitions and rb._ring_state.read()[1] == 37
+    return rb
+
+
+@pytest.fixture(params=["tiny_rb", "wrapped_rb"])
+def any_rb(request):
+    return request.getfixturevalue(request.param)
+
+
+def _take(name, rb, n=3, seed=0):
+    """``n`` batches of implementation ``name``, each as {key: a copy of its tensor}."""
+    next_batch, close = compare.make_sampler(name, rb, TINY, seed=seed)
+    try:
+        out = []
+        for _ in range(n):
+            b = next_batch()
+            out.append({k: b[k].clone() for k in b.keys()})
+        return out
+    finally:
+        close()
+
+
+def _assert_rows_of_the_buffer(rb, batch):
+    """Every row of ``batch`` is one transition of ``rb``: all keys from the same row."""
+    data = compare._dict_storage_tensors(rb)
+    for i in range(TINY.batch_size):
+        match = (data["state"] == batch["state"][i]).all(dim=1).nonzero().flatten()
+        assert len(match) >= 1, "a sampled state is not in the buffer"
+        j = int(match[0])
+        for k in data:
+            assert (batch[k][i] == data[k][j]).all(), k
+
+
+@pytest.mark.parametrize("name", ["index_select",
+                                  pytest.param("torchrl", marks=needs_torchrl)])
+def test_new_rows_give_batches_like_in_process(any_rb, name):
+    [ref] = _take("in_process", any_rb, n=1)
+    batches = _take(name, any_rb)
+    for b in batches:
+        assert set(b) == set(ref) == {"state", "action", "image"}
+        for k in ref:
+            assert b[k].shape == ref[k].shape and b[k].dtype == ref[k].dtype, k
+        _assert_rows_of_the_buffer(any_rb, b)
+    assert not all((batches[0]["state"] == b["state"]).all() for b in batches[1:]), (
+        "every batch was the same")
+
+
+def test_index_select_draws_the_step_samplers_indices_into_reused_memory(any_rb):
+    # Same StepSampler seed: the same rows as sampling in process, batch for batch
+    # (also where the ring's logical rows are not its physical rows).
+    for mine, ref in zip(_take("index_select", any_rb, n=5, seed=7),
+                         _take("in_process", any_rb, n=5, seed=7)):
+        for k in ref:
+            assert (mine[k] == ref[k]).all(), k
+    next_batch, close = compare.make_sampler("index_select", any_rb, TINY)
+    first = next_batch()
+    ptrs = {k: v.data_ptr() for k, v in first.items()}
+    second = next_batch()
+    assert {k: v.data_ptr() for k, v in second.items()} == ptrs
+    close()
+
+
+@needs_torchrl
+def test_torchrl_batches_can_be_touched_and_close_stops_its_threads(tiny_rb):
+    before = set(threading.enumerate())
+    next_batch, close = compare.make_sampler("torchrl", tiny_rb, TINY)
+    b = next_batch()
+    assert type(b).__name__ == "TensorDict"     # walked as is, not converted
+    assert compare.batch_nbytes(b) == 16 * (17 * 4 + 3 * 8 * 8)
+    assert compare.touch(b) == compare.touch({k: b[k] for k in b.keys()})
+    for _ in range(5):
+        next_batch()
+    assert set(threading.enumerate()) - before, "no prefetch threads"
+    close()
+    assert not [t for t in set(threading.enumerate()) - before if t.is_alive()]
+
+
+def test_new_rows_in_the_same_run(capsys):
+    impls = ["unienv_mp", "in_process", "index_select", "torchrl"]
+    rc = main_mod.main(SMALL + ["--impl", ",".join(impls), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    ran = [r["name"] for r in out["results"]]
+    if "torchrl" in compare.available():
+        impls.remove("torchrl")
+        assert "torchrl" in out["skipped"]
+    assert ran == impls
+    for r in out["results"]:
+        assert r["error"] is None and r["batches"] >= 5 and r["ms_per_batch"] > 0
+        assert r["batch_bytes"] == 16 * (17 * 4 + 3 * 8 * 8)
+    assert set(out["speedup_of_unienv_mp"]) == set(impls) - {"unienv_mp"}
+
+
+def test_default_run_includes_the_new_rows():
+    args = main_mod.parse_args([])
+    assert {"index_select", "torchrl"} <= set(args.impls)
+    assert args.impls[:5] == ["unienv_mp", "unienv", "unienv_shm", "in_process", "dataloader"]
+    assert compare.LABELS["index_select"] == "index_select into reused memory, in process"
+    assert compare.LABELS["torchrl"] == "TorchRL ReplayBuffer(prefetch=4)"
+
+
+def test_table_says_slower_where_unienv_mp_loses():
+    cfg = compare.Config(transitions=300, batch_size=16, image_shape=())
+    # (name, batches, seconds): unienv_mp takes 100 ms a batch
+    timings = [("unienv_mp", 10, 1.0), ("index_select", 25, 1.0), ("torchrl", 4, 1.0),
+               ("in_process", 10, 1.03), ("dataloader", 10, 0.98)]
+    results = [compare.Result(n, compare.LABELS[n], b, s) for n, b, s in timings]
+    lines = main_mod.render_table(results, cfg).splitlines()
+    verdict = {n: next(line for line in lines if line.startswith(compare.LABELS[n]))
+               .rsplit("  ", 1)[-1].strip() for n, _, _ in timings}
+    assert verdict == {"unienv_mp": "-", "index_select": "2.5x slower",
+                       "torchrl": "2.5x faster", "in_process": "1.03x faster",
+                       "dataloader": "1.02x slower"}
+
+
+def test_without_torchrl_its_row_is_skipped_with_a_message():
+    # torchrl made unimportable: nothing at import time needs it, and the row is skipped.
+    code = ("import sys; sys.modules['torchrl'] = sys.modules['tensordict'] = None\n"
+            "from unienv_mp import __main__ as m\n"
+            f"sys.exit(m.main({SMALL + ['--impl', 'in_process,torchrl', '--json']!r}))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "skipping TorchRL ReplayBuffer(prefetch=4): torchrl is not installed" in p.stderr
+    out = json.loads(p.stdout)
+    assert [r["name"] for r in out["results"]] == ["in_process"]
+    assert out["skipped"] == {"torchrl": "torchrl is not installed (pip install torchrl)"}
+
+
+def test_available_reports_missing_torchrl(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torchrl" else real(name, *a))
+    missing = compare.available()
+    assert "torchrl" in missing and "torchrl" in missing["torchrl"]
+    assert "index_select" not in missing

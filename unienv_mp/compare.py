@@ -4,6 +4,19 @@ Used by the main job (``python -m unienv_mp``) and by ``benchmarks/bench_sampler
 Every implementation samples the same buffer with the same batch size; the consumer touches
 one byte per 4 KiB page of every array it receives, as a training step that reads the
 batch would.
+
+The implementations (``IMPLEMENTATIONS``):
+
+* ``unienv_mp``: unienv_mp's MultiprocessingSampler;
+* ``unienv``, ``unienv_shm``: UniEnv's MultiprocessingSampler, ``shared_memory`` False / True;
+* ``in_process``: UniEnv's StepSampler, ``sample()`` in the training process;
+* ``dataloader``: a torch DataLoader with as many workers, each calling ``sample()``;
+* ``index_select``: the speed limit of in-process sampling: the StepSampler's indices, mapped
+  to storage rows as the ReplayBuffer does, gathered with ``torch.index_select(..., out=)``
+  into one set of output tensors allocated up front and reused for every batch (so a batch
+  is only valid until the next one);
+* ``torchrl``: a TorchRL ``ReplayBuffer(prefetch=4)`` (uniform ``RandomSampler``, 4
+  prefetch threads) over the same rows; needs ``torchrl``, which is optional.
 """
 import gc
 import importlib.util
@@ -14,14 +27,18 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-IMPLEMENTATIONS = ("unienv_mp", "unienv", "unienv_shm", "in_process", "dataloader")
+IMPLEMENTATIONS = ("unienv_mp", "unienv", "unienv_shm", "in_process", "dataloader",
+                   "index_select", "torchrl")
 LABELS = {
     "unienv_mp": "unienv_mp MultiprocessingSampler",
     "unienv": "UniEnv MultiprocessingSampler",
     "unienv_shm": "UniEnv MultiprocessingSampler(shared_memory=True)",
     "in_process": "UniEnv StepSampler, in process",
     "dataloader": "torch DataLoader",
+    "index_select": "index_select into reused memory, in process",
+    "torchrl": "TorchRL ReplayBuffer(prefetch=4)",
 }
+TORCHRL_PREFETCH = 4
 
 
 @dataclass
@@ -91,6 +108,11 @@ def available():
     except ImportError:
         missing["unienv"] = missing["unienv_shm"] = (
             "this unienv has no unienv_data.samplers.MultiprocessingSampler")
+    # find_spec only: importing torchrl takes seconds, and it is optional
+    if importlib.util.find_spec("torchrl") is None:
+        missing["torchrl"] = "torchrl is not installed (pip install torchrl)"
+    elif importlib.util.find_spec("tensordict") is None:
+        missing["torchrl"] = "tensordict (needed by torchrl) is not installed"
     return missing
 
 
@@ -126,8 +148,16 @@ def build_buffer(cfg: Config, progress: Callable[[int], None] = lambda n: None):
     return rb
 
 
+def _is_tensor_collection(x):
+    """A TensorDict (or the like): a mapping of arrays with a ``batch_size``; told apart from
+    tensors, which have ``values()`` too (sparse), without importing tensordict."""
+    return (hasattr(x, "batch_size") and callable(getattr(x, "keys", None))
+            and callable(getattr(x, "values", None)))
+
+
 def _arrays(batch):
-    """The numpy arrays (torch tensors as numpy views) of a nested batch."""
+    """The numpy arrays (torch tensors as numpy views) of a nested batch: dicts, lists,
+    tuples and TensorDicts of arrays and tensors."""
     stack = [batch]
     while stack:
         x = stack.pop()
@@ -135,6 +165,8 @@ def _arrays(batch):
             stack.extend(x.values())
         elif isinstance(x, (list, tuple)):
             stack.extend(x)
+        elif _is_tensor_collection(x):
+            stack.extend(x.values())
         elif x is not None:
             yield x if isinstance(x, np.ndarray) else x.numpy()
 
@@ -196,13 +228,115 @@ def make_sampler(name: str, rb, cfg: Config, seed: int = 0):
         def close():
             it._shutdown_workers()
         return it.__next__, close
+    if name == "index_select":
+        return _index_select_sampler(base, rb, cfg)
+    if name == "torchrl":
+        return _torchrl_sampler(rb, cfg, seed)
     raise ValueError(f"unknown implementation {name!r}; expected one of {IMPLEMENTATIONS}")
+
+
+def _dict_storage_tensors(rb):
+    """{key: the torch tensor holding every row of that key} of a ReplayBuffer over a flat
+    DictStorage of tensor storages (what ``build_buffer`` makes)."""
+    storage_map = getattr(rb.storage, "storage_map", None)
+    if storage_map is None:
+        raise TypeError(f"needs a ReplayBuffer over a DictStorage, not "
+                        f"{type(rb.storage).__name__}")
+    out = {}
+    for key, storage in storage_map.items():
+        data = getattr(storage, "data", None)
+        if data is None or not hasattr(data, "index_select"):
+            raise TypeError(f"needs tensor storages; {key!r} is a {type(storage).__name__}")
+        out[key] = data
+    return out
+
+
+def _index_select_sampler(base, rb, cfg: Config):
+    """The speed limit of in-process sampling: ``base``'s own indices, mapped to storage
+    rows as the ReplayBuffer maps them, gathered by ``torch.index_select`` into output
+    tensors allocated once here and returned (the same ones) for every batch.
+
+    The mapping is the ReplayBuffer's arithmetic, ``(index + offset) % count`` on one
+    snapshot of its ring state, without ``_logical_to_physical_index``'s bounds check
+    (which costs more than the gather of a small batch): ``sample_index()`` draws in
+    ``[0, len)`` by construction."""
+    import torch
+    data = _dict_storage_tensors(rb)
+    out = {k: torch.empty((cfg.batch_size, *d.shape[1:]), dtype=d.dtype, device=d.device)
+           for k, d in data.items()}
+    ring = getattr(rb, "_ring_state", None)
+    if ring is None:    # another UniEnv: its own mapping, bounds check included
+        physical = rb._logical_to_physical_index
+    else:
+        shifted = None
+
+        def physical(idx):
+            nonlocal shifted
+            count, offset = ring.read()
+            if offset == 0:     # 0 <= idx < count: (idx + 0) % count is idx
+                return idx
+            if shifted is None or shifted.shape != idx.shape or shifted.dtype != idx.dtype:
+                shifted = torch.empty_like(idx)
+            torch.add(idx, offset, out=shifted)
+            return shifted.remainder_(count)
+
+    def next_batch():
+        rows = physical(base.sample_index())
+        for k, d in data.items():
+            torch.index_select(d, 0, rows, out=out[k])
+        return out
+    return next_batch, lambda: None
+
+
+def _torchrl_sampler(rb, cfg: Config, seed: int = 0):
+    """A TorchRL ``ReplayBuffer(prefetch=TORCHRL_PREFETCH)`` over the same rows, sampled
+    uniformly with replacement (``RandomSampler``), as an RL user of TorchRL would.
+
+    Its storage is a ``TensorStorage`` over a TensorDict of the UniEnv buffer's tensors
+    in logical order: views of them (no copy) when the buffer's logical rows are its
+    physical rows ``0..len-1`` (a buffer filled once, as ``build_buffer`` makes), else a
+    copy made here.  Sampling reads it exactly as a filled ``LazyTensorStorage``."""
+    import torch
+    from tensordict import TensorDict
+    from torchrl.data import ReplayBuffer, TensorStorage
+    from torchrl.data.replay_buffers.samplers import RandomSampler
+    data = _dict_storage_tensors(rb)
+    n = len(rb)
+    rows = rb._logical_to_physical_index(torch.arange(n))
+    in_place = bool(torch.equal(torch.as_tensor(rows), torch.arange(n)))
+    td = TensorDict({k: d[:n] if in_place else d.index_select(0, torch.as_tensor(rows))
+                     for k, d in data.items()}, batch_size=[n])
+    trb = ReplayBuffer(storage=TensorStorage(td), sampler=RandomSampler(),
+                       batch_size=cfg.batch_size, prefetch=TORCHRL_PREFETCH,
+                       generator=torch.Generator().manual_seed(seed))
+
+    def close():
+        # stops the prefetch thread pool (after its pending samples)
+        shutdown = getattr(trb, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        else:   # older torchrl: no shutdown(); its pool is _prefetch_executor
+            executor = getattr(trb, "_prefetch_executor", None)
+            if executor is not None:
+                executor.shutdown(wait=True)
+    return trb.sample, close
+
+
+# Modules an implementation imports when it starts, imported before its clock starts:
+# importing torchrl takes seconds, which are not its start-up.
+_PREIMPORT = {"torchrl": ("tensordict", "torchrl.data")}
 
 
 def measure(name: str, rb, cfg: Config, progress: Callable[[float], None] = lambda f: None):
     """Time implementation ``name``: start it, take ``cfg.warmup`` batches, then as many as
     fit in ``cfg.seconds`` (at least ``cfg.min_batches``)."""
     res = Result(name, LABELS.get(name, name))
+    try:
+        for module in _PREIMPORT.get(name, ()):
+            importlib.import_module(module)
+    except Exception as e:   # reported in the table, not fatal to the comparison
+        res.error = f"{type(e).__name__}: {e}"
+        return res
     gc.collect()
     t0 = time.perf_counter()
     try:
