@@ -26,6 +26,12 @@ extensions = [
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=CFLAGS,
     ),
+    Extension(
+        "unienv_mp._rows",
+        sources=["unienv_mp/_rows.pyx", "csrc/umr_rows.c"],
+        include_dirs=["csrc"],
+        extra_compile_args=CFLAGS,
+    ),
     # Pure-Python modules on the per-batch path, compiled for speed (the .py files are
     # the source; the compiled modules take precedence on import).
     Extension("unienv_mp.manager", sources=["unienv_mp/manager.py"], extra_compile_args=CFLAGS),

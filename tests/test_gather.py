@@ -172,8 +172,8 @@ def test_identical_under_every_start_method(ctx):
                           n_workers=3)
 
 
-def test_large_batches_go_through_slots_as_zero_copy_views():
-    rb = replay_buffer(300, img=(3, 16, 16))
+def test_large_rows_go_through_slots_as_zero_copy_views():
+    rb = replay_buffer(300, img=(3, 32, 32))   # 3 KiB image rows: streaming stores
     out = assert_same_both_ways(lambda: StepSampler(rb, 64, seed=0), methods=("sample",),
                                 epochs=("epoch_iter",), rounds=4)
     batch = out[0][1]

@@ -30,8 +30,11 @@ reason, rather than approximated.
 
 This module is the only one besides :mod:`unienv_mp.sampler` that knows UniEnv's classes.
 """
+import sys
+
 import numpy as np
 
+from . import _codec, _rows
 from .worker import SlotWriter
 
 __all__ = ["NotDirect", "check", "Gatherer", "DIRECT_METHODS"]
@@ -357,10 +360,10 @@ class _Plan:
 
     def __init__(self, tree, n):
         import torch
-        from . import _codec
         self.torch = torch
         self.n = n
         fills = {}
+        keep = []
 
         def template(node):
             if isinstance(node, _Leaf):
@@ -376,20 +379,22 @@ class _Plan:
                 return tuple(template(v) for v in node)
             return node
 
-        keep = []
         self.prepared = _codec.prepare(template(tree))
         self.nbytes = self.prepared.nbytes
-        self.leaves = []   # (offset, nbytes, _Leaf)
+        self.leaves = []   # (offset, nbytes, _Leaf, table of byte rows or None, row bytes)
         for t, off, nbytes in self.prepared.array_layout():
-            self.leaves.append((off, nbytes, fills[id(t)]))
+            leaf = fills[id(t)]
+            table = _byte_rows(leaf.parts[0][0]) if leaf.direct and nbytes else None
+            self.leaves.append((off, nbytes, leaf, table,
+                                0 if table is None else table.shape[1]))
         self.scratch = {}  # (leaf index, part index) -> tensor, for converting parts
 
     def views(self, buffer):
-        """The output arrays of this layout over ``buffer`` (a slot)."""
+        """The output arrays over ``buffer`` (a slot) of the leaves that need one."""
         torch = self.torch
         out = []
-        for off, nbytes, leaf in self.leaves:
-            if nbytes == 0:
+        for off, nbytes, leaf, table, _ in self.leaves:
+            if nbytes == 0 or table is not None:
                 out.append(None)
                 continue
             count = nbytes // torch.empty((), dtype=leaf.dtype).element_size()
@@ -397,9 +402,17 @@ class _Plan:
             out.append(v.view(self.n, *leaf.tail) if leaf.direct else v.view(self.n, -1))
         return out
 
-    def fill(self, views, rows):
+    def fill(self, buffer, views, rows):
         torch = self.torch
-        for i, (off, nbytes, leaf) in enumerate(self.leaves):
+        rows_np = None
+        for i, (off, nbytes, leaf, table, row_bytes) in enumerate(self.leaves):
+            if table is not None:
+                if rows_np is None:
+                    if rows.dtype != torch.int64 or not rows.is_contiguous():
+                        rows = rows.to(torch.int64).contiguous()
+                    rows_np = rows.numpy()
+                _rows.gather_rows(table, row_bytes, rows_np, buffer, off)
+                continue
             out = views[i]
             if out is None:
                 continue
@@ -417,6 +430,22 @@ class _Plan:
                 out[:, a:b].copy_(tmp)
 
 
+def _byte_rows(src):
+    """``src``'s memory as a numpy ``(rows, bytes per row)`` uint8 array, for
+    :func:`_rows.gather_rows`; None where it is not one contiguous table (then torch
+    gathers it)."""
+    torch = sys.modules["torch"]
+    if not src.is_contiguous() or src.dim() < 1 or src.element_size() == 0:
+        return None
+    try:
+        table = src.reshape(src.shape[0], -1).view(torch.uint8).numpy()
+    except (RuntimeError, TypeError):
+        return None   # e.g. a dtype that has no byte view
+    if table.ctypes.data != src.data_ptr() or not table.flags.c_contiguous:
+        return None
+    return table
+
+
 class _Batch(SlotWriter):
     """One batch to gather: a plan and the storage rows."""
     __slots__ = ("plan", "rows", "nbytes")
@@ -427,10 +456,9 @@ class _Batch(SlotWriter):
         self.nbytes = plan.nbytes
 
     def write_into(self, buffer, cache):
-        from . import _codec
         plan = self.plan
         views = cache.get(plan)
         if views is None:
             views = cache[plan] = plan.views(buffer)
         _codec.write_frame(plan.prepared, buffer)
-        plan.fill(views, self.rows)
+        plan.fill(buffer, views, self.rows)

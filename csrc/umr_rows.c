@@ -1,0 +1,83 @@
+/*
+ * umr_rows.c - gather rows of a table into a contiguous destination.
+ *
+ * This is the inner loop of a direct gather (unienv_mp/gather.py): a worker copies the
+ * rows a batch samples, at random from a replay buffer of up to gigabytes, into a slot of
+ * shared memory that the training process reads next.  It is torch.index_select's loop
+ * for contiguous rows, with one difference that matters here: large rows are written with
+ * streaming (non-temporal) stores.
+ *
+ * Why streaming stores.  A worker writes each batch into one of several slots that it
+ * cycles through (batches in flight need distinct memory), so a slot's lines are no longer
+ * in any cache when it is written again.  An ordinary store to such a line first reads it
+ * from memory (read-for-ownership), then writes it back later: three memory transfers per
+ * byte of batch (source read, destination read, destination write-back).  A streaming store
+ * writes whole lines through write-combining buffers without reading them: two transfers.
+ * Measured on the project's 2-core machine, 256 rows of 48 KiB into 9 rotating 12.6 MB
+ * slots: 2.3-2.8 ms per batch with memcpy, 1.5 ms with streaming stores.  Nobody reads the
+ * slot from this core's cache afterwards (the consumer is another process, usually on
+ * another core), so nothing is lost by bypassing it.  Small rows are copied with memcpy:
+ * below a few cache lines, partial lines and the fence cost more than they save.
+ *
+ * Ordering.  Streaming stores are weakly ordered: x86's total store order does not cover
+ * them, so the release store that later publishes the slot on a ring (umr_ring.c) would
+ * not be enough to make them visible first.  umr_gather_rows therefore ends with an
+ * sfence, after which every streaming store is globally visible before any later store
+ * (in particular the ring's publishing store).
+ */
+#include "umr_rows.h"
+
+#include <string.h>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#define UMR_HAVE_STREAM 1
+#else
+#define UMR_HAVE_STREAM 0
+#endif
+
+/* Rows at least this long are streamed (when the destination row is 16-byte aligned). */
+#define STREAM_MIN_ROW 1024
+
+#if UMR_HAVE_STREAM
+static void stream_row(unsigned char *d, const unsigned char *s, uint64_t n)
+{
+    uint64_t k = 0;
+    /* d is 16-byte aligned (checked by the caller); s may not be: unaligned loads. */
+    for (; k + 64 <= n; k += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(s + k));
+        __m128i b = _mm_loadu_si128((const __m128i *)(s + k + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + k + 32));
+        __m128i e = _mm_loadu_si128((const __m128i *)(s + k + 48));
+        _mm_stream_si128((__m128i *)(d + k), a);
+        _mm_stream_si128((__m128i *)(d + k + 16), b);
+        _mm_stream_si128((__m128i *)(d + k + 32), c);
+        _mm_stream_si128((__m128i *)(d + k + 48), e);
+    }
+    if (k < n)
+        memcpy(d + k, s + k, n - k);
+}
+#endif
+
+int64_t umr_gather_rows(const unsigned char *src, uint64_t n_src, uint64_t row_bytes,
+                        const int64_t *rows, uint64_t n, unsigned char *dst)
+{
+    uint64_t i;
+    /* Every row is checked before anything is written: a bad index writes nothing. */
+    for (i = 0; i < n; i++)
+        if (rows[i] < 0 || (uint64_t)rows[i] >= n_src)
+            return (int64_t)i;
+    if (row_bytes == 0)
+        return -1;
+#if UMR_HAVE_STREAM
+    if (row_bytes >= STREAM_MIN_ROW && ((uintptr_t)dst & 15) == 0 && (row_bytes & 15) == 0) {
+        for (i = 0; i < n; i++)
+            stream_row(dst + i * row_bytes, src + (uint64_t)rows[i] * row_bytes, row_bytes);
+        _mm_sfence();   /* see "Ordering" above */
+        return -1;
+    }
+#endif
+    for (i = 0; i < n; i++)
+        memcpy(dst + i * row_bytes, src + (uint64_t)rows[i] * row_bytes, row_bytes);
+    return -1;
+}

@@ -1,0 +1,25 @@
+/*
+ * umr_rows.h - gather rows of a table into a contiguous destination (see umr_rows.c).
+ * Knows nothing of Python.
+ */
+#ifndef UMR_ROWS_H
+#define UMR_ROWS_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Copy rows[0..n) of the table src (n_src rows of row_bytes each) to dst, one after the
+ * other: dst[i] = src[rows[i]].  Returns -1 when done, or, when rows[i] is not in
+ * [0, n_src), the first such i, having written nothing.  Large rows are written with
+ * streaming stores, fenced before returning. */
+int64_t umr_gather_rows(const unsigned char *src, uint64_t n_src, uint64_t row_bytes,
+                        const int64_t *rows, uint64_t n, unsigned char *dst);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
