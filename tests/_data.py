@@ -63,6 +63,13 @@ def refuse(*args, **kwargs):
     raise RuntimeError("refused: this method must not be called")
 
 
+class ScaledTensor(torch.Tensor):
+    """A tensor whose indexing divides what it returns by 10."""
+
+    def __getitem__(self, index):
+        return torch.Tensor.__getitem__(self.as_subclass(torch.Tensor), index) / 10
+
+
 class NegatedStorage(PytorchTensorStorage):
     """A storage whose rows are computed (negated) on the way out."""
 

@@ -1,5 +1,7 @@
 """Direct gather: workers gather rows straight into the slot.  The contract is that it
 returns exactly what the generic path (the wrapped sampler's own methods) returns."""
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -57,14 +59,12 @@ def assert_identical(a, b, where="batch"):
 def run(make_sampler, direct, methods=SAMPLE_METHODS, epochs=EPOCH_METHODS, rounds=3,
         ctx="fork", n_workers=2, n_buffers=3, expect="direct"):
     """Every method's batches from a fresh MultiprocessingSampler over ``make_sampler()``.
-    With ``direct=None`` and ``expect="direct"``, the wrapped getters of the sampler refuse
-    to run: every batch must be gathered directly."""
-    sampler = make_sampler()
-    if direct is None and expect == "direct":
-        for name in GETTERS:
-            setattr(sampler, name, _data.refuse)   # instance attributes: the type is unchanged
-    with MultiprocessingSampler(sampler, n_workers=n_workers, n_buffers=n_buffers,
-                                ctx=ctx, direct_gather=direct) as m:
+    With ``direct=None`` and ``expect="direct"`` under fork, StepSampler's getters refuse
+    to run in the workers: every batch must be gathered directly."""
+    refuse = direct is None and expect == "direct" and ctx == "fork"
+    with getters_refused(refuse), MultiprocessingSampler(
+            make_sampler(), n_workers=n_workers, n_buffers=n_buffers, ctx=ctx,
+            direct_gather=direct) as m:
         assert m.gather_path == (expect if direct is not False else "generic"), (
             m.gather_path_reason)
         out = []
@@ -74,6 +74,22 @@ def run(make_sampler, direct, methods=SAMPLE_METHODS, epochs=EPOCH_METHODS, roun
         for name in epochs:
             out.append((name, list(getattr(m, name)())))
         return out
+
+
+@contextlib.contextmanager
+def getters_refused(active=True):
+    """StepSampler's getters raise while this lasts, in this process and in workers forked
+    meanwhile (patched on the class, which the direct path's checks then see as StepSampler's
+    own; a patch on an instance is an override, and takes the generic path)."""
+    saved = {name: StepSampler.__dict__[name] for name in GETTERS}
+    if active:
+        for name in GETTERS:
+            setattr(StepSampler, name, _data.refuse)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(StepSampler, name, fn)
 
 
 def assert_same_both_ways(make_sampler, **kwargs):
@@ -133,6 +149,19 @@ def _flattened_buffer(n=70):
     return rb
 
 
+def _flattened_nan_buffer(n=40):
+    """bfloat16 keys in float64 flat rows, NaNs included: a cast whose NaN bits depend on
+    how torch is asked to cast."""
+    space = DictSpace(TB, {"a": BoxSpace(TB, -1e3, 1e3, torch.bfloat16, shape=(8,)),
+                           "b": BoxSpace(TB, -1e3, 1e3, torch.float64, shape=(2,))})
+    rb = ReplayBuffer.create(FlattenedStorage, space, PytorchTensorStorage, capacity=n,
+                             is_memmap=False)
+    a = torch.randn(n, 8).to(torch.bfloat16)
+    a[::3] = float("nan")
+    rb.extend({"a": a, "b": torch.randn(n, 2, dtype=torch.float64)})
+    return rb
+
+
 def _wrapped_buffer():
     rb = replay_buffer(0, capacity=50)
     for start in range(0, 130, 20):   # 130 rows through 50 places: full, offset 30
@@ -147,6 +176,7 @@ CONFIGS = {
     "box_float64_matrix": lambda: _box_buffer(dtype=torch.float64, shape=(2, 3)),
     "nested_dict_mixed_dtypes": _nested_dict_buffer,
     "flattened": _flattened_buffer,
+    "flattened_nan_casts": _flattened_nan_buffer,
     "wrapped_around": _wrapped_buffer,
     "shared": lambda: replay_buffer(64, multiprocessing=True),
     "column_view": lambda: replay_buffer(64).get_column(["image"]),
@@ -157,6 +187,31 @@ CONFIGS = {
 def test_direct_and_generic_give_identical_batches(config):
     rb = CONFIGS[config]()
     assert_same_both_ways(lambda: StepSampler(rb, 9, seed=5))
+
+
+def test_a_method_the_planner_trips_on_keeps_the_rng_in_step():
+    """sample_flat of dtypes torch cannot promote fails on both paths, after drawing the
+    indices: the batches that follow are the same."""
+    box, i16 = (BoxSpace(TB, 0, 1000, dt, shape=(2,)) for dt in (torch.int32, torch.int16))
+    n = 30
+    storage = DictStorage(DictSpace(TB, {"u": box, "i": i16}), {
+        # (BoxSpace refuses uint16: the storage holds a uint16 tensor under an int32 space)
+        "u": PytorchTensorStorage(box, torch.arange(2 * n).view(n, 2).to(torch.uint16)),
+        "i": PytorchTensorStorage(i16, torch.arange(2 * n).view(n, 2).to(torch.int16))})
+    rb = ReplayBuffer(storage, "x", n, 0)
+
+    def batches(direct):
+        with MultiprocessingSampler(StepSampler(rb, 4, seed=0), n_workers=1, ctx="fork",
+                                    direct_gather=direct) as m:
+            out = []
+            for _ in range(3):
+                with pytest.raises(WorkerError):
+                    m.sample_flat()
+                out.append(m.sample())
+            return out
+
+    for a, b in zip(batches(None), batches(False)):
+        assert_identical(a, b)
 
 
 def test_memmap_storage_identical_under_every_start_method(tmp_path, ctx):
@@ -222,17 +277,42 @@ def test_workers_see_rows_the_parent_appends_while_they_sample():
 
 def test_the_direct_path_does_not_call_the_wrapped_getters():
     rb = replay_buffer(40)
+    with getters_refused():
+        with MultiprocessingSampler(StepSampler(rb, 5, seed=0), n_workers=1, n_buffers=2,
+                                    ctx="fork") as m:
+            assert m.gather_path == "direct"
+            assert set(m.sample()) == {"state", "action", "image"}
+            assert m.sample_flat().shape == (5, 17 + int(np.prod(_data.IMG)))
+            assert sum(len(indices_of(b)) for b in m.epoch_iter()) == 40
+        with MultiprocessingSampler(StepSampler(rb, 5, seed=0), n_workers=1, n_buffers=2,
+                                    ctx="fork", direct_gather=False) as m:
+            with pytest.raises(WorkerError, match="refused"):
+                m.sample()
+
+
+def test_methods_replaced_on_an_instance_are_run_by_the_generic_path():
+    rb = replay_buffer(40)
     s = StepSampler(rb, 5, seed=0)
-    s.get_at = s.get_flattened_at = _data.refuse   # instance attributes: the type is unchanged
+    s.get_at = _data.refuse
     with MultiprocessingSampler(s, n_workers=1, n_buffers=2, ctx="fork") as m:
-        assert m.gather_path == "direct"
-        assert set(m.sample()) == {"state", "action", "image"}
-        assert m.sample_flat().shape == (5, 17 + int(np.prod(_data.IMG)))
-        assert sum(len(indices_of(b)) for b in m.epoch_iter()) == 40
-    with MultiprocessingSampler(s, n_workers=1, n_buffers=2, ctx="fork",
-                                direct_gather=False) as m:
+        assert m.gather_path == "generic" and "get_at" in m.gather_path_reason
         with pytest.raises(WorkerError, match="refused"):
             m.sample()
+    rb.storage.storage_map["image"].get = _data.refuse
+    with pytest.raises(gather.NotDirect, match="overrides get"):
+        gather.check(StepSampler(rb, 5))
+
+
+def test_a_tensor_subclass_in_a_storage_takes_the_generic_path():
+    rb = replay_buffer(40)
+    storage = rb.storage.storage_map["state"]
+    storage.data = storage.data.as_subclass(_data.ScaledTensor)
+    with pytest.raises(gather.NotDirect, match="ScaledTensor, not a plain"):
+        gather.check(StepSampler(rb, 5))
+    with MultiprocessingSampler(StepSampler(rb, 5, seed=0), n_workers=1, ctx="fork") as m:
+        assert m.gather_path == "generic"
+        ids = m.sample()["state"][:, 0]   # row i holds i: the subclass's indexing gives i / 10
+        assert ids.max() < 4 and torch.allclose(ids * 10, (ids * 10).round())
 
 
 def test_direct_gather_true_refuses_what_it_cannot_gather_and_says_why():
@@ -249,8 +329,9 @@ def test_direct_gather_true_refuses_what_it_cannot_gather_and_says_why():
         m = MultiprocessingSampler(sampler, n_workers=1)
         assert m.gather_path == "generic" and words.split()[-1] in m.gather_path_reason
         m.close()
-    with pytest.raises(TypeError, match="direct_gather"):
-        MultiprocessingSampler(StepSampler(rb, 4), n_workers=1, direct_gather="yes")
+    for bad in ("yes", 0, 1, 0.0, np.False_):
+        with pytest.raises(TypeError, match="direct_gather"):
+            MultiprocessingSampler(StepSampler(rb, 4), n_workers=1, direct_gather=bad)
     m = MultiprocessingSampler(StepSampler(rb, 4), n_workers=1, direct_gather=False)
     assert m.gather_path == "generic" and m.gather_path_reason == "direct_gather=False"
     m.close()

@@ -34,7 +34,7 @@ def gather_rows(table, Py_ssize_t row_bytes, const int64_t[::1] rows, out,
             if src.len % row_bytes:
                 raise ValueError(f"the table's {src.len} bytes are not whole rows of "
                                  f"{row_bytes}")
-            if <uint64_t>(dst.len - offset) < n * <uint64_t>row_bytes or dst.len < offset:
+            if dst.len < offset or n > <uint64_t>(dst.len - offset) // <uint64_t>row_bytes:
                 raise ValueError(f"{n} rows of {row_bytes} bytes at offset {offset} do not "
                                  f"fit in {dst.len} bytes")
             n_src = src.len // row_bytes

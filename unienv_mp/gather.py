@@ -68,9 +68,11 @@ def check(sampler):
 
 
 def _unchanged(obj, base, names):
-    """The first of ``names`` that ``type(obj)`` overrides from ``base``, or None."""
+    """The first of ``names`` that ``obj`` overrides from ``base`` (in its class, or as an
+    attribute of the instance itself), or None."""
+    attrs = getattr(obj, "__dict__", {})
     for n in names:
-        if getattr(type(obj), n, None) is not getattr(base, n, None):
+        if n in attrs or getattr(type(obj), n, None) is not getattr(base, n, None):
             return n
     return None
 
@@ -85,12 +87,14 @@ class _Leaf:
     ranges ``[a, b)`` of the output viewed as ``(B, -1)``, each filled with the rows of a
     2-D source ``(N, b - a)`` (or, for a single part, rows of an N-D source of the output's
     own shape)."""
-    __slots__ = ("tail", "dtype", "parts", "direct")
+    __slots__ = ("tail", "dtype", "parts", "direct", "columns")
 
-    def __init__(self, tail, dtype, parts):
+    def __init__(self, tail, dtype, parts, columns=None):
         self.tail = tuple(int(d) for d in tail)
         self.dtype = dtype
         self.parts = parts
+        # (flat rows, a, b) for a leaf cut from columns [a, b) of a FlattenedStorage's rows
+        self.columns = columns
         # one source of the output's own row shape and dtype: index_select straight into
         # the output
         self.direct = (len(parts) == 1 and tuple(parts[0][0].shape[1:]) == self.tail
@@ -169,8 +173,12 @@ class _Planner:
 
     def _source(self, data, storage):
         torch = self.torch
-        if not isinstance(data, torch.Tensor):
-            raise NotDirect(f"{_qualname(storage)} holds a {_qualname(data)}, not a tensor")
+        from unienv_data.third_party.tensordict.memmap_tensor import MemoryMappedTensor
+        if type(data) is not torch.Tensor and type(data) is not MemoryMappedTensor:
+            # a subclass may compute what indexing returns: only a plain or memory-mapped
+            # tensor is known to return its rows' bytes
+            raise NotDirect(f"{_qualname(storage)} holds a {_qualname(data)}, not a plain "
+                            f"or memory-mapped tensor")
         if data.device.type != "cpu":
             raise NotDirect(f"{_qualname(storage)} holds its rows on {data.device}")
         if data.dim() < 1 or data.layout != torch.strided or data.is_quantized:
@@ -180,7 +188,7 @@ class _Planner:
             raise NotDirect(f"{_qualname(storage)} holds a tensor that requires grad or "
                             f"has a lazy conjugate/negative bit")
         if type(data) is not torch.Tensor:
-            # e.g. a MemoryMappedTensor: the same memory as a plain tensor, without the
+            # a MemoryMappedTensor: the same memory as a plain tensor, without the
             # subclass's __torch_function__ on every gather
             data = torch.Tensor.as_subclass(data, torch.Tensor)
         return data
@@ -207,7 +215,7 @@ class _Planner:
             dtype = space.dtype
             if not isinstance(dtype, self.torch.dtype):
                 raise NotDirect(f"a space whose dtype {dtype!r} is not a torch dtype")
-            return _Leaf(space.shape, dtype, [(flat[:, a:a + n], 0, n)])
+            return _Leaf(space.shape, dtype, [(flat[:, a:a + n], 0, n)], (flat, a, a + n))
         if type(space) is DictSpace:
             return {k: self._unflatten(sub, flat, col) for k, sub in _dict_items(space)}
         if type(space) is TupleSpace:
@@ -284,6 +292,14 @@ class _Planner:
         return _Leaf((col[0],), dtype, parts)
 
 
+def _is_index_tensor(arg):
+    """A non-empty 1-D int64 tensor: the indices an epoch sends (anything else, the
+    generic getter handles as UniEnv does)."""
+    torch = sys.modules.get("torch")
+    return (torch is not None and type(arg) is torch.Tensor and arg.dim() == 1
+            and arg.dtype == torch.int64 and arg.shape[0] > 0)
+
+
 def _dict_items(space):
     """Items of a DictSpace in UniEnv's flattening order: sorted keys, insertion order if
     the keys do not sort."""
@@ -311,7 +327,10 @@ class Gatherer:
             pass
         try:
             tree = self._planner.structure(getter)
-        except NotDirect:
+        except Exception:
+            # NotDirect, or anything the planner trips on (e.g. dtypes torch cannot
+            # promote): the generic path runs it, and raises what UniEnv raises, if
+            # anything, after drawing the indices as UniEnv does
             tree = None
         self._structures[getter] = tree
         return tree
@@ -325,7 +344,8 @@ class Gatherer:
             idx = self.sampler.sample_index()   # the RNG advances as in sample*()
             rows = self._sampled_rows(idx)
         else:
-            if name not in _GETTERS or self.structure(name) is None:
+            if (name not in _GETTERS or not _is_index_tensor(arg)
+                    or self.structure(name) is None):
                 return None
             getter = name
             # indices from outside: the ReplayBuffer's own mapping, bounds checks included
@@ -390,9 +410,13 @@ class _Plan:
         self.scratch = {}  # (leaf index, part index) -> tensor, for converting parts
 
     def views(self, buffer):
-        """The output arrays over ``buffer`` (a slot) of the leaves that need one."""
+        """The output arrays over ``buffer`` (a slot) of the leaves that need one, and a
+        memoryview of it that keeps the memory mapped (a Segment is unmapped on close only
+        once no export is left) for as long as the views are kept: torch.frombuffer holds
+        no export of its own."""
         torch = self.torch
-        out = []
+        buffer = memoryview(buffer)
+        out = [buffer]
         for off, nbytes, leaf, table, _ in self.leaves:
             if nbytes == 0 or table is not None:
                 out.append(None)
@@ -400,11 +424,11 @@ class _Plan:
             count = nbytes // torch.empty((), dtype=leaf.dtype).element_size()
             v = torch.frombuffer(buffer, dtype=leaf.dtype, count=count, offset=off)
             out.append(v.view(self.n, *leaf.tail) if leaf.direct else v.view(self.n, -1))
-        return out
+        return out   # [memoryview, view of leaf 0, view of leaf 1, ...]
 
     def fill(self, buffer, views, rows):
         torch = self.torch
-        rows_np = None
+        rows_np = gathered = None
         for i, (off, nbytes, leaf, table, row_bytes) in enumerate(self.leaves):
             if table is not None:
                 if rows_np is None:
@@ -413,11 +437,28 @@ class _Plan:
                     rows_np = rows.numpy()
                 _rows.gather_rows(table, row_bytes, rows_np, buffer, off)
                 continue
-            out = views[i]
+            out = views[i + 1]
             if out is None:
                 continue
             if leaf.direct:
                 torch.index_select(leaf.parts[0][0], 0, rows, out=out)
+                continue
+            if leaf.columns is not None and leaf.dtype != leaf.parts[0][0].dtype:
+                # UniEnv's unflatten_data casts a (strided) column slice of the gathered
+                # flat rows; torch may round a cast from a strided source differently
+                # (NaN payloads) than from a contiguous one, so cast from the same slice
+                flat, a, b = leaf.columns
+                if gathered is None:
+                    gathered = {}
+                full = gathered.get(id(flat))
+                if full is None:
+                    full = self.scratch.get(id(flat))
+                    if full is None:
+                        full = self.scratch[id(flat)] = torch.empty(
+                            (self.n, flat.shape[1]), dtype=flat.dtype)
+                    torch.index_select(flat, 0, rows, out=full)
+                    gathered[id(flat)] = full
+                out.view(self.n, *leaf.tail).copy_(full[:, a:b].reshape(self.n, *leaf.tail))
                 continue
             for j, (src, a, b) in enumerate(leaf.parts):
                 if src.dtype == leaf.dtype and len(leaf.parts) == 1:

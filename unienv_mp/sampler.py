@@ -54,10 +54,15 @@ class _SamplerTarget:
         if self.direct:
             gatherer = self._gatherer
             if gatherer is None:
-                gatherer = self._gatherer = _gather.Gatherer(self.sampler)
-            batch = gatherer(name, arg)
-            if batch is not None:
-                return batch
+                try:
+                    gatherer = self._gatherer = _gather.Gatherer(self.sampler)
+                except Exception:
+                    # the sampler changed since it was checked: the generic path, for good
+                    self.direct = False
+            if gatherer is not None:
+                batch = gatherer(name, arg)
+                if batch is not None:
+                    return batch
         fn = self.fn if name is None else getattr(self.sampler, name)
         return fn() if arg is _NO_ARG else fn(arg)
 
@@ -226,7 +231,7 @@ class MultiprocessingSampler(BatchSampler):
                     f"MultiprocessingSampler returns CPU batches from worker processes, but "
                     f"{what} is {dev!r}: wrap a sampler whose data and batches are on the "
                     f"CPU and move batches to {dev!r} in the training loop")
-        if direct_gather not in (None, True, False):
+        if direct_gather is not None and type(direct_gather) is not bool:
             raise TypeError(f"direct_gather must be None, True or False, got {direct_gather!r}")
         not_direct = "direct_gather=False" if direct_gather is False else None
         if not_direct is None:
