@@ -198,10 +198,10 @@ def test_new_rows_in_the_same_run(capsys):
     assert set(out["speedup_of_unienv_mp"]) == set(impls) - {"unienv_mp"}
 
 
-def test_default_run_includes_the_new_rows():
+def test_default_run_includes_every_row():
     args = main_mod.parse_args([])
-    assert {"index_select", "torchrl"} <= set(args.impls)
-    assert args.impls[:5] == ["unienv_mp", "unienv", "unienv_shm", "in_process", "dataloader"]
+    assert args.impls == ["unienv_mp", "unienv_mp_generic", "unienv", "unienv_shm",
+                          "in_process", "dataloader", "index_select", "torchrl"]
     assert compare.LABELS["index_select"] == "index_select into reused memory, in process"
     assert compare.LABELS["torchrl"] == "TorchRL ReplayBuffer(prefetch=4)"
 
@@ -241,3 +241,25 @@ def test_available_reports_missing_torchrl(monkeypatch):
     missing = compare.available()
     assert "torchrl" in missing and "torchrl" in missing["torchrl"]
     assert "index_select" not in missing
+
+
+def test_the_generic_path_row_runs_the_wrapped_sampler(capsys):
+    rc = main_mod.main(SMALL + ["--impl", "unienv_mp,unienv_mp_generic", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["name"]: r for r in out["results"]}
+    assert set(rows) == {"unienv_mp", "unienv_mp_generic"}
+    assert all(r["batches"] > 0 and r["error"] is None for r in rows.values())
+    assert rows["unienv_mp"]["batch_bytes"] == rows["unienv_mp_generic"]["batch_bytes"]
+
+
+def test_the_two_unienv_mp_rows_take_the_two_paths():
+    cfg = compare.Config(transitions=300, batch_size=16, image_shape=(3, 8, 8))
+    rb = compare.build_buffer(cfg)
+    for name, path in (("unienv_mp", "direct"), ("unienv_mp_generic", "generic")):
+        next_batch, close = compare.make_sampler(name, rb, cfg)
+        try:
+            assert next_batch.__self__.gather_path == path
+            assert next_batch()["image"].shape == (16, 3, 8, 8)
+        finally:
+            close()

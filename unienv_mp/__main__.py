@@ -1,7 +1,7 @@
 """``python -m unienv_mp``: how much faster is unienv_mp here, on this machine?
 
 Builds an in-memory UniEnv ReplayBuffer, then times, one after the other and in one run,
-unienv_mp's MultiprocessingSampler, UniEnv's MultiprocessingSampler (with and without
+unienv_mp's MultiprocessingSampler (and the same with ``direct_gather=False``), UniEnv's MultiprocessingSampler (with and without
 ``shared_memory``), sampling in-process with UniEnv's StepSampler, a torch DataLoader
 with the same number of workers, ``torch.index_select`` of the StepSampler's indices into
 reused output tensors in process (the speed limit of in-process sampling), and a TorchRL

@@ -7,7 +7,10 @@ batch would.
 
 The implementations (``IMPLEMENTATIONS``):
 
-* ``unienv_mp``: unienv_mp's MultiprocessingSampler;
+* ``unienv_mp``: unienv_mp's MultiprocessingSampler (workers gather rows straight into
+  the shared slots);
+* ``unienv_mp_generic``: the same with ``direct_gather=False`` (workers call the wrapped
+  sampler's ``sample()``, and the batch is copied into the slot);
 * ``unienv``, ``unienv_shm``: UniEnv's MultiprocessingSampler, ``shared_memory`` False / True;
 * ``in_process``: UniEnv's StepSampler, ``sample()`` in the training process;
 * ``dataloader``: a torch DataLoader with as many workers, each calling ``sample()``;
@@ -27,10 +30,11 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-IMPLEMENTATIONS = ("unienv_mp", "unienv", "unienv_shm", "in_process", "dataloader",
-                   "index_select", "torchrl")
+IMPLEMENTATIONS = ("unienv_mp", "unienv_mp_generic", "unienv", "unienv_shm", "in_process",
+                   "dataloader", "index_select", "torchrl")
 LABELS = {
     "unienv_mp": "unienv_mp MultiprocessingSampler",
+    "unienv_mp_generic": "unienv_mp, direct_gather=False",
     "unienv": "UniEnv MultiprocessingSampler",
     "unienv_shm": "UniEnv MultiprocessingSampler(shared_memory=True)",
     "in_process": "UniEnv StepSampler, in process",
@@ -203,9 +207,10 @@ def make_sampler(name: str, rb, cfg: Config, seed: int = 0):
     from unienv_data.samplers import StepSampler
     base = StepSampler(rb, cfg.batch_size, seed=seed)
     ctx = mp.get_context(cfg.start_method)
-    if name == "unienv_mp":
+    if name in ("unienv_mp", "unienv_mp_generic"):
         from .sampler import MultiprocessingSampler
-        s = MultiprocessingSampler(base, n_workers=cfg.workers, n_buffers=cfg.buffers, ctx=ctx)
+        s = MultiprocessingSampler(base, n_workers=cfg.workers, n_buffers=cfg.buffers, ctx=ctx,
+                                   direct_gather=False if name == "unienv_mp_generic" else None)
         return s.sample, s.close
     if name in ("unienv", "unienv_shm"):
         from unienv_data.samplers import MultiprocessingSampler as UniEnvSampler
