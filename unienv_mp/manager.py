@@ -21,6 +21,7 @@ import queue as _queue
 import select
 import signal
 import threading
+import time
 from multiprocessing import process as _mp_process
 from multiprocessing import util as _mputil
 from multiprocessing.connection import wait as _wait_ready
@@ -48,6 +49,34 @@ RESULT_INLINE = 4096
 
 _SIMPLE = (str, int, bool, type(None))
 _LOCAL_ERROR = 255   # a result that arrived but could not be mapped here
+
+# Protocol constants as globals of this module: the per-batch path reads them once per
+# batch, and a global is cheaper to read than a module attribute.
+_RUN_INLINE = P.tag(P.OP_RUN, P.AT_INLINE)
+_RUN_SPILL = P.tag(P.OP_RUN, P.AT_SPILL)
+_ST_OK = P.ST_OK
+_ST_ERROR = P.ST_ERROR
+_ST_FATAL = P.ST_FATAL
+_AT_INLINE = P.AT_INLINE
+_AT_SLOT = P.AT_SLOT
+_unpack_slot = P.SLOT_DESC.unpack
+_decode = _codec.decode
+_SlotLease = _codec.SlotLease
+
+# The pid of this process, read by _ensure_open on every call.  os.getpid() is a system
+# call; this is kept current by an at-fork hook instead.  Every way of going on running
+# Python in a forked child runs those hooks (os.fork(), hence multiprocessing's fork and
+# forkserver; C code must call PyOS_AfterFork_Child, which runs them too), so a forked
+# child still sees its own pid here and is refused the manager.
+_this_pid = os.getpid()
+
+
+def _after_fork_in_child():
+    global _this_pid
+    _this_pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _check_int(value, what, minimum=1):
@@ -241,8 +270,6 @@ def _stop_processes(procs, join_timeout):
     """Join ``procs``, terminating (then killing) those still running after
     ``join_timeout`` seconds; tolerant of Process objects never started or already
     closed."""
-    import time
-
     def call(p, method, *args):
         try:
             return getattr(p, method)(*args)
@@ -569,7 +596,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
     def _ensure_open(self):
         if self.closed:
             raise RuntimeError(f"this {type(self).__name__} is closed")
-        if os.getpid() != self._owner_pid:
+        if _this_pid != self._owner_pid:
             raise RuntimeError(
                 f"this {type(self).__name__} belongs to process {self._owner_pid} and cannot "
                 f"be used in process {os.getpid()} (a forked child): its workers answer "
@@ -579,8 +606,10 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         """Queue ``work_info`` and return its ticket (see :meth:`result`).  ``worker``
         picks the worker; by default the next one round-robin (``in_order``) or the least
         busy one."""
-        self._ensure_open()
-        self._reclaim()
+        if self.closed or _this_pid != self._owner_pid:
+            self._ensure_open()   # raises
+        if self._released:
+            self._reclaim()
         workers = self._pool.workers
         if worker is not None:
             if isinstance(worker, bool) or not isinstance(worker, numbers.Integral) \
@@ -588,13 +617,15 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 raise ValueError(f"worker must be an index below {len(workers)}, got {worker!r}")
             w = workers[int(worker)]
         elif self.in_order:
-            w = workers[self._rr]
-            self._rr = (self._rr + 1) % len(workers)
+            rr = self._rr
+            w = workers[rr]
+            self._rr = (rr + 1) % len(workers)
         else:
             w = min(workers, key=lambda x: len(x.inflight) + len(x.reissue))
-        task = _Task(self._next_ticket, work_info)
-        self._next_ticket += 1
-        self._tasks[task.ticket] = task
+        ticket = self._next_ticket
+        task = _Task(ticket, work_info)
+        self._next_ticket = ticket + 1
+        self._tasks[ticket] = task
         try:
             self._dispatch(task, w)
         except BaseException:
@@ -603,17 +634,23 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             if task in w.reissue:
                 w.reissue.remove(task)
             raise
-        return task.ticket
+        return ticket
 
     def _encode_small(self, work):
         """Encoded work info for the small immutable items a sampler sends again and again
         (e.g. ``("sample", None)``), from a cache; None for anything else."""
         t = type(work)
         if t is tuple:
-            types = tuple(map(type, work))
-            if not all(x in _SIMPLE for x in types):
-                return None
-            key = (types, work)
+            plain = True
+            for x in work:
+                xt = type(x)
+                if xt is not str and x is not None:
+                    if xt not in _SIMPLE:
+                        return None
+                    plain = False
+            # Equal tuples of only str and None are made of the same types: such a tuple
+            # is its own key (it cannot equal one of the 2-tuples of types below).
+            key = work if plain else (tuple(map(type, work)), work)
         elif t in _SIMPLE:
             key = (t, work)   # so that 1, True and 1.0 are not mistaken for one another
         else:
@@ -635,7 +672,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             self._restart(w)
             return
         try:
-            self._make_room(w)
+            if w.unaccepted or len(w.inflight) >= TASK_CAPACITY:
+                self._make_room(w)
             self._push_task(task, w)
         except _WorkerDied:
             self._bury(w)
@@ -657,30 +695,34 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
     def _push_task(self, task, w):
         """Push ``task`` onto ``w``'s task ring.  Raises _WorkerDied (with nothing changed)
         if the worker is gone."""
-        payload = self._encode_small(task.work) if task.spill is None else None
-        if payload is not None:
-            where = P.AT_INLINE
-        elif task.spill is None:
-            p = _codec.prepare(task.work)
-            if p.nbytes <= TASK_INLINE:
-                where, payload = P.AT_INLINE, _codec.encode_prepared(p)
-            else:
-                seg = Segment.create(p.nbytes, "task")
-                with memoryview(seg) as mv:
-                    _codec.write(p, mv)
-                task.spill = seg
-                self._pool.spills.append(seg)
-        if task.spill is not None:
-            where = P.AT_SPILL
-            seg = task.spill
+        seg = task.spill
+        if seg is None:
+            payload = self._encode_small(task.work)
+            if payload is None:
+                p = _codec.prepare(task.work)
+                if p.nbytes <= TASK_INLINE:
+                    payload = _codec.encode_prepared(p)
+                else:
+                    seg = Segment.create(p.nbytes, "task")
+                    with memoryview(seg) as mv:
+                        _codec.write(p, mv)
+                    task.spill = seg
+                    self._pool.spills.append(seg)
+        if seg is None:
+            tag = _RUN_INLINE
+        else:
+            tag = _RUN_SPILL
             payload = P.SPILL_DESC.pack(os.getpid(), seg.fd, seg.ino, seg.size, seg.size)
-        slot = w.take_slot() if task.slot is None else task.slot
-        w.inflight.append(task.ticket)
+        slot = task.slot
+        if slot is None:
+            slot = w.take_slot()
+        ticket = task.ticket
+        inflight = w.inflight
+        inflight.append(ticket)
         try:
-            w.tasks.push_tagged(P.OP_RUN | (where << 8), slot, task.ticket, payload,
-                                check=w.check)
+            w.tasks.push_tagged(tag, slot, ticket, payload, check=w.check)
         except BaseException:
-            w.inflight.pop()
+            inflight.pop()
             if task.slot is None:
                 w.free_slots.append(slot)
             raise
@@ -698,15 +740,15 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         """Record a result entry that ``w`` published (hand nothing out yet)."""
         t, slot, ticket, payload = entry
         status, where = t & 0xFF, t >> 8
-        if status == P.ST_FATAL:
+        if status == _ST_FATAL:
             info = _codec.decode(payload, copy=True)
             raise self._worker_error(info, w.index, "could not start: ")
         task = self._tasks.get(ticket)
         if task is None or task.worker != w.index or task.result is not None:
             return  # stale (e.g. re-issued work that the dead incarnation also finished)
         seg = None
-        if where == P.AT_SLOT:
-            gen, fd, ino, size, nbytes = P.SLOT_DESC.unpack(payload)
+        if where == _AT_SLOT:
+            gen, fd, ino, size, nbytes = _unpack_slot(payload)
             mapped = w.slot_maps.get(slot)
             if mapped is None or mapped[0] != gen:
                 try:
@@ -729,7 +771,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             payload = nbytes
         w.inflight.remove(ticket)
         w.failed_starts = 0
-        self._close_spill(task)
+        if task.spill is not None:
+            self._close_spill(task)
         task.result = (status, where, slot, payload, seg)
         if task.cancelled:
             self._discard(task)
@@ -787,10 +830,10 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
 
     def _wait(self, task, timeout):
         """Block until ``task`` has a result (or raise)."""
-        import time
         deadline = None if timeout is None else time.monotonic() + timeout
+        workers = self._pool.workers
         while task.result is None:
-            w = self._pool.workers[task.worker]
+            w = workers[task.worker]
             if w.tasks is None or w.reissue:
                 self._restart(w)   # a replacement that could not be finished earlier
                 continue
@@ -810,25 +853,26 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
     def _deliver(self, task):
         """Turn an arrived result into the value returned to the caller."""
         self._tasks.pop(task.ticket, None)
-        if task.result[0] == _LOCAL_ERROR:
-            raise task.result[1]
-        status, where, slot, payload, seg = task.result
-        if where == P.AT_INLINE:
+        result = task.result
+        if result[0] == _LOCAL_ERROR:
+            raise result[1]
+        status, where, slot, payload, seg = result
+        if where == _AT_INLINE:
             self._free_slot(task)
-            value = _codec.decode(payload, copy=True)
-        elif self.copy or self._leases >= self.max_leases or status != P.ST_OK:
+            value = _decode(payload, copy=True)
+        elif self.copy or self._leases >= self.max_leases or status != _ST_OK:
             try:
                 with memoryview(seg) as mv:
-                    value = _codec.decode(mv[:payload], copy=True)
+                    value = _decode(mv[:payload], copy=True)
             finally:
                 self._free_slot(task)
         else:
             self._leases += 1
-            lease = _codec.SlotLease(seg, 0, payload, self._released.append,
-                                     (task.worker, task.incarnation, slot))
-            value = _codec.decode(lease)
+            lease = _SlotLease(seg, 0, payload, self._released.append,
+                               (task.worker, task.incarnation, slot))
+            value = _decode(lease)
             del lease
-        if status == P.ST_ERROR:
+        if status == _ST_ERROR:
             raise self._worker_error(value, task.worker)
         return value
 
@@ -841,11 +885,13 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         """The result of a :meth:`submit` ticket, waiting for it if needed.  Raises
         :class:`~unienv_mp.WorkerError` if the work raised, ``TimeoutError`` after
         ``timeout`` (default: the manager's ``timeout``) seconds."""
-        self._ensure_open()
+        if self.closed or _this_pid != self._owner_pid:
+            self._ensure_open()   # raises
         task = self._tasks.get(ticket)
         if task is None:
             raise KeyError(f"unknown or already collected ticket {ticket}")
-        self._wait(task, self.timeout if timeout is None else timeout)
+        if task.result is None:
+            self._wait(task, self.timeout if timeout is None else timeout)
         return self._deliver(task)
 
     def ready(self, ticket: int) -> bool:
