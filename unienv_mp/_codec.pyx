@@ -32,9 +32,9 @@ against the slot's bounds before use; a slot that is not a valid encoding raises
 codec trusts the processes it shares memory with not to send hostile pickles.)
 """
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int64_t
-from libc.string cimport memcpy, memset
+from libc.string cimport memcmp, memcpy, memset
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE
-from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
+from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.ref cimport Py_INCREF
 from cpython.object cimport PyObject
 
@@ -96,6 +96,7 @@ for _i, (_n, _t) in enumerate(_DTYPES):
 cdef int CODE_BFLOAT16 = len(_DTYPES) - 1
 cdef list _TORCH_DTYPES = None   # filled on first use of torch
 cdef dict _TORCH_CODE = None
+cdef object _torch_from_numpy = None
 
 
 cdef object _torch_module():
@@ -103,9 +104,10 @@ cdef object _torch_module():
 
 
 cdef int _init_torch(torch) except -1:
-    global _TORCH_DTYPES, _TORCH_CODE
+    global _TORCH_DTYPES, _TORCH_CODE, _torch_from_numpy
     if _TORCH_DTYPES is not None:
         return 0
+    _torch_from_numpy = torch.from_numpy
     dts = []
     codes = {}
     for i, (_, tname) in enumerate(_DTYPES):
@@ -561,6 +563,7 @@ cdef class _Plan:
     cdef object root
     cdef uint32_t n_objects
     cdef uint64_t max_end
+    cdef bytes meta         # the tree description it was parsed from
 
 
 cdef object _resolve_namedtuple(str name, Py_ssize_t n):
@@ -686,11 +689,16 @@ cdef object _parse_node(_Reader r, _Plan plan, uint64_t total_len, int depth,
 
 
 cdef dict _plans = {}
+# The plan used last: a stream of same-shaped batches finds it by comparing the slot's tree
+# description with its bytes, without making a bytes object and hashing it for _plans.
+cdef _Plan _last_plan = None
 
 
 def clear_plan_cache():
     """Forget every cached decode plan."""
+    global _last_plan
     _plans.clear()
+    _last_plan = None
 
 
 def plan_cache_size():
@@ -698,14 +706,26 @@ def plan_cache_size():
     return len(_plans)
 
 
-cdef _Plan _plan_for(bytes meta, uint64_t total_len, uint64_t data_start, uint32_t n_arrays,
-                     uint32_t n_objects):
-    cdef _Plan plan = _plans.get(meta)
-    if plan is not None:
-        if plan.max_end > total_len or plan.n_objects != n_objects:
-            raise CodecError("corrupt slot: header does not match its tree description")
-        return plan
-    plan = _Plan.__new__(_Plan)
+cdef _Plan _plan_for(const char *m, uint64_t meta_len, uint64_t total_len,
+                     uint64_t data_start, uint32_t n_arrays, uint32_t n_objects):
+    global _last_plan
+    cdef _Plan plan = _last_plan
+    if (plan is None or <uint64_t>PyBytes_GET_SIZE(plan.meta) != meta_len
+            or memcmp(PyBytes_AS_STRING(plan.meta), m, meta_len) != 0):
+        meta = PyBytes_FromStringAndSize(m, meta_len)
+        plan = _plans.get(meta)
+        if plan is None:
+            plan = _parse_plan(meta, total_len, data_start, n_objects)
+        _last_plan = plan
+    # (a plan parsed from an earlier slot: its arrays must fit in this one too)
+    if plan.max_end > total_len or plan.n_objects != n_objects:
+        raise CodecError("corrupt slot: header does not match its tree description")
+    return plan
+
+
+cdef _Plan _parse_plan(bytes meta, uint64_t total_len, uint64_t data_start,
+                       uint32_t n_objects):
+    cdef _Plan plan = _Plan.__new__(_Plan)
     plan.n_objects = 0
     plan.max_end = 0
     cdef _Reader r = _Reader.__new__(_Reader)
@@ -718,6 +738,7 @@ cdef _Plan _plan_for(bytes meta, uint64_t total_len, uint64_t data_start, uint32
     if plan.n_objects != n_objects:
         raise CodecError(f"corrupt slot: header says {n_objects} objects, tree has "
                          f"{plan.n_objects}")
+    plan.meta = meta
     if len(_plans) >= PLAN_CACHE_MAX:
         _plans.clear()
     _plans[meta] = plan
@@ -726,31 +747,37 @@ cdef _Plan _plan_for(bytes meta, uint64_t total_len, uint64_t data_start, uint32
 
 cdef object _make_array(tuple node, char *base, bint readonly, object owner, bint copy):
     cdef cnp.npy_intp dims[MAX_NDIM]
-    cdef tuple shape = node[3]
+    cdef tuple shape = <tuple>node[3]
     cdef int nd = len(shape), i
     cdef uint64_t off = node[4]
+    cdef uint64_t nbytes
     descr = node[2]
     for i in range(nd):
         dims[i] = shape[i]
     Py_INCREF(descr)  # PyArray_NewFromDescr steals a reference to the descriptor
-    arr = PyArray_NewFromDescr_raw(<PyObject *>cnp.ndarray, <PyObject *>descr, nd, dims,
-                                   NULL, base + off,
-                                   0 if readonly else cnp.NPY_ARRAY_WRITEABLE, NULL)
-    # let numpy work out contiguity and alignment from the pointer and the shape
-    cnp.PyArray_UpdateFlags(<cnp.ndarray>arr, cnp.NPY_ARRAY_UPDATE_ALL)
     if copy:
-        arr = arr.copy()
+        # An array of its own, filled straight from the slot: C-contiguous, aligned and
+        # writeable, as ndarray.copy() of a view would be, without making the view.
+        arr = PyArray_NewFromDescr_raw(<PyObject *>cnp.ndarray, <PyObject *>descr, nd, dims,
+                                       NULL, NULL, 0, NULL)
+        nbytes = node[5]
+        _copy(<char *>cnp.PyArray_DATA(<cnp.ndarray>arr), base + off, nbytes)
     else:
+        arr = PyArray_NewFromDescr_raw(<PyObject *>cnp.ndarray, <PyObject *>descr, nd, dims,
+                                       NULL, base + off,
+                                       0 if readonly else cnp.NPY_ARRAY_WRITEABLE, NULL)
+        # let numpy work out contiguity and alignment from the pointer and the shape
+        cnp.PyArray_UpdateFlags(<cnp.ndarray>arr, cnp.NPY_ARRAY_UPDATE_ALL)
         Py_INCREF(owner)  # PyArray_SetBaseObject steals a reference to the base
         PyArray_SetBaseObject_raw(<PyObject *>arr, <PyObject *>owner)
     if node[1] == KIND_TORCH:
-        torch = _torch_module()
+        # (_parse_node initialised torch, _torch_from_numpy included, to make this node)
         if readonly and not copy:
-            t = torch.from_numpy(arr.copy())  # torch has no read-only tensors
+            t = _torch_from_numpy(arr.copy())  # torch has no read-only tensors
         else:
-            t = torch.from_numpy(arr)
+            t = _torch_from_numpy(arr)
         if node[6]:
-            t = t.view(torch.bfloat16)
+            t = t.view(node[7])   # bfloat16
         return t
     return arr
 
@@ -758,12 +785,16 @@ cdef object _make_array(tuple node, char *base, bint readonly, object owner, bin
 cdef object _build(tuple node, char *base, bint readonly, object owner, bint copy,
                    list objects):
     cdef int tag = node[0]
+    cdef tuple keys, children
+    cdef Py_ssize_t i
     if tag == P_ARRAY:
         return _make_array(node, base, readonly, owner, copy)
     if tag == P_DICT:
+        keys = <tuple>node[1]
+        children = <tuple>node[2]
         out = {}
-        for k, child in zip(<tuple>node[1], <tuple>node[2]):
-            out[k] = _build(child, base, readonly, owner, copy, objects)
+        for i in range(len(keys)):
+            out[keys[i]] = _build(<tuple>children[i], base, readonly, owner, copy, objects)
         return out
     if tag == P_LIST:
         return [_build(child, base, readonly, owner, copy, objects) for child in node[1]]
@@ -824,8 +855,8 @@ def decode(buffer, *, copy=False):
             if blob_off < data_start or blob_off > total_len or blob_len > total_len - blob_off:
                 raise CodecError(f"corrupt slot: object blob [{blob_off}, "
                                  f"{blob_off + blob_len}) outside [{data_start}, {total_len})")
-        meta = PyBytes_FromStringAndSize(base + C_HEADER, meta_len)
-        plan = _plan_for(meta, total_len, data_start, n_arrays, n_objects)
+        plan = _plan_for(base + C_HEADER, meta_len, total_len, data_start, n_arrays,
+                         n_objects)
         objects = None
         if n_objects:
             try:
