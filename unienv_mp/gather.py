@@ -109,22 +109,12 @@ class _Planner:
         from unienv_data.replay_buffer.replay_buffer import ReplayBuffer
         from unienv_data.samplers.step_sampler import StepSampler
         self.torch = torch
-        if not isinstance(sampler, StepSampler):
-            raise NotDirect(f"the wrapped sampler is a {_qualname(sampler)}, not a UniEnv "
-                            f"StepSampler")
-        name = _unchanged(sampler, StepSampler, _SAMPLER_METHODS)
-        if name is not None:
-            raise NotDirect(f"{_qualname(sampler)} overrides {name}()")
+        self._require(sampler, StepSampler, _SAMPLER_METHODS, "the wrapped sampler")
         device = getattr(sampler, "_device", None)
         if device is not None and torch.device(device).type != "cpu":
             raise NotDirect(f"the sampler moves batches to {device}")
         rb = sampler.data
-        if not isinstance(rb, ReplayBuffer):
-            raise NotDirect(f"the sampler's data is a {_qualname(rb)}, not a UniEnv "
-                            f"ReplayBuffer")
-        name = _unchanged(rb, ReplayBuffer, _BUFFER_METHODS)
-        if name is not None:
-            raise NotDirect(f"{_qualname(rb)} overrides {name}()")
+        self._require(rb, ReplayBuffer, _BUFFER_METHODS, "the sampler's data")
         self.sampler = sampler
         self.buffer = rb
 
@@ -165,6 +155,12 @@ class _Planner:
         if len(leaf.tail) != 1:
             raise NotDirect("FlattenedStorage whose inner rows are not 1-D")
         return leaf
+
+    def _require(self, obj, base, names, role):
+        """``obj`` is a ``base`` that overrides none of ``names``, or NotDirect."""
+        if not isinstance(obj, base):
+            raise NotDirect(f"{role} is a {_qualname(obj)}, not a UniEnv {base.__name__}")
+        self._no_override(obj, base, names)
 
     def _no_override(self, storage, base, names):
         name = _unchanged(storage, base, names)
