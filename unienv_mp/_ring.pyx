@@ -825,7 +825,9 @@ cdef class RingBuffer:
         payload)`` with ``payload`` as ``bytes``."""
         cdef uint32_t length = 0, tag, aux
         cdef uint64_t value
-        cdef char stackbuf[1024]
+        # (large enough for the manager's result entries, 16 + 4096 bytes: one is popped
+        # per batch, and a malloc of the entry size would be most of the cost of the pop)
+        cdef char stackbuf[4608]
         cdef char *buf = stackbuf
         cdef uint32_t cap = self.r.entry_size
         self._ensure_open()
