@@ -809,7 +809,7 @@ cdef object _build(tuple node, char *base, bint readonly, object owner, bint cop
     return None
 
 
-def decode(buffer, *, copy=False):
+def decode(buffer, copy=False):
     """Decode the encoding at the start of ``buffer`` (a :class:`SlotLease`, or any
     bytes-like object).
 
