@@ -50,6 +50,12 @@ RESULT_INLINE = 4096
 _SIMPLE = (str, int, bool, type(None))
 _LOCAL_ERROR = 255   # a result that arrived but could not be mapped here
 
+# This module is compiled by Cython (see setup.py) and must stay correct as plain Python.
+# On the per-batch path, a local annotated with a builtin container type, e.g.
+# ``tasks: dict = self._tasks``, changes nothing in Python; Cython uses the annotation to
+# call the dict's C API directly instead of looking up and calling its methods.  And calls
+# there pass no keyword arguments: from compiled code, a call with one builds a dict.
+#
 # Protocol constants as globals of this module: the per-batch path reads them once per
 # batch, and a global is cheaper to read than a module attribute.
 _RUN_INLINE = P.tag(P.OP_RUN, P.AT_INLINE)
@@ -159,18 +165,17 @@ class _WorkerDied(Exception):
 
 
 class _Task:
-    __slots__ = ("ticket", "work", "worker", "incarnation", "slot", "spill", "cancelled",
-                 "result")
-
-    def __init__(self, ticket, work):
-        self.ticket = ticket
-        self.work = work
-        self.worker = None
-        self.incarnation = None  # of the worker process the slot number belongs to
-        self.slot = None
-        self.spill = None       # parent segment carrying large work info
-        self.cancelled = False
-        self.result = None      # (status, where, slot, payload, segment) once arrived
+    """One submitted work item.  One is made per batch: submit() sets ``ticket`` and
+    ``work``, and every other field starts as the class attribute below until it is set
+    (no __init__ to call, no fields to store up front)."""
+    ticket = None
+    work = None
+    worker = None
+    incarnation = None  # of the worker process the slot number belongs to
+    slot = None
+    spill = None        # parent segment carrying large work info
+    cancelled = False
+    result = None       # (status, where, slot, payload, segment) once arrived
 
 
 class _Worker:
@@ -185,7 +190,9 @@ class _Worker:
         self.tasks = None
         self.results = None
         self.slot_maps = {}                  # slot -> (generation, Segment mapped here)
-        self.free_slots = []
+        # (a deque: a list taken down to empty and refilled, as a slot goes out and comes
+        # back once per batch, is reallocated each time)
+        self.free_slots = collections.deque()
         self.next_slot = 0
         self.inflight = collections.deque()  # tickets, in the order given to the worker
         self.failed_starts = 0               # deaths since the last result
@@ -509,7 +516,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         w.seg, w.tasks, w.results, w.proc, w.pid = seg, tasks, results, proc, proc.pid
         w.unaccepted = []
         w.slot_maps = {}
-        w.free_slots = []
+        w.free_slots = collections.deque()
         w.next_slot = 0
 
     def _bury(self, w):
@@ -623,11 +630,26 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         else:
             w = min(workers, key=lambda x: len(x.inflight) + len(x.reissue))
         ticket = self._next_ticket
-        task = _Task(ticket, work_info)
+        task = _Task()
+        task.ticket = ticket
+        task.work = work_info
         self._next_ticket = ticket + 1
-        self._tasks[ticket] = task
+        tasks: dict = self._tasks
+        tasks[ticket] = task
         try:
-            self._dispatch(task, w)
+            # Give the task to w, replacing w's process first if it died.
+            if w.tasks is None or w.reissue:
+                w.reissue.append(task)
+                self._restart(w)
+            else:
+                try:
+                    if w.unaccepted or len(w.inflight) >= TASK_CAPACITY:
+                        self._make_room(w)
+                    self._push_task(task, w)
+                except _WorkerDied:
+                    self._bury(w)
+                    w.reissue.append(task)
+                    self._restart(w)
         except BaseException:
             # (if the task did reach the worker, its result is dropped as unknown)
             self._forget(task)
@@ -655,30 +677,16 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             key = (t, work)   # so that 1, True and 1.0 are not mistaken for one another
         else:
             return None
-        payload = self._work_cache.get(key)
+        cache: dict = self._work_cache
+        payload = cache.get(key)
         if payload is None:
             payload = bytes(_codec.encode(work))
             if len(payload) > TASK_INLINE:
                 return None   # e.g. a long string: it travels in a segment, uncached
-            if len(self._work_cache) > 1024:
-                self._work_cache.clear()
-            self._work_cache[key] = payload
+            if len(cache) > 1024:
+                cache.clear()
+            cache[key] = payload
         return payload
-
-    def _dispatch(self, task, w):
-        """Give ``task`` to worker ``w`` (replacing the worker first if it died)."""
-        if w.tasks is None or w.reissue:
-            w.reissue.append(task)
-            self._restart(w)
-            return
-        try:
-            if w.unaccepted or len(w.inflight) >= TASK_CAPACITY:
-                self._make_room(w)
-            self._push_task(task, w)
-        except _WorkerDied:
-            self._bury(w)
-            w.reissue.append(task)
-            self._restart(w)
 
     def _make_room(self, w):
         """Keep at most TASK_CAPACITY tasks in flight on ``w``: collect (not hand out)
@@ -715,12 +723,17 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             payload = P.SPILL_DESC.pack(os.getpid(), seg.fd, seg.ino, seg.size, seg.size)
         slot = task.slot
         if slot is None:
-            slot = w.take_slot()
+            free = w.free_slots
+            slot = free.pop() if free else w.take_slot()
         ticket = task.ticket
         inflight = w.inflight
         inflight.append(ticket)
         try:
-            w.tasks.push_tagged(tag, slot, ticket, payload, check=w.check)
+            # The ring has room (see _make_room): this does not wait, and then needs no check
+            try:
+                w.tasks.push_tagged(tag, slot, ticket, payload, False)
+            except _queue.Full:
+                w.tasks.push_tagged(tag, slot, ticket, payload, check=w.check)
         except BaseException:
             inflight.pop()
             if task.slot is None:
@@ -743,13 +756,15 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         if status == _ST_FATAL:
             info = _codec.decode(payload, copy=True)
             raise self._worker_error(info, w.index, "could not start: ")
-        task = self._tasks.get(ticket)
+        tasks: dict = self._tasks
+        task = tasks.get(ticket)
         if task is None or task.worker != w.index or task.result is not None:
             return  # stale (e.g. re-issued work that the dead incarnation also finished)
         seg = None
         if where == _AT_SLOT:
             gen, fd, ino, size, nbytes = _unpack_slot(payload)
-            mapped = w.slot_maps.get(slot)
+            slot_maps: dict = w.slot_maps
+            mapped = slot_maps.get(slot)
             if mapped is None or mapped[0] != gen:
                 try:
                     seg = _segment_from_peer(w.pid, fd, ino, size, f"slot{w.index}")
@@ -765,12 +780,13 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                         self._forget(task)
                     return
                 seg.unlink()  # no descriptor needed: the mapping is what we use
-                w.slot_maps[slot] = (gen, seg)
+                slot_maps[slot] = (gen, seg)
             else:
                 seg = mapped[1]
             payload = nbytes
         w.inflight.remove(ticket)
-        w.failed_starts = 0
+        if w.failed_starts:
+            w.failed_starts = 0
         if task.spill is not None:
             self._close_spill(task)
         task.result = (status, where, slot, payload, seg)
@@ -837,12 +853,21 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             if w.tasks is None or w.reissue:
                 self._restart(w)   # a replacement that could not be finished earlier
                 continue
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 if w.unaccepted:
                     self._unstash(w)
                     continue
-                self._take(w, w.results.pop_tagged(True, left, check=w.check))
+                results = w.results
+                try:
+                    entry = results.pop_tagged(False)   # a result already there
+                except _queue.Empty:
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    entry = results.pop_tagged(True, left, check=w.check)
+                try:   # (_take, inlined: this runs once per batch)
+                    self._accept(w, entry)
+                except KeyboardInterrupt:
+                    w.unaccepted.append(entry)
+                    raise
             except _queue.Empty:
                 raise TimeoutError(
                     f"no result from worker {w.index} within {timeout} s") from None
@@ -852,18 +877,22 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
 
     def _deliver(self, task):
         """Turn an arrived result into the value returned to the caller."""
-        self._tasks.pop(task.ticket, None)
+        tasks: dict = self._tasks
+        tasks.pop(task.ticket, None)
         result = task.result
         if result[0] == _LOCAL_ERROR:
             raise result[1]
         status, where, slot, payload, seg = result
         if where == _AT_INLINE:
-            self._free_slot(task)
-            value = _decode(payload, copy=True)
+            # (_free_slot, inlined: this runs once per batch)
+            w = self._pool.workers[task.worker]
+            if w.incarnation == task.incarnation:
+                w.free_slots.append(task.slot)
+            value = _decode(payload, True)   # (copy)
         elif self.copy or self._leases >= self.max_leases or status != _ST_OK:
             try:
                 with memoryview(seg) as mv:
-                    value = _decode(mv[:payload], copy=True)
+                    value = _decode(mv[:payload], True)   # (copy)
             finally:
                 self._free_slot(task)
         else:
@@ -887,7 +916,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         ``timeout`` (default: the manager's ``timeout``) seconds."""
         if self.closed or _this_pid != self._owner_pid:
             self._ensure_open()   # raises
-        task = self._tasks.get(ticket)
+        tasks: dict = self._tasks
+        task = tasks.get(ticket)
         if task is None:
             raise KeyError(f"unknown or already collected ticket {ticket}")
         if task.result is None:
