@@ -306,18 +306,30 @@ class MultiprocessingSampler(BatchSampler):
         return self._pool
 
     def _sample(self, name):
-        pool = self._ensure_pool()
-        stream = self._streams.get(name)
+        # Runs once per batch.  Every attribute read on this class goes through
+        # __getattribute__ and then its __getattr__ hook: each is read once here, and
+        # _collect is inlined.
+        pool = self._pool
+        if pool is None or self._closed:
+            pool = self._ensure_pool()
+        streams = self._streams
+        stream = streams.get(name)
         if stream is None:
-            stream = self._streams[name] = collections.deque()
-        while len(stream) <= self.n_buffers:
+            stream = streams[name] = collections.deque()
+        n_buffers = self.n_buffers
+        while len(stream) <= n_buffers:
             stream.append(pool.submit((name, _NO_ARG)))
         if self.in_order:
             ticket = stream.popleft()
         else:
             ticket = pool._first_ready(True, None, stream)
             stream.remove(ticket)
-        return self._collect(pool, ticket)
+        try:
+            return pool.result(ticket)
+        except BaseException:
+            # interrupted or timed out: nobody will ask for this ticket again
+            pool.cancel(ticket)
+            raise
 
     @staticmethod
     def _collect(pool, ticket):
