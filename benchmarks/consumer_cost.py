@@ -81,9 +81,10 @@ def main(argv=None):
             time.sleep(0.005)
 
     def pause(sig):
-        if not a.no_stop:
+        if not a.no_stop and s._pool is not None:
             for w in s._pool._pool.workers:
-                os.kill(w.pid, sig)
+                if w.pid is not None:
+                    os.kill(w.pid, sig)
 
     try:
         s.sample()                                           # starts the workers
