@@ -20,7 +20,10 @@ CASES = {
     "image": compare.Config(transitions=20_000, batch_size=256, image_shape=(3, 128, 128)),
     "state": compare.Config(transitions=20_000, batch_size=32, image_shape=()),
 }
-ROUNDS = {"image": 40, "state": 400}
+# Enough rounds, after a warm-up as long as the deepest pipeline (n_buffers batches in flight,
+# each in a slot made and first touched on its first use), for the steady state to dominate
+ROUNDS = {"image": 200, "state": 2000}
+WARMUP = {"image": 20, "state": 200}
 MISSING = compare.available()
 
 
@@ -42,7 +45,7 @@ def test_sampler(benchmark, case, impl):
         nbytes = compare.batch_nbytes(first)
         del first
         benchmark.pedantic(lambda: compare.touch(next_batch()), rounds=ROUNDS[name],
-                           iterations=1, warmup_rounds=5)
+                           iterations=1, warmup_rounds=WARMUP[name])
     finally:
         close()
     mean = benchmark.stats.stats.mean
