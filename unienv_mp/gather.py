@@ -204,6 +204,7 @@ class _Planner:
         """Mirror of UniEnv's ``unflatten_data(space, rows, start_dim=1)``: the columns of
         the flat rows each leaf is cut from (``col``: the next column, a 1-list)."""
         from unienv_interface.space import BinarySpace, BoxSpace, DictSpace, TupleSpace
+        from unienv_interface.space.space_utils.flatten_utils import _dict_items
         if type(space) is BoxSpace:
             n = int(np.prod(space.shape, dtype=np.int64))
             a = col[0]
@@ -224,6 +225,8 @@ class _Planner:
         """Mirror of UniEnv's ``flatten_data(space, tree, start_dim=1)``: append to
         ``parts`` the 2-D source of each column range of the flat rows."""
         from unienv_interface.space import BoxSpace, DictSpace, TupleSpace
+        # UniEnv's own key order for flattening (sorted, or insertion order if unsortable)
+        from unienv_interface.space.space_utils.flatten_utils import _dict_items
         if type(space) is BoxSpace:
             # (a batched space: its first dimension is the batch's)
             if not isinstance(tree, _Leaf) or tree.tail != tuple(space.shape[1:]):
@@ -294,15 +297,6 @@ def _is_index_tensor(arg):
     torch = sys.modules.get("torch")
     return (torch is not None and type(arg) is torch.Tensor and arg.dim() == 1
             and arg.dtype == torch.int64 and arg.shape[0] > 0)
-
-
-def _dict_items(space):
-    """Items of a DictSpace in UniEnv's flattening order: sorted keys, insertion order if
-    the keys do not sort."""
-    try:
-        return sorted(space.spaces.items(), key=lambda x: x[0])
-    except TypeError:
-        return list(space.spaces.items())
 
 
 class Gatherer:

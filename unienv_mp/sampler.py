@@ -351,9 +351,10 @@ class MultiprocessingSampler(BatchSampler):
             # Workers hold a copy of unshared data as it was when they started: this epoch
             # needs workers started now (its get*_at draw nothing random: no seeds).
             pool, own = MultiProcessingSampleManager(
-                _SamplerTarget(self.sampler, direct=self._direct), n_workers=self.n_workers, ctx=self.mp_ctx,
-                doze_time=self.doze_time, daemon=self.daemon, in_order=self.in_order,
-                copy=self.copy, timeout=self.timeout, respawn=self.respawn), True
+                _SamplerTarget(self.sampler, direct=self._direct), n_workers=self.n_workers,
+                ctx=self.mp_ctx, doze_time=self.doze_time, daemon=self.daemon,
+                in_order=self.in_order, copy=self.copy, timeout=self.timeout,
+                respawn=self.respawn), True
             self._epoch_pools.add(pool)
         pending = collections.deque()
         nxt = 0
