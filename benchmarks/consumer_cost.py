@@ -70,9 +70,10 @@ def main(argv=None):
         """Request n_buffers + 1 batches, then wait (collecting nothing) until every worker
         has published all of its results."""
         pool = s._pool
-        stream = s._streams["sample"]
-        while len(stream) <= s.n_buffers:
-            stream.append(pool.submit(("sample", None)))
+        stream = s._streams["sample"]   # (as MultiprocessingSampler._sample requests)
+        k = stream.k
+        while len(stream.tickets) <= s.n_buffers // k:
+            stream.tickets.append(pool.submit(("sample", None if k == 1 else k)))
         workers = pool._pool.workers
         deadline = time.monotonic() + 300
         while sum(len(w.results) for w in workers) < sum(len(w.inflight) for w in workers):

@@ -57,14 +57,14 @@ def assert_identical(a, b, where="batch"):
 
 
 def run(make_sampler, direct, methods=SAMPLE_METHODS, epochs=EPOCH_METHODS, rounds=3,
-        ctx="fork", n_workers=2, n_buffers=3, expect="direct"):
+        ctx="fork", n_workers=2, n_buffers=3, expect="direct", batches_per_task=None):
     """Every method's batches from a fresh MultiprocessingSampler over ``make_sampler()``.
     With ``direct=None`` and ``expect="direct"`` under fork, StepSampler's getters refuse
     to run in the workers: every batch must be gathered directly."""
     refuse = direct is None and expect == "direct" and ctx == "fork"
     with getters_refused(refuse), MultiprocessingSampler(
             make_sampler(), n_workers=n_workers, n_buffers=n_buffers, ctx=ctx,
-            direct_gather=direct) as m:
+            direct_gather=direct, batches_per_task=batches_per_task) as m:
         assert m.gather_path == (expect if direct is not False else "generic"), (
             m.gather_path_reason)
         out = []
@@ -187,6 +187,30 @@ CONFIGS = {
 def test_direct_and_generic_give_identical_batches(config):
     rb = CONFIGS[config]()
     assert_same_both_ways(lambda: StepSampler(rb, 9, seed=5))
+
+
+@pytest.mark.parametrize("batches_per_task", [1, 5])
+@pytest.mark.parametrize("config", ["nested_dict_mixed_dtypes", "flattened_nan_casts"])
+def test_identical_one_batch_per_task_and_in_groups(config, batches_per_task):
+    """(By default these small batches go n_buffers=3 to a task.)"""
+    rb = CONFIGS[config]()
+    assert_same_both_ways(lambda: StepSampler(rb, 9, seed=5), rounds=7,
+                          batches_per_task=batches_per_task)
+
+
+def test_groups_are_planned_by_the_same_rule_on_both_paths():
+    rb = replay_buffer(40)
+    row = gather.row_nbytes(StepSampler(rb, 4), "sample")
+    assert row == 4 * (10 + 7) + int(np.prod(_data.IMG))
+    assert gather.row_nbytes(StepSampler(rb, 4), "sample_index") is None
+    assert gather.row_nbytes(_data.FailingSampler(rb, 4, fail_every=2), "sample") is None
+    for direct in (None, False):
+        with MultiprocessingSampler(StepSampler(rb, 4, seed=0), n_workers=1, n_buffers=6,
+                                    ctx="fork", direct_gather=direct) as m:
+            m.sample()
+            m.sample_index()
+            assert m._streams["sample"].k == 6   # (small rows: n_buffers to a task)
+            assert m._streams["sample_index"].k == 1
 
 
 def test_a_method_the_planner_trips_on_keeps_the_rng_in_step():

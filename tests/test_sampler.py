@@ -111,6 +111,44 @@ def test_same_seed_same_batches_whatever_the_timing():
     assert len({tuple(x) for x in a[:15]}) == 15
 
 
+@pytest.mark.parametrize("direct", [None, False])
+def test_a_task_of_k_batches_is_k_draws_of_one_worker(direct):
+    """With k batches per task, tasks dealt round-robin: worker i's j-th task is its RNG's
+    draws j*k .. j*k + k - 1, the workers seeded from the sampler as UniEnv seeds them."""
+    from unienv_mp.sampler import _draw_worker_seeds
+    rb = replay_buffer(400)
+    seeds = _draw_worker_seeds(StepSampler(rb, 5, seed=9), 2)
+    own = [StepSampler(rb, 5, seed=s) for s in seeds]
+    k = 3
+    expected = []
+    for task in range(6):
+        expected += [own[task % 2].sample_index().tolist() for _ in range(k)]
+    with MultiprocessingSampler(StepSampler(rb, 5, seed=9), n_workers=2, n_buffers=4,
+                                ctx="fork", batches_per_task=k, direct_gather=direct) as m:
+        got = [indices_of(m.sample()) for _ in range(6 * k)]
+        assert m.gather_path == ("generic" if direct is False else "direct")
+    assert got == expected
+
+
+def test_the_rest_of_a_group_is_dropped_by_manual_seed_and_close():
+    rb = replay_buffer(100)
+    m = MultiprocessingSampler(StepSampler(rb, 4, seed=0), n_workers=2, n_buffers=4,
+                               ctx="fork", batches_per_task=4)
+    with m:
+        first = [indices_of(m.sample()) for _ in range(3)]   # one left of the first group
+        m.manual_seed(0)
+        assert not any(st.ready for st in m._streams.values())
+        m2 = MultiprocessingSampler(StepSampler(rb, 4, seed=5), n_workers=2, n_buffers=4,
+                                    ctx="fork", batches_per_task=4)
+        with m2:
+            m2.manual_seed(0)
+            assert [indices_of(m2.sample()) for _ in range(5)] == \
+                [indices_of(m.sample()) for _ in range(5)]
+    with pytest.raises(RuntimeError, match="closed"):
+        m.sample()
+    assert first
+
+
 def test_manual_seed_restarts_the_sequence():
     rb = replay_buffer(300)
     with MultiprocessingSampler(StepSampler(rb, 8, seed=0), n_workers=2, n_buffers=3,
@@ -264,6 +302,8 @@ def test_a_worker_error_is_raised_and_the_sampler_goes_on():
     ({"doze_time": -1}, ValueError, "doze_time"),
     ({"ctx": 5}, TypeError, "ctx"),
     ({"timeout": 0}, ValueError, "timeout"),
+    ({"batches_per_task": 0}, ValueError, "batches_per_task"),
+    ({"batches_per_task": "2"}, TypeError, "batches_per_task"),
 ])
 def test_bad_arguments_are_refused_clearly(kwargs, exc, words):
     rb = replay_buffer(10)

@@ -37,7 +37,7 @@ import numpy as np
 from . import _codec, _rows
 from .worker import SlotWriter
 
-__all__ = ["NotDirect", "check", "Gatherer", "DIRECT_METHODS"]
+__all__ = ["NotDirect", "check", "row_nbytes", "Gatherer", "DIRECT_METHODS"]
 
 #: Sampler methods a direct plan can serve (``sample_index`` stays generic: it gathers
 #: nothing), by the epoch getter that computes the same thing from given indices.
@@ -65,6 +65,34 @@ def check(sampler):
     except ImportError:
         raise NotDirect("torch is not installed") from None
     _Planner(sampler).structure("get_at")
+
+
+def row_nbytes(sampler, method):
+    """Bytes per batch row of ``sampler.<method>()`` if it can be gathered directly (one
+    of :data:`DIRECT_METHODS`), else None.  Whether or not the direct path is used, this
+    is the same for the same sampler: what the sampler groups by (see
+    :class:`~unienv_mp.MultiprocessingSampler`'s ``batches_per_task``) must not depend on
+    the path, or the two paths would give different streams."""
+    getter = DIRECT_METHODS.get(method)
+    if getter is None:
+        return None
+    try:
+        import torch  # noqa: F401
+        tree = _Planner(sampler).structure(getter)
+    except Exception:
+        return None
+    total = 0
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, _Leaf):
+            total += (int(np.prod(node.tail, dtype=np.int64))
+                      * torch.empty((), dtype=node.dtype).element_size())
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, tuple):
+            stack.extend(node)
+    return total
 
 
 def _unchanged(obj, base, names):
@@ -308,7 +336,7 @@ class Gatherer:
         self.sampler = sampler
         self.buffer = self._planner.buffer
         self._structures = {}   # getter -> tree of _Leaf, or None (not direct)
-        self._plans = {}        # (getter, batch size) -> _Plan
+        self._plans = {}        # (getter, batch size, batches or None) -> _Plan
 
     def structure(self, getter):
         try:
@@ -326,24 +354,33 @@ class Gatherer:
         return tree
 
     def __call__(self, name, arg):
-        """A :class:`SlotWriter` for the task, or None to run it the generic way."""
+        """A :class:`SlotWriter` for the task, or None to run it the generic way.  For a
+        sampling method, ``arg`` is None (one batch) or a count ``k`` (a tuple of ``k``
+        batches, drawn one after the other as ``k`` calls would draw them)."""
         getter = DIRECT_METHODS.get(name)
         if getter is not None:
-            if arg is not None or self.structure(getter) is None:
+            if arg is None:
+                k = None
+            elif type(arg) is int and arg >= 1:
+                k = arg
+            else:
                 return None
-            idx = self.sampler.sample_index()   # the RNG advances as in sample*()
-            rows = self._sampled_rows(idx)
+            if self.structure(getter) is None:
+                return None
+            sample_index = self.sampler.sample_index   # the RNG advances as in sample*()
+            rows = [self._sampled_rows(sample_index()) for _ in range(k or 1)]
         else:
             if (name not in _GETTERS or not _is_index_tensor(arg)
                     or self.structure(name) is None):
                 return None
-            getter = name
+            getter, k = name, None
             # indices from outside: the ReplayBuffer's own mapping, bounds checks included
-            rows = self.buffer._logical_to_physical_index(arg)
-        n = int(rows.shape[0])
-        plan = self._plans.get((getter, n))
+            rows = [self.buffer._logical_to_physical_index(arg)]
+        n = int(rows[0].shape[0])
+        key = (getter, n, k)
+        plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[(getter, n)] = _Plan(self.structure(getter), n)
+            plan = self._plans[key] = _Plan(self.structure(getter), n, k)
         return _Batch(plan, rows)
 
 
@@ -365,22 +402,24 @@ class Gatherer:
 
 
 class _Plan:
-    """The slot layout of one batch structure at one batch size: the codec frame, and for
-    every array, where it goes and what fills it."""
+    """The slot layout of one batch structure at one batch size ``n`` -- or of a tuple of
+    ``k`` such batches -- : the codec frame, and for every array, where it goes, which
+    batch of the tuple it belongs to, and what fills it."""
 
-    def __init__(self, tree, n):
+    def __init__(self, tree, n, k=None):
         import torch
         self.torch = torch
         self.n = n
         fills = {}
         keep = []
+        batch = [0]
 
         def template(node):
             if isinstance(node, _Leaf):
                 # zero-stride stand-in with the leaf's shape and dtype: the codec reads
                 # shapes and dtypes from it, never its data
                 t = torch.empty((), dtype=node.dtype).expand((n, *node.tail))
-                fills[id(t)] = node
+                fills[id(t)] = (batch[0], node)
                 keep.append(t)
                 return t
             if isinstance(node, dict):
@@ -389,14 +428,23 @@ class _Plan:
                 return tuple(template(v) for v in node)
             return node
 
-        self.prepared = _codec.prepare(template(tree))
+        if k is None:
+            whole = template(tree)
+        else:
+            whole = []
+            for b in range(k):
+                batch[0] = b
+                whole.append(template(tree))
+            whole = tuple(whole)
+        self.prepared = _codec.prepare(whole)
         self.nbytes = self.prepared.nbytes
-        self.leaves = []   # (offset, nbytes, _Leaf, table of byte rows or None, row bytes)
+        # (offset, nbytes, _Leaf, table of byte rows or None, row bytes, batch)
+        self.leaves = []
         for t, off, nbytes in self.prepared.array_layout():
-            leaf = fills[id(t)]
+            b, leaf = fills[id(t)]
             table = _byte_rows(leaf.parts[0][0]) if leaf.direct and nbytes else None
             self.leaves.append((off, nbytes, leaf, table,
-                                0 if table is None else table.shape[1]))
+                                0 if table is None else table.shape[1], b))
         self.scratch = {}  # (leaf index, part index) -> tensor, for converting parts
 
     def views(self, buffer):
@@ -407,7 +455,7 @@ class _Plan:
         torch = self.torch
         buffer = memoryview(buffer)
         out = [buffer]
-        for off, nbytes, leaf, table, _ in self.leaves:
+        for off, nbytes, leaf, table, _, _ in self.leaves:
             if nbytes == 0 or table is not None:
                 out.append(None)
                 continue
@@ -416,10 +464,15 @@ class _Plan:
             out.append(v.view(self.n, *leaf.tail) if leaf.direct else v.view(self.n, -1))
         return out   # [memoryview, view of leaf 0, view of leaf 1, ...]
 
-    def fill(self, buffer, views, rows):
+    def fill(self, buffer, views, batch_rows):
+        """Gather every leaf of batch ``b`` from storage rows ``batch_rows[b]``."""
         torch = self.torch
-        rows_np = gathered = None
-        for i, (off, nbytes, leaf, table, row_bytes) in enumerate(self.leaves):
+        rows_np = None
+        gathered = None
+        last = -1
+        for i, (off, nbytes, leaf, table, row_bytes, b) in enumerate(self.leaves):
+            if b != last:   # the next batch of a tuple: its own rows
+                rows, rows_np, gathered, last = batch_rows[b], None, None, b
             if table is not None:
                 if rows_np is None:
                     if rows.dtype != torch.int64 or not rows.is_contiguous():
@@ -478,7 +531,7 @@ def _byte_rows(src):
 
 
 class _Batch(SlotWriter):
-    """One batch to gather: a plan and the storage rows."""
+    """One batch (or a tuple of them) to gather: a plan and the storage rows of each."""
     __slots__ = ("plan", "rows", "nbytes")
 
     def __init__(self, plan, rows):

@@ -24,6 +24,8 @@ __all__ = ["MultiprocessingSampler"]
 
 _NO_ARG = None   # sample* methods take no argument; get*_at methods take an index array
 _RESEED = "__unienv_mp_reseed__"
+#: Batches smaller than this are made several to a task (see ``batches_per_task``).
+_GROUP_BYTES = 256 * 1024
 
 
 class _SamplerTarget:
@@ -64,7 +66,11 @@ class _SamplerTarget:
                 if batch is not None:
                     return batch
         fn = self.fn if name is None else getattr(self.sampler, name)
-        return fn() if arg is _NO_ARG else fn(arg)
+        if arg is _NO_ARG:
+            return fn()
+        if type(arg) is int and name is not None and name.startswith("sample"):
+            return tuple([fn() for _ in range(arg)])   # a group (see batches_per_task)
+        return fn(arg)
 
     def reseed(self, seed):
         sampler = self.sampler
@@ -186,6 +192,18 @@ class MultiprocessingSampler(BatchSampler):
             apply.  ``False``: always run the wrapped sampler's methods.  Both paths give
             the same batches, bit for bit, for the same seed; :attr:`gather_path` says
             which one ``sample()`` and ``epoch_iter()`` take.
+        batches_per_task: how many batches of a ``sample*`` method one task makes (the
+            worker draws them one after the other, as that many calls would, and they
+            come back together in one slot).  ``None`` (default): for methods that can be
+            gathered directly, as many as fit in 256 KiB, at most ``n_buffers``; one for
+            every other method.  Small batches cost little to gather but a lot to hand
+            over one by one (a worker's wake-up, two ring operations and a decode each):
+            several to a task make that cost theirs together.  The stream of batches for
+            a seed depends on it, as it depends on ``n_workers`` (each worker draws from
+            its own RNG).  The direct and generic paths use the same number, so they give
+            the same stream.
+            If the wrapped sampler raises, the call that needed the task's first batch
+            raises, and the rest of that task's batches are skipped.
 
     A worker that raises does not end the sampler: the call that needed that batch raises
     :class:`~unienv_mp.WorkerError` (with the worker's traceback) and later calls work.
@@ -208,6 +226,7 @@ class MultiprocessingSampler(BatchSampler):
         timeout: Optional[float] = None,
         respawn: bool = True,
         direct_gather: Optional[bool] = None,
+        batches_per_task: Optional[int] = None,
     ):
         self._closed = True   # first: __del__ -> close() must work on a half-built sampler
         self._pool = None
@@ -231,6 +250,8 @@ class MultiprocessingSampler(BatchSampler):
                     f"MultiprocessingSampler returns CPU batches from worker processes, but "
                     f"{what} is {dev!r}: wrap a sampler whose data and batches are on the "
                     f"CPU and move batches to {dev!r} in the training loop")
+        if batches_per_task is not None:
+            batches_per_task = _check_int(batches_per_task, "batches_per_task")
         if direct_gather is not None and type(direct_gather) is not bool:
             raise TypeError(f"direct_gather must be None, True or False, got {direct_gather!r}")
         not_direct = "direct_gather=False" if direct_gather is False else None
@@ -257,6 +278,7 @@ class MultiprocessingSampler(BatchSampler):
         self.copy = bool(copy)
         self.timeout = timeout
         self.respawn = bool(respawn)
+        self.batches_per_task = batches_per_task
         self._streams = {}
         self._epoch_pools = set()
         # Every other sample* / get*_at method of the wrapped sampler runs in the workers
@@ -315,21 +337,40 @@ class MultiprocessingSampler(BatchSampler):
         streams = self._streams
         stream = streams.get(name)
         if stream is None:
-            stream = streams[name] = collections.deque()
-        n_buffers = self.n_buffers
-        while len(stream) <= n_buffers:
-            stream.append(pool.submit((name, _NO_ARG)))
+            stream = streams[name] = _Stream(self._batches_per_task(name))
+        ready = stream.ready
+        if ready:
+            return ready.popleft()
+        tickets = stream.tickets
+        k = stream.k
+        # keep n_buffers batches requested ahead (k per task), as UniEnv keeps n_buffers
+        ahead = self.n_buffers // k
+        while len(tickets) <= ahead:
+            tickets.append(pool.submit((name, _NO_ARG if k == 1 else k)))
         if self.in_order:
-            ticket = stream.popleft()
+            ticket = tickets.popleft()
         else:
-            ticket = pool._first_ready(True, None, stream)
-            stream.remove(ticket)
+            ticket = pool._first_ready(True, None, tickets)
+            tickets.remove(ticket)
         try:
-            return pool.result(ticket)
+            value = pool.result(ticket)
         except BaseException:
             # interrupted or timed out: nobody will ask for this ticket again
             pool.cancel(ticket)
             raise
+        if k == 1:
+            return value
+        ready.extend(value)
+        return ready.popleft()
+
+    def _batches_per_task(self, name):
+        k = self.batches_per_task
+        if k is not None:
+            return k
+        row = _gather.row_nbytes(self.sampler, name)
+        if row is None:
+            return 1
+        return max(1, min(self.n_buffers, _GROUP_BYTES // max(1, row * self.batch_size)))
 
     @staticmethod
     def _collect(pool, ticket):
@@ -444,9 +485,9 @@ class MultiprocessingSampler(BatchSampler):
         if pool is None or self._closed:
             return
         for stream in self._streams.values():
-            for t in stream:
+            for t in stream.tickets:
                 pool.cancel(t)
-        self._streams.clear()
+        self._streams.clear()   # (and the batches of groups not handed out yet)
         seeds = _draw_worker_seeds(self.sampler, self.n_workers)
         if seeds is not None:
             for i, s in enumerate(seeds):
@@ -541,6 +582,17 @@ class MultiprocessingSampler(BatchSampler):
 
     def __exit__(self, *exc):
         self.close()
+
+
+class _Stream:
+    """The batches requested ahead for one ``sample*`` method: tickets of tasks of ``k``
+    batches each, and the batches of the last group not handed out yet."""
+    __slots__ = ("k", "tickets", "ready")
+
+    def __init__(self, k):
+        self.k = k
+        self.tickets = collections.deque()
+        self.ready = collections.deque()
 
 
 class _StreamMethod:
