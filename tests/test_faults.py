@@ -234,6 +234,16 @@ def test_small_work_items_keep_their_type():
     assert got == ["int", "bool", "float", ["str", "int"], ["str", "bool"]]
 
 
+def test_waits_spin_only_where_a_cpu_is_left_to_spin_on(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    for n_workers, spin in ((1, 20e-6), (2, 0.0), (4, 0.0)):
+        with MultiProcessingSampleManager(_identity, n_workers=n_workers, ctx="fork") as mgr:
+            assert mgr.spin == spin
+            assert mgr.result(mgr.submit(n_workers)) == n_workers
+    with MultiProcessingSampleManager(_identity, n_workers=4, ctx="fork", spin=5e-6) as mgr:
+        assert mgr.spin == 5e-6 and mgr.result(mgr.submit("x")) == "x"
+
+
 class _TwoArgError(Exception):
     def __init__(self, a, b):
         super().__init__(f"{a}/{b}")

@@ -31,6 +31,7 @@ import numpy as np
 
 from . import _codec
 from . import _protocol as P
+from ._ring import DEFAULT_SPIN as _DEFAULT_SPIN
 from ._ring import Event, RingBuffer, Segment, _segment_from_peer
 from .errors import PeerGoneError, RingClosed, WorkerDiedError, WorkerError, _loads_or_none
 from .worker import worker_main
@@ -355,6 +356,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
       (default: wait as long as the workers are alive).
     * ``spin``: seconds a waiting side polls before it sleeps (a sleep and wake-up costs
       a syscall on both sides, and on virtual machines an inter-processor interrupt).
+      Default: 20 µs where this process may run on more CPUs than there are workers;
+      otherwise 0, since polling would take a CPU from a process that has work to do.
     * ``respawn=True``: a worker that dies is replaced (with a fresh seed) and its
       unfinished work re-issued; after ``max_respawns`` deaths of one worker without a
       result in between, :class:`~unienv_mp.WorkerDiedError` is raised.  ``False``: raise
@@ -380,7 +383,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         respawn: bool = True,
         max_respawns: int = 3,
         max_leases: Optional[int] = None,
-        spin: float = 20e-6,
+        spin: Optional[float] = None,
     ):
         # First, so that close() (also run at garbage collection) works on a half-built one.
         self._pool = _Pool()
@@ -409,6 +412,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         self.timeout = _check_seconds(timeout, "timeout")
         self.respawn = bool(respawn)
         self.max_respawns = max_respawns
+        if spin is None:
+            spin = _DEFAULT_SPIN if len(os.sched_getaffinity(0)) > n_workers else 0.0
         if isinstance(spin, bool) or not isinstance(spin, (int, float)) or not 0 <= spin < 1:
             raise ValueError(f"spin must be a number of seconds in [0, 1), got {spin!r}")
         self.spin = float(spin)
