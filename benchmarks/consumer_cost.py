@@ -72,7 +72,7 @@ def main(argv=None):
         pool = s._pool
         stream = s._streams["sample"]   # (as MultiprocessingSampler._sample requests)
         k = stream.k
-        while len(stream.tickets) <= s.n_buffers // k:
+        while len(stream.ready) + k * len(stream.tickets) <= s.n_buffers:
             stream.tickets.append(pool.submit(("sample", None if k == 1 else k)))
         workers = pool._pool.workers
         deadline = time.monotonic() + 300

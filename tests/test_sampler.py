@@ -130,6 +130,22 @@ def test_a_task_of_k_batches_is_k_draws_of_one_worker(direct):
     assert got == expected
 
 
+@pytest.mark.parametrize("n_buffers,k", [(8, 3), (2, 4), (3, 7), (4, 4), (3, 1)])
+def test_n_buffers_batches_stay_requested_ahead_with_groups(n_buffers, k):
+    """Whatever k, after each call between n_buffers and n_buffers + k - 1 batches are
+    requested ahead of the caller (the rest of the group being handed out, and the tasks
+    in flight), as the README says: with k > n_buffers, a task must be in flight while
+    the caller works through a group, not asked for only when the group runs out."""
+    rb = replay_buffer(100)
+    with MultiprocessingSampler(StepSampler(rb, 4, seed=0), n_workers=2, n_buffers=n_buffers,
+                                ctx="fork", batches_per_task=k) as m:
+        for _ in range(3 * k + 1):
+            m.sample()
+            st = m._streams["sample"]
+            ahead = len(st.ready) + k * len(st.tickets)
+            assert n_buffers <= ahead <= n_buffers + k - 1, (len(st.ready), len(st.tickets))
+
+
 def test_the_rest_of_a_group_is_dropped_by_manual_seed_and_close():
     rb = replay_buffer(100)
     m = MultiprocessingSampler(StepSampler(rb, 4, seed=0), n_workers=2, n_buffers=4,

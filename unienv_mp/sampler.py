@@ -339,14 +339,16 @@ class MultiprocessingSampler(BatchSampler):
         if stream is None:
             stream = streams[name] = _Stream(self._batches_per_task(name))
         ready = stream.ready
-        if ready:
-            return ready.popleft()
         tickets = stream.tickets
         k = stream.k
-        # keep n_buffers batches requested ahead (k per task), as UniEnv keeps n_buffers
-        ahead = self.n_buffers // k
-        while len(tickets) <= ahead:
+        # keep n_buffers batches requested ahead (k per task), as UniEnv keeps n_buffers:
+        # the rest of the group being handed out counts, and the next task goes out as
+        # soon as fewer are left, so between n_buffers and n_buffers + k - 1 after a call
+        n_buffers = self.n_buffers
+        while len(ready) + k * len(tickets) <= n_buffers:
             tickets.append(pool.submit((name, _NO_ARG if k == 1 else k)))
+        if ready:
+            return ready.popleft()
         if self.in_order:
             ticket = tickets.popleft()
         else:
