@@ -175,8 +175,9 @@ class MultiprocessingSampler(BatchSampler):
             each call returns the first batch ready.
         copy: ``False`` (default): arrays of a batch are zero-copy views of a shared slot.
             They are safe to keep: the slot is reused only after every array of the batch
-            is garbage collected (when many batches are held at once, later ones are copied
-            instead).  ``True``: every batch is copied out of its slot.
+            (of every batch of its task, see ``batches_per_task``) is garbage collected
+            (when many slots are held at once, later ones are copied instead).  ``True``:
+            every batch is copied out of its slot.
         timeout: seconds to wait for one batch before raising ``TimeoutError`` (default:
             wait as long as the workers are alive).
         respawn: ``True`` (default): a worker that dies is replaced and its unfinished
@@ -203,7 +204,11 @@ class MultiprocessingSampler(BatchSampler):
             its own RNG).  The direct and generic paths use the same number, so they give
             the same stream.
             If the wrapped sampler raises, the call that needed the task's first batch
-            raises, and the rest of that task's batches are skipped.
+            raises, and the rest of that task's batches are skipped.  On the generic path
+            a worker keeps the ``k`` results of the wrapped sampler until the task is
+            written: a sampler that reuses its output memory from one call to the next
+            needs ``batches_per_task=1``.  Batches of one task share one slot (see
+            ``copy``), and ``timeout`` is the wait for a whole task.
 
     A worker that raises does not end the sampler: the call that needed that batch raises
     :class:`~unienv_mp.WorkerError` (with the worker's traceback) and later calls work.
