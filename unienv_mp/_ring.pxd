@@ -17,13 +17,11 @@ cdef extern from "umr.h" nogil:
         uint32_t entry_size
         uint32_t stride
 
-    size_t umr_event_size()
     void umr_event_init(umr_event_t *ev)
     void umr_event_notify(umr_event_t *ev)
     void umr_event_notify_all(umr_event_t *ev)
     uint32_t umr_event_prepare(umr_event_t *ev)
     int umr_event_wait(umr_event_t *ev, uint32_t seen, int64_t deadline_ns)
-    void umr_event_finish(umr_event_t *ev)
 
     size_t umr_ring_footprint(uint64_t capacity, uint32_t entry_size)
     int umr_ring_init(umr_ring_t *r, void *mem, size_t mem_size, uint64_t capacity,

@@ -67,11 +67,15 @@ cdef int64_t _seconds_to_ns(object seconds, str what) except -2:
     return <int64_t>(value * 1e9)
 
 
-cdef int64_t _deadline(object timeout) except -2:
-    cdef int64_t t = _seconds_to_ns(timeout, "timeout")
-    if t == UMR_NO_DEADLINE:
+cdef inline int64_t _deadline_in(int64_t timeout_ns) noexcept:
+    """The CLOCK_MONOTONIC deadline `timeout_ns` from now (UMR_NO_DEADLINE: none)."""
+    if timeout_ns == UMR_NO_DEADLINE:
         return UMR_NO_DEADLINE
-    return umr_now_ns() + t
+    return umr_now_ns() + timeout_ns
+
+
+cdef int64_t _deadline(object timeout) except -2:
+    return _deadline_in(_seconds_to_ns(timeout, "timeout"))
 
 
 cdef object _positive_int(object value, str what, object maximum=None):
@@ -340,27 +344,92 @@ cdef class Event:
         cdef int rc
         while True:
             seen = umr_event_prepare(self.ev)
-            try:
-                result = condition()
-                if result:
-                    return result
-                now = umr_now_ns()
-                if deadline != UMR_NO_DEADLINE and now >= deadline:
-                    return None
-                wake_at = deadline
-                if poll_ns != UMR_NO_DEADLINE and (wake_at == UMR_NO_DEADLINE
-                                                  or now + poll_ns < wake_at):
-                    wake_at = now + poll_ns
-                with nogil:
-                    rc = umr_event_wait(self.ev, seen, wake_at)
-            finally:
-                umr_event_finish(self.ev)
+            result = condition()
+            if result:
+                return result
+            now = umr_now_ns()
+            if deadline != UMR_NO_DEADLINE and now >= deadline:
+                return None
+            wake_at = deadline
+            if poll_ns != UMR_NO_DEADLINE and (wake_at == UMR_NO_DEADLINE
+                                              or now + poll_ns < wake_at):
+                wake_at = now + poll_ns
+            with nogil:
+                rc = umr_event_wait(self.ev, seen, wake_at)
             if rc == UMR_SYSERR:
                 raise OSError(errno, "futex wait failed: " + _os.strerror(errno))
             if rc != UMR_OK:
                 PyErr_CheckSignals()
                 if check is not None:
                     check()
+
+
+# ---------------------------------------------------------------------------------------
+# Blocking waits on a ring
+# ---------------------------------------------------------------------------------------
+
+cdef struct _WaitArgs:
+    const void *data    # push: the entry
+    uint32_t len        # push: its length
+    void *out           # pop: where entries go
+    size_t out_stride   # pop: bytes from one entry to the next (for one entry: out's size)
+    uint32_t *lens      # pop: their lengths
+    uint64_t n          # pop_many: most entries to take
+
+# One call of a blocking C wait on `r`: spins for `spin_ns`, sleeps without the GIL, and
+# returns >= 0 when done (UMR_OK, or the number of entries popped) or a UMR_* code.
+ctypedef int64_t (*_wait_fn)(umr_ring_t *r, const _WaitArgs *a, int64_t deadline_ns,
+                             int64_t poll_ns, int64_t spin_ns) noexcept nogil
+
+
+cdef int64_t _push_wait(umr_ring_t *r, const _WaitArgs *a, int64_t deadline_ns,
+                        int64_t poll_ns, int64_t spin_ns) noexcept nogil:
+    return umr_ring_push_wait(r, a.data, a.len, deadline_ns, poll_ns, spin_ns)
+
+
+cdef int64_t _pop_wait(umr_ring_t *r, const _WaitArgs *a, int64_t deadline_ns,
+                       int64_t poll_ns, int64_t spin_ns) noexcept nogil:
+    return umr_ring_pop_wait(r, a.out, <uint32_t>a.out_stride, a.lens, deadline_ns, poll_ns,
+                             spin_ns)
+
+
+cdef int64_t _pop_many_wait(umr_ring_t *r, const _WaitArgs *a, int64_t deadline_ns,
+                            int64_t poll_ns, int64_t spin_ns) noexcept nogil:
+    return umr_ring_pop_many_wait(r, a.out, a.out_stride, a.lens, a.n, deadline_ns, poll_ns,
+                                  spin_ns)
+
+
+cdef int64_t _wait(RingBuffer ring, _wait_fn wait, const _WaitArgs *a, int64_t deadline,
+                   int64_t *spin, object check, object timeout_exc) except -1:
+    """Call `wait` until it succeeds and return what it returned (>= 0).
+
+    The caller holds ring.segment (enter()) and has found the ring full / empty.  Each call
+    of `wait` runs without the GIL for at most the ring's poll interval; it spins for
+    ``spin[0]`` ns first, and once a call has come back without success, ``spin[0]`` is 0
+    for the rest of the caller's operation.  Between calls, the handlers of pending signals
+    run, then ``check()`` if given: what either raises (KeyboardInterrupt, ...) ends the
+    wait, and so does a ring closed in this process meanwhile, with ValueError.  Raises
+    `timeout_exc` (queue.Full / queue.Empty) at `deadline`, RingClosed once the ring is
+    shut down (and, for pops, drained).
+    """
+    cdef int64_t rc
+    cdef umr_ring_t *r = &ring.r
+    cdef int64_t poll = ring._poll_ns
+    while True:
+        with nogil:
+            rc = wait(r, a, deadline, poll, spin[0])
+        if rc >= 0:
+            return rc
+        spin[0] = 0
+        if rc == UMR_TIMEOUT:
+            raise timeout_exc
+        if rc != UMR_POLL and rc != UMR_INTR:
+            ring._raise_rc(<int>rc)
+        PyErr_CheckSignals()
+        if check is not None:
+            check()
+        if ring.segment.closed:
+            raise ValueError("ring was closed in this process while waiting")
 
 
 # ---------------------------------------------------------------------------------------
@@ -546,15 +615,16 @@ cdef class RingBuffer:
     cdef int _push(self, const char *p, Py_ssize_t n, bint block, object timeout,
                    object check) except -1:
         cdef int rc
-        cdef int64_t deadline, tmo = UMR_NO_DEADLINE
-        cdef int64_t spin = self._spin_ns, poll = self._poll_ns
+        cdef int64_t tmo = UMR_NO_DEADLINE
+        cdef int64_t spin = self._spin_ns
+        cdef _WaitArgs a
         if n > self.r.entry_size:
             raise ValueError(f"entry of {n} bytes does not fit: this ring's entry_size is "
                              f"{self.r.entry_size} bytes")
         if block and timeout is not None:
             tmo = _seconds_to_ns(timeout, "timeout")
-        # No Python code runs between here and leave() except in _between_waits: another
-        # thread closing the ring meanwhile only defers the unmap until we leave.
+        # No Python code runs between here and leave() except between the waits of _wait:
+        # another thread closing the ring meanwhile only defers the unmap until we leave.
         self.segment.enter(0, 0)
         try:
             rc = umr_ring_try_push(&self.r, p, <uint32_t>n)  # fast path, GIL held
@@ -564,18 +634,10 @@ cdef class RingBuffer:
                 return self._raise_rc(rc)
             if not block:
                 raise _queue.Full
-            deadline = UMR_NO_DEADLINE if tmo == UMR_NO_DEADLINE else umr_now_ns() + tmo
-            while True:
-                with nogil:
-                    rc = umr_ring_push_wait(&self.r, p, <uint32_t>n, deadline, poll, spin)
-                if rc == UMR_OK:
-                    return 0
-                spin = 0
-                if rc == UMR_TIMEOUT:
-                    raise _queue.Full
-                if rc != UMR_POLL and rc != UMR_INTR:
-                    return self._raise_rc(rc)
-                self._between_waits(check)
+            a.data = p
+            a.len = <uint32_t>n
+            _wait(self, _push_wait, &a, _deadline_in(tmo), &spin, check, _queue.Full)
+            return 0
         finally:
             self.segment.leave()
 
@@ -593,8 +655,8 @@ cdef class RingBuffer:
         cdef Py_buffer *views = NULL
         cdef char *have = NULL
         cdef int64_t k, deadline, tmo = UMR_NO_DEADLINE
-        cdef int rc
         cdef int64_t spin = self._spin_ns
+        cdef _WaitArgs a
         self._ensure_open()
         if block and timeout is not None:
             tmo = _seconds_to_ns(timeout, "timeout")
@@ -624,7 +686,7 @@ cdef class RingBuffer:
                 lens[i] = <uint32_t>got
             self.segment.enter(0, 0)
             try:
-                deadline = UMR_NO_DEADLINE if tmo == UMR_NO_DEADLINE else umr_now_ns() + tmo
+                deadline = _deadline_in(tmo)
                 while done < n:
                     k = umr_ring_try_push_many(&self.r, ptrs + done, lens + done, n - done)
                     if k < 0:
@@ -634,19 +696,10 @@ cdef class RingBuffer:
                         break
                     if k == 0:
                         # Full: wait for room for the next one, then go back to batches.
-                        while True:
-                            with nogil:
-                                rc = umr_ring_push_wait(&self.r, ptrs[done], lens[done],
-                                                        deadline, self._poll_ns, spin)
-                            if rc == UMR_OK:
-                                done += 1
-                                break
-                            spin = 0
-                            if rc == UMR_TIMEOUT:
-                                raise _queue.Full
-                            if rc != UMR_POLL and rc != UMR_INTR:
-                                self._raise_rc(rc)
-                            self._between_waits(check)
+                        a.data = ptrs[done]
+                        a.len = lens[done]
+                        _wait(self, _push_wait, &a, deadline, &spin, check, _queue.Full)
+                        done += 1
             except BaseException as e:
                 try:
                     e.pushed = done
@@ -694,9 +747,10 @@ cdef class RingBuffer:
     cdef int _pop(self, char *buf, uint32_t *length, bint block, object timeout,
                   object check) except -1:
         cdef int rc
-        cdef int64_t deadline, tmo = UMR_NO_DEADLINE
-        cdef int64_t spin = self._spin_ns, poll = self._poll_ns
+        cdef int64_t tmo = UMR_NO_DEADLINE
+        cdef int64_t spin = self._spin_ns
         cdef uint32_t cap = self.r.entry_size
+        cdef _WaitArgs a
         if block and timeout is not None:
             tmo = _seconds_to_ns(timeout, "timeout")
         self.segment.enter(0, 0)   # see _push
@@ -708,18 +762,11 @@ cdef class RingBuffer:
                 return self._raise_rc(rc)
             if not block:
                 raise _queue.Empty
-            deadline = UMR_NO_DEADLINE if tmo == UMR_NO_DEADLINE else umr_now_ns() + tmo
-            while True:
-                with nogil:
-                    rc = umr_ring_pop_wait(&self.r, buf, cap, length, deadline, poll, spin)
-                if rc == UMR_OK:
-                    return 0
-                spin = 0
-                if rc == UMR_TIMEOUT:
-                    raise _queue.Empty
-                if rc != UMR_POLL and rc != UMR_INTR:
-                    return self._raise_rc(rc)
-                self._between_waits(check)
+            a.out = buf
+            a.out_stride = cap
+            a.lens = length
+            _wait(self, _pop_wait, &a, _deadline_in(tmo), &spin, check, _queue.Empty)
+            return 0
         finally:
             self.segment.leave()
 
@@ -735,10 +782,11 @@ cdef class RingBuffer:
                               max(<uint64_t>1, (<uint64_t>64 << 20) // stride))
         cdef char *buf
         cdef uint32_t *lens
-        cdef int64_t k, deadline, tmo = UMR_NO_DEADLINE
-        cdef int64_t spin = self._spin_ns, poll = self._poll_ns
+        cdef int64_t k, tmo = UMR_NO_DEADLINE
+        cdef int64_t spin = self._spin_ns
         cdef uint64_t i
         cdef bint blocking = bool(block)
+        cdef _WaitArgs a
         self._ensure_open()
         if blocking and timeout is not None:
             tmo = _seconds_to_ns(timeout, "timeout")
@@ -754,19 +802,12 @@ cdef class RingBuffer:
                 if k < 0:
                     self._raise_rc(<int>k)
                 if k == 0 and blocking:
-                    deadline = UMR_NO_DEADLINE if tmo == UMR_NO_DEADLINE else umr_now_ns() + tmo
-                    while True:
-                        with nogil:
-                            k = umr_ring_pop_many_wait(&self.r, buf, stride, lens, n,
-                                                       deadline, poll, spin)
-                        if k > 0:
-                            break
-                        spin = 0
-                        if k == UMR_TIMEOUT:
-                            raise _queue.Empty
-                        if k != UMR_POLL and k != UMR_INTR:
-                            self._raise_rc(<int>k)
-                        self._between_waits(check)
+                    a.out = buf
+                    a.out_stride = stride
+                    a.lens = lens
+                    a.n = n
+                    k = _wait(self, _pop_many_wait, &a, _deadline_in(tmo), &spin, check,
+                              _queue.Empty)
             finally:
                 self.segment.leave()
             out = [None] * k
@@ -861,13 +902,6 @@ cdef class RingBuffer:
             raise _queue.Full
 
     # -- helpers ------------------------------------------------------------------------
-
-    def _between_waits(self, check):
-        PyErr_CheckSignals()
-        if check is not None:
-            check()
-        if self.segment.closed:
-            raise ValueError("ring was closed in this process while waiting")
 
     cdef int _raise_rc(self, int rc) except -1:
         if rc == UMR_CLOSED:
