@@ -48,23 +48,20 @@ typedef struct umr_ring {
     uint32_t stride;
 } umr_ring_t;
 
-/* ---- events: a futex word plus a waiter count, 64 bytes, anywhere in shared memory ---- */
+/* ---- events: a futex word with a "may be asleep" flag, 64 bytes, in shared memory ---- */
 
-size_t umr_event_size(void);
 void umr_event_init(umr_event_t *ev);
 /* Wake every sleeper if any is registered.  Cheap (one fence, one load) when none is. */
 void umr_event_notify(umr_event_t *ev);
 /* Wake every sleeper unconditionally (used by shutdown). */
 void umr_event_notify_all(umr_event_t *ev);
 /* Register as a waiter and return the word to pass to umr_event_wait: call it before every
- * check of the condition, then sleep only if the condition is still false.  finish is a
- * no-op kept for symmetry. */
+ * check of the condition, then sleep only if the condition is still false. */
 uint32_t umr_event_prepare(umr_event_t *ev);
 /* Sleep while the word still equals `seen`, until `deadline_ns` (CLOCK_MONOTONIC, or
  * UMR_NO_DEADLINE).  Returns UMR_OK (woken or word changed), UMR_TIMEOUT, UMR_INTR, or
  * UMR_SYSERR (the kernel refused the futex call). */
 int umr_event_wait(umr_event_t *ev, uint32_t seen, int64_t deadline_ns);
-void umr_event_finish(umr_event_t *ev);
 
 /* ---- the ring ---- */
 
@@ -79,8 +76,6 @@ int umr_ring_init(umr_ring_t *r, void *mem, size_t mem_size, uint64_t capacity,
  * a ring's and that it fits in `mem_size` bytes.  UMR_OK or UMR_CORRUPT. */
 int umr_ring_attach(umr_ring_t *r, void *mem, size_t mem_size);
 
-uint64_t umr_ring_capacity(const umr_ring_t *r);
-uint32_t umr_ring_entry_size(const umr_ring_t *r);
 /* Entries published and not yet claimed by a consumer: exact when nobody is mid-operation. */
 uint64_t umr_ring_count(const umr_ring_t *r);
 int umr_ring_is_closed(const umr_ring_t *r);

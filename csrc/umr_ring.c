@@ -141,8 +141,6 @@ static long sys_futex(_Atomic uint32_t *uaddr, int op, uint32_t val,
     return syscall(SYS_futex, (uint32_t *)uaddr, op, val, timeout, NULL, 0);
 }
 
-size_t umr_event_size(void) { return sizeof(struct umr_event); }
-
 void umr_event_init(umr_event_t *ev) {
     memset(ev, 0, sizeof(*ev));
 }
@@ -171,10 +169,6 @@ uint32_t umr_event_prepare(umr_event_t *ev) {
     uint32_t seen = atomic_fetch_or_explicit(&ev->word, 1u, memory_order_acq_rel) | 1u;
     full_fence(); /* fence Y of the argument above */
     return seen;
-}
-
-void umr_event_finish(umr_event_t *ev) {
-    (void)ev; /* nothing to undo: the flag is cleared by the next notify */
 }
 
 int umr_event_wait(umr_event_t *ev, uint32_t seen, int64_t deadline_ns) {
@@ -279,8 +273,6 @@ int umr_ring_attach(umr_ring_t *r, void *mem, size_t mem_size) {
     return UMR_OK;
 }
 
-uint64_t umr_ring_capacity(const umr_ring_t *r) { return r->capacity; }
-uint32_t umr_ring_entry_size(const umr_ring_t *r) { return r->entry_size; }
 umr_event_t *umr_ring_not_empty(umr_ring_t *r) { return &r->hdr->not_empty; }
 umr_event_t *umr_ring_not_full(umr_ring_t *r) { return &r->hdr->not_full; }
 
