@@ -1,7 +1,7 @@
 /*
  * ring.pml - Promela model of the push / pop / sleep / wake / shutdown protocol of
- * csrc/umr_ring.c as of commit fbdd135 (unchanged through fdd90a7): UMR_VERSION 2, futex
- * word with a "someone may be asleep" flag, shutdown as a mark on head.
+ * csrc/umr_ring.c: UMR_VERSION 2, futex word with a "someone may be asleep" flag, shutdown
+ * as a mark on head.
  *
  *   ring     bounded MPMC, Vyukov's per-cell sequence numbers doubled: for position p the
  *            cell seq is 2p (free for p), 2p+1 (published), 2(p+cap) (consumed: free for

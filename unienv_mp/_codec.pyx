@@ -380,8 +380,8 @@ def write_frame(Prepared p, buffer):
 cdef _write(Prepared p, buffer, bint arrays):
     cdef Py_buffer view
     if p.meta is None or p.arrays is None:
-        # a Prepared() made directly rather than by prepare(): len(p.meta) below used to
-        # raise TypeError outside the try, leaking the export of buffer
+        # a Prepared() made directly rather than by prepare(): refused here, before the
+        # buffer is exported (len(p.meta) below, outside the try, would leak the export)
         raise CodecError("not a prepared encoding: use prepare()")
     PyObject_GetBuffer(buffer, &view, PyBUF_WRITABLE)
     cdef char *base = <char *>view.buf
@@ -501,9 +501,9 @@ cdef class SlotLease:
                 self.on_release = None
                 cb(self.token)
         finally:
-            # In a finally: an exception from on_release (reported as unraisable) used to
-            # skip this, leaking the export of source for good (a bytearray stayed locked,
-            # a Segment stayed mapped).
+            # In a finally: an exception from on_release (reported as unraisable) must not
+            # skip this, or the export of source would leak for good (a bytearray would
+            # stay locked, a Segment mapped).
             if self._held:
                 PyBuffer_Release(&self._src)
                 self._held = False
@@ -645,9 +645,8 @@ cdef object _parse_node(_Reader r, _Plan plan, uint64_t total_len, int depth,
             d = r.u64()
             # The product of the non-zero dimensions, times the item size, must fit in an
             # npy_intp (numpy and torch compute it even for empty arrays); the bytes the array
-            # does use are checked against the slot below.  (This used to require every
-            # dimension to fit in the slot, which rejected valid empty arrays such as shape
-            # (0, 1000) in a 128-byte slot.)
+            # does use are checked against the slot below.  A single dimension may exceed
+            # the slot: an empty array such as shape (0, 1000) fits in a 128-byte slot.
             if d != 0:
                 if d > <uint64_t>0x7FFFFFFFFFFFFFFF // nonzero:
                     raise CodecError(f"corrupt slot: array shape overflows at dimension "

@@ -890,7 +890,7 @@ cdef class RingBuffer:
 
     def _give_back(self, data):
         """Non-blocking push that works as long as the memory is mapped in this process,
-        even after :meth:`close` (used to return slots held past a close)."""
+        even after :meth:`close` (how slots held past a close are returned)."""
         if self.segment is None or self.segment.addr == NULL:
             raise ValueError("ring is unmapped in this process")
         cdef const unsigned char[::1] v = data
