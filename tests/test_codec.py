@@ -1,9 +1,9 @@
 """Tests of the slot codec (unienv_mp/_codec.pyx).
 
-Round trips of random pytrees (hypothesis), the CPU-only rule for tensors, a fuzzed and a
-hand-crafted set of corrupt slots (in process and in a child process, so that a crash shows
-as an exit code), zero-copy views and the lease release protocol, the plan cache, and a
-memory soak through a small pool of slots.
+Round trips of random pytrees (hypothesis), the tensors refused (off the CPU, unsupported
+dtypes), a fuzzed and a hand-crafted set of corrupt slots (in process and in a child process,
+so that a crash shows as an exit code), zero-copy views and the lease release protocol, the
+plan cache, and a memory soak through a small pool of slots.
 """
 import collections
 import contextlib
@@ -377,8 +377,8 @@ def test_roundtrip_special_values():
 
 
 def test_roundtrip_empty_arrays_with_large_dimensions():
-    # Regression: the decoder required every dimension to fit in the slot, so an empty
-    # array of shape (0, 1000) (a 128-byte encoding) could not be decoded.
+    # A dimension may be larger than the slot when another one is 0: shape (0, 1000) is a
+    # 128-byte encoding and must decode.
     tree = [np.empty((0, 1000)), np.empty((1000, 0, 7), np.int8), torch.empty(0, 5000),
             torch.empty(3000, 0, dtype=torch.bfloat16), np.empty((0, 2 ** 40), np.uint8)]
     assert len(_codec.encode(tree)) < 1000
@@ -419,8 +419,8 @@ def test_write_checks_the_slot_size():
     with pytest.raises((BufferError, TypeError)):
         _codec.write(p, bytes(p.nbytes))  # not writable
     assert "bytes" in repr(p)
-    # Regression: a Prepared() not made by prepare() raised TypeError with the buffer still
-    # exported, locking a bytearray for good.
+    # A Prepared() not made by prepare() is refused with the buffer released again (an
+    # export left behind would lock the bytearray for good).
     buf = bytearray(4096)
     with pytest.raises(CodecError, match="prepare"):
         _codec.write(_codec.Prepared(), buf)
@@ -459,9 +459,9 @@ def test_a_frame_filled_in_place_decodes_like_a_written_encoding():
 
 
 def test_write_rejects_sources_resized_after_prepare():
-    # Regression: write() copied the byte count recorded by prepare() from the source's
-    # current data pointer; a tensor set_ to an empty storage made it read address 0
-    # (a segfault), a shrunken ndarray made it read past its buffer.
+    # write() copies the byte count recorded by prepare() from the source's current data
+    # pointer, so it must refuse a source that shrank since: a tensor set_ to an empty
+    # storage would make it read address 0 (a segfault), a shrunken ndarray past its buffer.
     t = torch.arange(1 << 16, dtype=torch.float64)
     p = _codec.prepare({"t": t})
     t.set_(torch.empty(0, dtype=torch.float64))
@@ -480,7 +480,7 @@ def test_write_rejects_sources_resized_after_prepare():
 
 
 # -----------------------------------------------------------------------------------------
-# 2. Tensors off the CPU
+# 2. Tensors the codec refuses: off the CPU, or of a dtype it cannot carry
 # -----------------------------------------------------------------------------------------
 
 def test_tensor_on_another_device_is_refused():
@@ -490,6 +490,18 @@ def test_tensor_on_another_device_is_refused():
             _codec.prepare(obj)
         with pytest.raises(CodecError, match="on meta"):
             _codec.encode(obj)
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_unsupported_torch_dtypes_are_refused_when_encoding():
+    for name in ("float8_e4m3fn", "complex32", "uint4"):
+        dt = getattr(torch, name, None)
+        if dt is None:
+            continue
+        t = torch.zeros(4, dtype=torch.uint8).view(dt) if name != "complex32" else \
+            torch.zeros(4, dtype=torch.complex32)
+        with pytest.raises(CodecError, match=f"{name}.*not supported"):
+            _codec.prepare({"x": t})
 
 
 # -----------------------------------------------------------------------------------------
@@ -1095,7 +1107,7 @@ def test_lease_bounds():
     assert _codec.SlotLease(buf, 10).length == 90
     assert _codec.SlotLease(buf, 100).length == 0
     assert _codec.SlotLease(buf, 10, 90).length == 90
-    # Regression: offset + length overflowed Py_ssize_t and passed the check.
+    # including offset + length past Py_ssize_t (an overflow must not pass the check)
     for offset, length in [(-1, None), (101, None), (0, 101), (10, 91), (1, -1),
                            (1, sys.maxsize), (sys.maxsize, 1), (sys.maxsize, None)]:
         with pytest.raises(ValueError):
@@ -1115,8 +1127,8 @@ def test_lease_read_only_source():
 
 
 def test_raising_callback_still_releases_the_source(monkeypatch):
-    # Regression: an exception from on_release skipped PyBuffer_Release in __dealloc__, so
-    # the source stayed exported (locked bytearray, pinned Segment mapping) for good.
+    # An exception from on_release must not skip PyBuffer_Release in __dealloc__: the
+    # source would stay exported (locked bytearray, pinned Segment mapping) for good.
     unraisable = []
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     buf = bytearray(4096)
@@ -1248,15 +1260,3 @@ def test_memory_is_flat_over_many_batches():
     growth = sum(second) / len(second) - sum(first) / len(first)
     assert growth < 8 << 20, f"RSS grew by {growth / 2**20:.1f} MiB over {n_batches // 2} batches"
     assert max(second) - min(second) < 16 << 20
-
-
-@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
-def test_unsupported_torch_dtypes_are_refused_when_encoding():
-    for name in ("float8_e4m3fn", "complex32", "uint4"):
-        dt = getattr(torch, name, None)
-        if dt is None:
-            continue
-        t = torch.zeros(4, dtype=torch.uint8).view(dt) if name != "complex32" else \
-            torch.zeros(4, dtype=torch.complex32)
-        with pytest.raises(CodecError, match=f"{name}.*not supported"):
-            _codec.prepare({"x": t})
