@@ -15,7 +15,7 @@ from unienv_mp._ring import Event
 from conftest import own_segment_fds, own_segment_maps
 
 
-# -- single process ------------------------------------------------------------------------
+# -- push and pop --------------------------------------------------------------------------
 
 def test_push_pop_fifo_and_len():
     with RingBuffer(4, 16) as r:
@@ -97,6 +97,33 @@ def test_batch_push_blocks_until_all_fit():
         assert got == [bytes([i]) for i in range(10)]
 
 
+class _FreshBytes:
+    """A sequence whose items are new bytes objects every time they are read."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        if i >= 8:
+            raise IndexError(i)
+        return bytes([65 + i]) * 6
+
+
+def test_push_many_keeps_every_item_alive():
+    with RingBuffer(8, 8) as r:
+        assert r.push_many(_FreshBytes()) == 8
+        assert r.pop_many(8) == [bytes([65 + i]) * 6 for i in range(8)]
+
+
+def test_push_many_reports_partial_progress():
+    with RingBuffer(2, 8) as r:
+        with pytest.raises(queue.Full) as info:
+            r.push_many([b"a", b"b", b"c"], timeout=0.05)
+        assert info.value.pushed == 2
+
+
+# -- bad arguments -------------------------------------------------------------------------
+
 @pytest.mark.parametrize("bad, exc", [
     ((0, 8), ValueError), ((-1, 8), ValueError), ((4, 0), ValueError),
     ((4.5, 8), TypeError), (("4", 8), TypeError), ((True, 8), TypeError),
@@ -128,6 +155,15 @@ def test_bad_call_arguments():
         with pytest.raises(ValueError):
             RingBuffer(2, 4, poll_interval=0)
 
+
+def test_none_segment_is_a_type_error():
+    with pytest.raises(TypeError):
+        RingBuffer._attach(None, 0)
+    with pytest.raises(TypeError):
+        Event(None, 0)
+
+
+# -- shutdown and close --------------------------------------------------------------------
 
 def test_shutdown_drains_then_raises():
     r = RingBuffer(4, 8)
@@ -177,6 +213,39 @@ def test_close_detaches_and_calls_raise():
         pickle.dumps(r)
 
 
+def test_closing_from_another_thread_never_crashes():
+    # Run in a child: a use-after-unmap would kill it with SIGSEGV rather than fail.
+    import multiprocessing as mp
+    p = mp.get_context("spawn").Process(target=_close_while_busy)
+    p.start()
+    p.join(120)
+    assert p.exitcode == 0
+
+
+def _close_while_busy():
+    for _ in range(200):
+        r = RingBuffer(4, 16)
+        stop = threading.Event()
+
+        def busy():
+            while not stop.is_set():
+                try:
+                    r.push(b"x", timeout=0.5)
+                    r.pop(timeout=0.5)
+                except (ValueError, queue.Empty, queue.Full):
+                    if r.closed:
+                        return
+
+        t = threading.Thread(target=busy)
+        t.start()
+        time.sleep(0.001)
+        r.close()
+        stop.set()
+        t.join()
+
+
+# -- blocking waits: the GIL, check, signals, events ---------------------------------------
+
 def test_blocking_releases_the_gil():
     with RingBuffer(1, 8) as r:
         ticks = []
@@ -222,6 +291,27 @@ def test_signal_interrupts_a_blocked_pop():
             signal.signal(signal.SIGALRM, old)
 
 
+def test_events_wake_a_waiter():
+    seg = Segment.create(128)
+    ev = Event(seg, 64, True)
+    flag = []
+
+    def later():
+        time.sleep(0.05)
+        flag.append(1)
+        ev.notify()
+
+    threading.Thread(target=later).start()
+    t = time.monotonic()
+    assert ev.wait_until(lambda: flag, timeout=5, poll_interval=30)
+    assert time.monotonic() - t < 5
+    assert ev.wait_until(lambda: False, timeout=0.05) is None
+    del ev
+    seg.close()
+
+
+# -- segments ------------------------------------------------------------------------------
+
 def test_segment_views_keep_memory_mapped_after_close():
     seg = Segment.create(4096)
     mv = memoryview(seg)
@@ -249,25 +339,6 @@ def test_nothing_left_after_garbage_collection():
     del r
     gc.collect()
     assert not own_segment_fds() and not own_segment_maps()
-
-
-def test_events_wake_a_waiter():
-    seg = Segment.create(128)
-    ev = Event(seg, 64, True)
-    flag = []
-
-    def later():
-        time.sleep(0.05)
-        flag.append(1)
-        ev.notify()
-
-    threading.Thread(target=later).start()
-    t = time.monotonic()
-    assert ev.wait_until(lambda: flag, timeout=5, poll_interval=30)
-    assert time.monotonic() - t < 5
-    assert ev.wait_until(lambda: False, timeout=0.05) is None
-    del ev
-    seg.close()
 
 
 # -- across processes ------------------------------------------------------------------------
@@ -312,6 +383,46 @@ def test_many_producers_one_consumer(ctx):
         mine = [x for x in got if k * 5000 <= x < (k + 1) * 5000]
         assert mine == sorted(mine)
     ring.close()
+
+
+def _push_until_closed(ring, results, k):
+    pushed = 0
+    try:
+        while True:
+            ring.push(k.to_bytes(4, "little") + pushed.to_bytes(4, "little"), timeout=30)
+            pushed += 1
+    except RingClosed:
+        pass
+    results.push(pushed.to_bytes(8, "little"))
+
+
+@pytest.mark.parametrize("capacity", [1, 4])
+def test_shutdown_racing_many_producers_strands_nothing(capacity):
+    # Every push that returned must be popped before consumers are told the ring is closed.
+    import multiprocessing as mp
+    ctx = mp.get_context("fork")
+    for attempt in range(3):
+        ring, results = RingBuffer(capacity, 8), RingBuffer(8, 8)
+        procs = [ctx.Process(target=_push_until_closed, args=(ring, results, k))
+                 for k in range(3)]
+        for p in procs:
+            p.start()
+        popped = 0
+        t_end = time.monotonic() + 0.2
+        while time.monotonic() < t_end:
+            popped += len(ring.pop_many(16, timeout=5))
+        ring.shutdown()
+        try:
+            while True:
+                popped += len(ring.pop_many(16, timeout=30))
+        except RingClosed:
+            pass
+        for p in procs:
+            p.join(30)
+        pushed = sum(int.from_bytes(results.pop(timeout=5), "little") for _ in procs)
+        assert popped == pushed
+        ring.close()
+        results.close()
 
 
 def _attach_and_push(queue_of_handles):
@@ -361,6 +472,25 @@ def test_sleeping_consumer_is_woken_across_processes(ctx):
     ring.close()
 
 
+def _block_in_pop(ring):
+    ring.pop()
+
+
+def test_a_waiter_killed_while_asleep_does_not_slow_the_ring(ctx):
+    ring = RingBuffer(2, 8, spin=0)
+    p = ctx.Process(target=_block_in_pop, args=(ring,))
+    p.start()
+    time.sleep(1.0 if ctx.get_start_method() != "fork" else 0.3)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(10)
+    with memoryview(ring.segment) as mv:
+        word = lambda: int.from_bytes(mv[192:196], "little")   # not_empty event word
+        ring.push(b"a")   # one notify clears the dead waiter's flag ...
+        ring.pop()
+        assert word() & 1 == 0   # ... so later pushes make no futex syscall
+    ring.close()
+
+
 def _create_share_and_sleep(carrier):
     ring = RingBuffer(4, 16)
     ring.push(b"from the creator")
@@ -387,110 +517,7 @@ def test_creator_sigkilled_leaves_nothing_behind(ctx):
     assert not own_segment_fds() and not own_segment_maps()
 
 
-# -- races and hostile peers (found in review) ----------------------------------------------
-
-def _push_until_closed(ring, results, k):
-    pushed = 0
-    try:
-        while True:
-            ring.push(k.to_bytes(4, "little") + pushed.to_bytes(4, "little"), timeout=30)
-            pushed += 1
-    except RingClosed:
-        pass
-    results.push(pushed.to_bytes(8, "little"))
-
-
-@pytest.mark.parametrize("capacity", [1, 4])
-def test_shutdown_racing_many_producers_strands_nothing(capacity):
-    # Every push that returned must be popped before consumers are told the ring is closed.
-    import multiprocessing as mp
-    ctx = mp.get_context("fork")
-    for attempt in range(3):
-        ring, results = RingBuffer(capacity, 8), RingBuffer(8, 8)
-        procs = [ctx.Process(target=_push_until_closed, args=(ring, results, k))
-                 for k in range(3)]
-        for p in procs:
-            p.start()
-        popped = 0
-        t_end = time.monotonic() + 0.2
-        while time.monotonic() < t_end:
-            popped += len(ring.pop_many(16, timeout=5))
-        ring.shutdown()
-        try:
-            while True:
-                popped += len(ring.pop_many(16, timeout=30))
-        except RingClosed:
-            pass
-        for p in procs:
-            p.join(30)
-        pushed = sum(int.from_bytes(results.pop(timeout=5), "little") for _ in procs)
-        assert popped == pushed
-        ring.close()
-        results.close()
-
-
-def test_closing_from_another_thread_never_crashes():
-    # Run in a child: a use-after-unmap would kill it with SIGSEGV rather than fail.
-    import multiprocessing as mp
-    p = mp.get_context("spawn").Process(target=_close_while_busy)
-    p.start()
-    p.join(120)
-    assert p.exitcode == 0
-
-
-def _close_while_busy():
-    for _ in range(200):
-        r = RingBuffer(4, 16)
-        stop = threading.Event()
-
-        def busy():
-            while not stop.is_set():
-                try:
-                    r.push(b"x", timeout=0.5)
-                    r.pop(timeout=0.5)
-                except (ValueError, queue.Empty, queue.Full):
-                    if r.closed:
-                        return
-
-        t = threading.Thread(target=busy)
-        t.start()
-        time.sleep(0.001)
-        r.close()
-        stop.set()
-        t.join()
-
-
-class _FreshBytes:
-    """A sequence whose items are new bytes objects every time they are read."""
-
-    def __len__(self):
-        return 8
-
-    def __getitem__(self, i):
-        if i >= 8:
-            raise IndexError(i)
-        return bytes([65 + i]) * 6
-
-
-def test_push_many_keeps_every_item_alive():
-    with RingBuffer(8, 8) as r:
-        assert r.push_many(_FreshBytes()) == 8
-        assert r.pop_many(8) == [bytes([65 + i]) * 6 for i in range(8)]
-
-
-def test_push_many_reports_partial_progress():
-    with RingBuffer(2, 8) as r:
-        with pytest.raises(queue.Full) as info:
-            r.push_many([b"a", b"b", b"c"], timeout=0.05)
-        assert info.value.pushed == 2
-
-
-def test_none_segment_is_a_type_error():
-    with pytest.raises(TypeError):
-        RingBuffer._attach(None, 0)
-    with pytest.raises(TypeError):
-        Event(None, 0)
-
+# -- hostile peers: memory scribbled on or resized by another process --------------------
 
 def test_scribbled_cell_is_reported_not_spun_on():
     with RingBuffer(4, 8) as r:
@@ -508,22 +535,3 @@ def test_segments_cannot_be_resized_by_a_peer():
     with pytest.raises(PermissionError):
         os.ftruncate(seg.fd, 1 << 20)
     seg.close()
-
-
-def _block_in_pop(ring):
-    ring.pop()
-
-
-def test_a_waiter_killed_while_asleep_does_not_slow_the_ring(ctx):
-    ring = RingBuffer(2, 8, spin=0)
-    p = ctx.Process(target=_block_in_pop, args=(ring,))
-    p.start()
-    time.sleep(1.0 if ctx.get_start_method() != "fork" else 0.3)
-    os.kill(p.pid, signal.SIGKILL)
-    p.join(10)
-    with memoryview(ring.segment) as mv:
-        word = lambda: int.from_bytes(mv[192:196], "little")   # not_empty event word
-        ring.push(b"a")   # one notify clears the dead waiter's flag ...
-        ring.pop()
-        assert word() & 1 == 0   # ... so later pushes make no futex syscall
-    ring.close()
