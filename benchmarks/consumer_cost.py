@@ -69,23 +69,24 @@ def main(argv=None):
     def fill():
         """Request n_buffers + 1 batches, then wait (collecting nothing) until every worker
         has published all of its results."""
-        pool = s._pool
+        manager = s._manager
         stream = s._streams["sample"]   # (as MultiprocessingSampler._sample requests)
         k = stream.k
         while len(stream.ready) + k * len(stream.tickets) <= s.n_buffers:
-            stream.tickets.append(pool.submit(("sample", None if k == 1 else k)))
-        workers = pool._pool.workers
+            stream.tickets.append(manager.submit(("sample", None if k == 1 else k)))
+        lanes = manager._lanes
         deadline = time.monotonic() + 300
-        while sum(len(w.results) for w in workers) < sum(len(w.inflight) for w in workers):
+        while (sum(lane.worker.results_published for lane in lanes)
+               < sum(len(lane.inflight) for lane in lanes)):
             if time.monotonic() > deadline:
                 raise RuntimeError("the workers did not catch up in 300 s")
             time.sleep(0.005)
 
     def pause(sig):
-        if not a.no_stop and s._pool is not None:
-            for w in s._pool._pool.workers:
-                if w.pid is not None:
-                    os.kill(w.pid, sig)
+        if not a.no_stop and s._manager is not None:
+            for lane in s._manager._lanes:
+                if lane.worker.pid is not None:
+                    os.kill(lane.worker.pid, sig)
 
     try:
         s.sample()                                           # starts the workers

@@ -11,6 +11,7 @@ import torch
 from unienv_data.samplers import StepSampler
 
 from unienv_mp import CodecError, MultiprocessingSampler, WorkerDiedError
+from unienv_mp._worker_handle import WorkerHandle
 from unienv_mp.manager import MultiProcessingSampleManager
 
 import _data
@@ -46,7 +47,7 @@ def test_worker_dying_mid_batch_is_replaced_without_a_gap(tmp_path, how):
 def _epoch_pool(m):
     """The manager running ``m``'s current epoch: its own over unshared data, else the
     sampler's."""
-    return next(iter(m._epoch_pools)) if m._epoch_pools else m._pool
+    return next(iter(m._epoch_managers)) if m._epoch_managers else m._manager
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -59,7 +60,7 @@ def test_worker_killed_from_outside_during_an_epoch(shared):
             seen += indices_of(b)
             if i in (2, 7):
                 pool = _epoch_pool(m)
-                assert (pool is m._pool) == shared
+                assert (pool is m._manager) == shared
                 os.kill(pool.workers[i % 3].pid, signal.SIGKILL)
             if i == 12:
                 assert all(w.is_alive() for w in _epoch_pool(m).workers)
@@ -113,7 +114,7 @@ def test_corrupt_slot_is_a_clear_exception_in_the_parent():
     with MultiProcessingSampleManager(_big_result, n_workers=1, ctx="fork") as mgr:
         t = mgr.submit(7)
         assert wait_until(lambda: mgr.ready(t), timeout=30)
-        seg = mgr._tasks[t].result[4]
+        seg = mgr._tasks[t].seg
         with memoryview(seg) as mv:
             mv[64:72] = b"\xff" * 8    # scribble over the tree description
         with pytest.raises(CodecError, match="corrupt slot"):
@@ -142,8 +143,8 @@ PARENT = """
     sampler = _data.SlowSampler(rb, 5, seed=0, delay={delay})
     m = MultiprocessingSampler(sampler, n_workers=2, n_buffers=2, ctx={method!r})
     m.sample() if {delay} < 1 else None
-    m._ensure_pool()
-    print(" ".join(str(p.pid) for p in m._pool.workers), flush=True)
+    m._ensure_manager()
+    print(" ".join(str(p.pid) for p in m._manager.workers), flush=True)
     {then}
 """
 
@@ -200,7 +201,7 @@ def test_slots_of_a_replaced_worker_never_return_to_its_successor():
         assert mgr.result(t2)[0] == 1          # the worker was replaced on the way
         busy = [mgr.submit(torch.full((10,), i)) for i in range(3)]
         assert mgr.result(t1)[0] == 0          # frees a slot number of the dead process
-        w = mgr._pool.workers[0]
+        w = mgr._lanes[0].worker
         in_use = [mgr._tasks[t].slot for t in busy]
         assert len(set(in_use)) == 3 and not set(in_use) & set(w.free_slots)
         more = [mgr.submit(torch.full((10,), 10 + i)) for i in range(3)]
@@ -307,16 +308,16 @@ def test_a_replacement_that_fails_to_start_is_retried_later(monkeypatch):
         tickets = [mgr.submit(i) for i in range(5)]
         assert mgr.result(tickets[0]) == 0
         os.kill(mgr.workers[0].pid, signal.SIGKILL)   # 1..4 are still to do
-        real = MultiProcessingSampleManager._start
+        real = WorkerHandle.start
         calls = []
 
-        def flaky(self, w, seed):
+        def flaky(self, seed):
             calls.append(1)
             if len(calls) == 1:
                 raise OSError(24, "Too many open files (simulated)")
-            return real(self, w, seed)
+            return real(self, seed)
 
-        monkeypatch.setattr(MultiProcessingSampleManager, "_start", flaky)
+        monkeypatch.setattr(WorkerHandle, "start", flaky)
         with pytest.raises(OSError, match="simulated"):
             mgr.result(tickets[1])
         # the next call finishes the replacement, and no work is lost or repeated
@@ -328,7 +329,7 @@ def test_an_interrupted_wait_does_not_leak_its_task():
     rb = replay_buffer(20)
     s = _data.SlowSampler(rb, 4, seed=0, delay=2)
     with MultiprocessingSampler(s, n_workers=1, n_buffers=1, ctx="fork", timeout=0.2) as m:
-        pool = m._ensure_pool()
+        pool = m._ensure_manager()
         first = pool._next_ticket            # the ticket that sample() will wait for
         with pytest.raises(TimeoutError):
             m.sample()
@@ -380,8 +381,8 @@ def test_polling_without_blocking_notices_a_dead_worker(in_order, respawn):
 
 
 def test_ctrl_c_while_a_dead_worker_is_being_replaced(monkeypatch):
-    import unienv_mp.manager as M
-    real = M._stop_processes
+    import unienv_mp._process as M
+    real = M.stop_processes
     armed = [True]
 
     def interrupted(procs, timeout):
@@ -395,7 +396,7 @@ def test_ctrl_c_while_a_dead_worker_is_being_replaced(monkeypatch):
         for i in range(3):
             mgr.add_work(i)
         os.kill(mgr.workers[0].pid, signal.SIGKILL)
-        monkeypatch.setattr(M, "_stop_processes", interrupted)
+        monkeypatch.setattr(M, "stop_processes", interrupted)
         with pytest.raises(KeyboardInterrupt):
             mgr.fetch()
         assert not armed[0]
@@ -420,7 +421,7 @@ def test_ctrl_c_while_a_result_is_recorded_keeps_the_result():
         with pytest.raises(KeyboardInterrupt):
             mgr.fetch()
         assert [mgr.fetch(), mgr.fetch()] == ["a", "b"]
-        assert not mgr._pool.workers[0].inflight
+        assert not mgr._lanes[0].inflight
 
 
 def test_work_items_larger_than_a_task_entry_of_every_kind():
@@ -539,3 +540,15 @@ def test_workers_are_watched_correctly_with_descriptors_above_1024():
         for fd in fillers:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_interrupts_deferred_holds_ctrl_c_until_the_block_ends():
+    import unienv_mp._process as M
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with M.interrupts_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):   # bytecode boundaries where a KeyboardInterrupt could land
+                done.append(1)
+    assert len(done) == 1000
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

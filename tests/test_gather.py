@@ -381,7 +381,7 @@ def test_rows_out_of_range_raise_in_the_caller_like_the_generic_path():
     for direct in (True, False):
         with MultiprocessingSampler(StepSampler(rb, 4), n_workers=1, ctx="fork",
                                     direct_gather=direct) as m:
-            pool = m._ensure_pool()
+            pool = m._ensure_manager()
             t = pool.submit(("get_at", torch.tensor([1, 2, 99])))
             with pytest.raises(WorkerError):
                 pool.result(t)
@@ -395,7 +395,7 @@ def test_worker_memory_stays_flat_over_10k_direct_batches():
     with MultiprocessingSampler(StepSampler(rb, 32, seed=0), n_workers=2, n_buffers=4,
                                 ctx="fork", direct_gather=True) as m:
         m.sample()
-        procs = [psutil.Process(p.pid) for p in m._pool.workers]
+        procs = [psutil.Process(p.pid) for p in m._manager.workers]
 
         def rss():
             return sum(p.memory_info().rss for p in procs)

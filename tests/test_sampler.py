@@ -115,9 +115,9 @@ def test_same_seed_same_batches_whatever_the_timing():
 def test_a_task_of_k_batches_is_k_draws_of_one_worker(direct):
     """With k batches per task, tasks dealt round-robin: worker i's j-th task is its RNG's
     draws j*k .. j*k + k - 1, the workers seeded from the sampler as UniEnv seeds them."""
-    from unienv_mp.sampler import _draw_worker_seeds
+    from unienv_mp._sampling import draw_worker_seeds
     rb = replay_buffer(400)
-    seeds = _draw_worker_seeds(StepSampler(rb, 5, seed=9), 2)
+    seeds = draw_worker_seeds(StepSampler(rb, 5, seed=9), 2)
     own = [StepSampler(rb, 5, seed=s) for s in seeds]
     k = 3
     expected = []
@@ -238,7 +238,7 @@ def test_early_break_cleans_up_and_sampling_goes_on():
         assert indices_of(m.sample())
         assert sorted(i for b in m.epoch_iter() for i in indices_of(b)) == list(range(200))
         gc.collect()
-        pool = m._pool
+        pool = m._manager
         # nothing accumulates: only the sample stream's look-ahead is still pending
         assert len(pool._tasks) <= m.n_buffers + 3 * 6
 
@@ -419,7 +419,7 @@ def test_each_epoch_sees_the_data_as_it_is_when_the_epoch_starts():
         assert sorted(i for b in m.epoch_iter() for i in indices_of(b)) == \
             list(range(200, 400))
         assert max(indices_of(m.sample())) < 100       # sample() keeps its snapshot, as UniEnv
-        assert not m._epoch_pools
+        assert not m._epoch_managers
 
 
 def test_first_epoch_is_the_in_process_epoch_for_the_same_seed():

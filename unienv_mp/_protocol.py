@@ -1,48 +1,105 @@
-"""What the manager and its workers say to each other: the layout of a worker's shared
-segment and the tagged entries on its two rings.
+"""The wire format of both transports: what goes into their shared segments and ring entries.
 
-Each worker owns one segment, created by the parent:
+Both transports speak in *tagged entries* (:meth:`RingBuffer.push_tagged`): a header of
+``ENTRY_HEADER`` bytes (``tag`` u32, ``aux`` u32, ``value`` u64), then a payload.  The tag
+says where the bytes of the message are and what kind of message it is::
 
-    0     header (struct _HEADER)
-    64    task ring     parent -> worker   (single producer, single consumer)
-    ...   result ring   worker -> parent   (single producer, single consumer)
+    tag = where | kind << 8          (see tag() and untag())
 
-A task entry is ``push_tagged(op | where << 8, slot, ticket, payload)``: run the target on
-the work info (encoded with the slot codec inline, or in a one-off "spill" segment of the
-parent's), and write the result into the worker's slot number ``slot``.  A result entry is
-``push_tagged(status | where << 8, slot, ticket, payload)``: the encoded result inline, or a
-description of the slot segment it was written into (the worker creates and grows its own
-slots; the parent maps them through /proc/<worker>/fd the first time it sees each one).
+    where   AT_INLINE   the payload is the message
+            AT_SLOT     the message is in a slot (the payload, if any, describes it)
+            AT_SPILL    the message is in a one-off segment the payload describes
+
+    kind    queue entries:   ENC_BYTES, ENC_PICKLE, ENC_CODEC   (how it is encoded)
+            task entries:    OP_RUN, OP_STOP                    (what the worker does)
+            result entries:  ST_OK, ST_ERROR, ST_FATAL           (how the task ended)
+
+**ShmQueue** (:mod:`unienv_mp.queue`): one segment holds a header (``QUEUE_HEADER``), the
+message ring, the free ring of slot numbers and the slots.  A message entry is
+``(tag(enc, where), slot, nbytes, payload)``.  A spill's payload is ``QUEUE_SPILL_DESC``;
+the spill segment holds ``QUEUE_SPILL_ACK``, set by the receiver once it has mapped it,
+and the data from ``QUEUE_SPILL_DATA`` on.
+
+**Manager and workers** (:mod:`unienv_mp.manager`, :mod:`unienv_mp.worker`): each worker
+owns one segment, created by the parent::
+
+    0          header (WORKER_HEADER)
+    RINGS_AT   task ring     parent -> worker   (single producer, single consumer)
+    ...        result ring   worker -> parent   (single producer, single consumer)
+
+A task entry is ``(tag(OP_RUN, where), slot, ticket, payload)``: run the target on the work
+info, encoded with the slot codec inline or in a spill segment of the parent's (payload:
+``TASK_SPILL_DESC``), and write the result into the worker's slot number ``slot``.  A result
+entry is ``(tag(status, where), slot, ticket, payload)``: the encoded result inline, or
+``SLOT_DESC``, the slot segment it was written into (the worker creates and grows its own
+slots; the parent maps each through ``/proc/<worker>/fd`` the first time it sees it).  With
+``ST_ERROR`` (and ``ST_FATAL``: the worker could not start and exits) the result is the
+error description made by :func:`unienv_mp.worker.error_payload`.
 """
 import struct
 
-MAGIC = 0x4B524F57  # b"WORK"
-VERSION = 1
-HEADER = struct.Struct("<IIQQQQQQ")  # magic, version, task_off, task_cap, task_entry,
-#                                      result_off, result_cap, result_entry
-RINGS_AT = 64
+#: Bytes of a tagged entry's header, as RingBuffer.push_tagged writes it.
+ENTRY_HEADER = 16
 
-# task ops
-OP_RUN = 1
-OP_STOP = 2
-# result statuses
-ST_OK = 1
-ST_ERROR = 2     # the target raised; the payload is an encoded _ErrorInfo
-ST_FATAL = 3     # the worker could not start (init failed); it exits after sending this
-# where the bytes are (second byte of the tag)
+# where the bytes of a message are (low byte of the tag)
 AT_INLINE = 1
 AT_SLOT = 2
 AT_SPILL = 3
 
-# (generation, fd, inode, size, nbytes) of a worker slot segment holding a result
-SLOT_DESC = struct.Struct("<IiQQQ")
-# (pid, fd, inode, size, nbytes) of a parent spill segment holding a task's work info
-SPILL_DESC = struct.Struct("<qiQQQ")
-
 
 def tag(kind, where):
-    return kind | (where << 8)
+    """The tag of an entry of ``kind`` whose bytes are ``where``."""
+    return where | kind << 8
 
 
 def untag(t):
-    return t & 0xFF, t >> 8
+    """``(kind, where)`` of a tag."""
+    return t >> 8, t & 0xFF
+
+
+# -- ShmQueue ------------------------------------------------------------------------------
+
+QUEUE_MAGIC = 0x51504D55  # b"UMPQ"
+QUEUE_VERSION = 1
+QUEUE_HEADER = struct.Struct("<IIQQQQQQQ")  # magic, version, capacity, n_slots, slot_size,
+#                                             inline_size, msg_off, free_off, slots_off
+QUEUE_SPILL_DESC = struct.Struct("<qiQQ")   # pid, fd, inode, size
+QUEUE_SPILL_ACK = struct.Struct("<I")       # at 0 in a spill segment: 1 once mapped
+QUEUE_SPILL_DATA = 64                       # where the data starts in a spill segment
+
+# kinds of queue entries: how the message is encoded
+ENC_BYTES = 1
+ENC_PICKLE = 2
+ENC_CODEC = 3
+
+# -- manager and workers -------------------------------------------------------------------
+
+WORKER_MAGIC = 0x4B524F57  # b"WORK"
+WORKER_VERSION = 2
+WORKER_HEADER = struct.Struct("<IIQQQQQQ")  # magic, version, task_off, task_cap, task_entry,
+#                                             result_off, result_cap, result_entry
+RINGS_AT = 64
+
+# kinds of task entries
+OP_RUN = 1
+OP_STOP = 2
+# kinds of result entries
+ST_OK = 1
+ST_ERROR = 2     # the target raised; the result is an error description
+ST_FATAL = 3     # the worker could not start; it exits after sending this
+
+#: (generation, fd, inode, size, nbytes) of a worker's slot segment holding a result
+SLOT_DESC = struct.Struct("<IiQQQ")
+#: (pid, fd, inode, size, nbytes) of a parent's spill segment holding a task's work info
+TASK_SPILL_DESC = struct.Struct("<qiQQQ")
+
+#: The work items that both sides cache by value (see is_simple).
+SIMPLE_TYPES = (str, int, bool, type(None))
+
+
+def is_simple(work):
+    """True for work items that are immutable and cheap to recognise (an item of
+    ``SIMPLE_TYPES``, or a tuple of them): the parent caches their encoding and the worker
+    their decoding."""
+    t = type(work)
+    return t in SIMPLE_TYPES or (t is tuple and all(type(x) in SIMPLE_TYPES for x in work))

@@ -3,9 +3,9 @@
 imported them from ``unienv_data.samplers.multiprocessing_sampler`` keeps working."""
 import queue as _queue
 
+from ._sampling import NO_ARG, SamplerTarget, draw_worker_seeds, epoch_batches
 from .errors import CodecError, RingClosed, WorkerError
 from .manager import MultiProcessingSampleManager
-from .sampler import _NO_ARG, _SamplerTarget, _draw_worker_seeds, _epoch_batches
 from .worker import error_payload, limit_threads
 
 __all__ = ["worker_loop", "wrap_sample_function", "wrap_epoch_iter_function"]
@@ -58,8 +58,8 @@ def _as_worker_error(e):
 
 def _target_for(sampler, fn):
     if getattr(fn, "__self__", None) is sampler:
-        return _SamplerTarget(sampler), fn.__name__
-    return _SamplerTarget(sampler, fn), None
+        return SamplerTarget(sampler), fn.__name__
+    return SamplerTarget(sampler, fn), None
 
 
 def _close_fn(wrapped):
@@ -85,11 +85,11 @@ def wrap_sample_function(sampler, n_workers, n_buffers, fn, ctx=None, doze_time=
             manager = MultiProcessingSampleManager(
                 target, n_workers=n_workers, ctx=ctx, done_event=done_event,
                 doze_time=doze_time, daemon=daemon, worker_init_fn=target.reseed,
-                worker_seeds=_draw_worker_seeds(sampler, n_workers))
+                worker_seeds=draw_worker_seeds(sampler, n_workers))
             wrapped.sample_manager = manager
             for _ in range(n_buffers):
-                manager.add_work((name, _NO_ARG))
-        manager.add_work((name, _NO_ARG))
+                manager.add_work((name, NO_ARG))
+        manager.add_work((name, NO_ARG))
         return manager.fetch()
 
     wrapped.sample_manager = None
@@ -111,7 +111,7 @@ def wrap_epoch_iter_function(sampler, n_workers, n_buffers, getter_fn, ctx=None,
             doze_time=doze_time, daemon=daemon)
         wrapped.sample_manager = manager
         try:
-            batches = _epoch_batches(sampler)
+            batches = epoch_batches(sampler)
             added = 0
             for _ in range(len(batches)):
                 while added < len(batches) and manager.remaining_work <= n_buffers:

@@ -16,11 +16,9 @@ and, unless the queue was made with ``copy=True``, come out as views of the slot
 goes back to the free ring when the last of them is garbage collected.
 """
 import collections
-import numbers
 import os
 import pickle
 import queue as _queue
-import struct
 import sys
 import threading
 import time
@@ -31,25 +29,14 @@ from multiprocessing import util as _mputil
 import numpy as np
 
 from . import _codec
+from . import _protocol as P
 from ._ring import DEFAULT_POLL_INTERVAL, DEFAULT_SPIN, RingBuffer, Segment, _segment_from_peer
+from ._validate import check_int
 from .errors import CodecError, PeerGoneError, RingClosed
 
 __all__ = ["ShmQueue"]
 
-_MAGIC = 0x51504D55  # b"UMPQ"
-_VERSION = 1
-_HEADER = struct.Struct("<IIQQQQQQQ")  # magic, version, capacity, n_slots, slot_size,
-#                                        inline_size, msg_off, free_off, slots_off
 _PAGE = 4096
-_TAG = 16                          # bytes of the tagged-entry header
-
-# entry tags: where the bytes are | how they are encoded
-_INLINE, _SLOT, _SPILL = 1, 2, 3
-_BYTES, _PICKLE, _CODEC = 1 << 8, 2 << 8, 3 << 8
-_WHERE = 0xFF
-
-_SPILL_DESC = struct.Struct("<qiQQ")  # pid, fd, inode, size
-_SPILL_DATA = 64                      # spill segment: u32 ack flag, then data at 64
 
 #: Spills a process may have waiting for receivers before it waits for a free slot instead.
 MAX_PENDING_SPILLS = 16
@@ -61,15 +48,6 @@ DEFAULT_CAPACITY = 8192
 
 def _align(n, a):
     return (n + a - 1) // a * a
-
-
-def _check_count(value, what, minimum):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}")
-    value = int(value)
-    if value < minimum:
-        raise ValueError(f"{what} must be >= {minimum}, got {value}")
-    return value
 
 
 def _torch_tensor_type():
@@ -114,17 +92,17 @@ class ShmQueue:
     def __init__(self, maxsize=0, *, ctx=None, slot_size=1 << 20, n_slots=None,
                  inline_size=256, copy=False, poll_interval=DEFAULT_POLL_INTERVAL,
                  spin=DEFAULT_SPIN):
-        maxsize = _check_count(maxsize, "maxsize", 0)
-        slot_size = _check_count(slot_size, "slot_size", 1)
-        inline_size = _check_count(inline_size, "inline_size", 0)
+        maxsize = check_int(maxsize, "maxsize", 0)
+        slot_size = check_int(slot_size, "slot_size", 1)
+        inline_size = check_int(inline_size, "inline_size", 0)
         capacity = maxsize if maxsize > 0 else DEFAULT_CAPACITY
         if n_slots is None:
             n_slots = min(capacity, 64)
-        n_slots = _check_count(n_slots, "n_slots", 1)
+        n_slots = check_int(n_slots, "n_slots", 1)
         if inline_size > 1 << 20:
             raise ValueError(f"inline_size must be <= 1 MiB, got {inline_size}")
         slot_size = _align(slot_size, _PAGE)
-        msg_entry = _align(_TAG + inline_size, 8)
+        msg_entry = _align(P.ENTRY_HEADER + inline_size, 8)
         msg_bytes = RingBuffer.footprint(capacity, msg_entry)
         free_bytes = RingBuffer.footprint(n_slots, 8)
         msg_off = 64
@@ -134,8 +112,9 @@ class ShmQueue:
         seg = Segment.create(total, "queue")
         try:
             mv = memoryview(seg)
-            _HEADER.pack_into(mv, 0, _MAGIC, _VERSION, capacity, n_slots, slot_size,
-                              inline_size, msg_off, free_off, slots_off)
+            P.QUEUE_HEADER.pack_into(mv, 0, P.QUEUE_MAGIC, P.QUEUE_VERSION, capacity,
+                                     n_slots, slot_size, inline_size, msg_off, free_off,
+                                     slots_off)
             mv.release()
             msgs = RingBuffer._create_in(seg, msg_off, capacity, msg_entry, poll_interval,
                                          spin)
@@ -150,8 +129,8 @@ class ShmQueue:
 
     def _setup(self, seg, maxsize, ctx, copy, poll_interval, spin, msgs=None, free=None):
         (magic, version, capacity, n_slots, slot_size, inline_size, msg_off, free_off,
-         slots_off) = _HEADER.unpack_from(seg, 0)
-        if magic != _MAGIC or version != _VERSION:
+         slots_off) = P.QUEUE_HEADER.unpack_from(seg, 0)
+        if magic != P.QUEUE_MAGIC or version != P.QUEUE_VERSION:
             raise ValueError(f"segment {seg.name!r} does not hold a ShmQueue")
         self._seg = seg
         self._maxsize = maxsize
@@ -235,18 +214,18 @@ class ShmQueue:
     def _serialize(self, obj):
         t = type(obj)
         if t is bytes:
-            return _BYTES, obj
+            return P.ENC_BYTES, obj
         tensor = _torch_tensor_type()
         if (t is np.ndarray or t is dict or t is list or t is tuple
                 or (tensor is not None and isinstance(obj, tensor))
                 or (isinstance(obj, tuple) and hasattr(t, "_fields"))):
             try:
-                return _CODEC, _codec.prepare(obj)
+                return P.ENC_CODEC, _codec.prepare(obj)
             except (CodecError, RecursionError) as e:
                 if "on the CPU" in str(e):
                     raise
                 # e.g. a self-referencing or very deep container: pickle copes with it
-        return _PICKLE, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        return P.ENC_PICKLE, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
     # -- feeder thread ---------------------------------------------------------------------
 
@@ -301,14 +280,14 @@ class ShmQueue:
         return self.get(False)
 
     def _receive(self, tag, slot, n, payload):
-        where, enc = tag & _WHERE, tag & ~_WHERE
-        if where == _INLINE:
-            if enc == _BYTES:
+        enc, where = P.untag(tag)
+        if where == P.AT_INLINE:
+            if enc == P.ENC_BYTES:
                 return payload
-            if enc == _PICKLE:
+            if enc == P.ENC_PICKLE:
                 return pickle.loads(payload)
             return _codec.decode(payload, copy=True)
-        if where == _SLOT:
+        if where == P.AT_SLOT:
             if slot >= self._n_slots or n > self._slot_size:
                 raise ValueError(f"corrupt queue entry: slot {slot}, {n} bytes")
             release = self._release_slot
@@ -317,16 +296,16 @@ class ShmQueue:
             lease = _codec.SlotLease(self._seg, self._slots_off + slot * self._slot_size, n,
                                      release, slot)
             release.leased(slot)
-        elif where == _SPILL:
-            pid, fd, ino, size = _SPILL_DESC.unpack(payload)
+        elif where == P.AT_SPILL:
+            pid, fd, ino, size = P.QUEUE_SPILL_DESC.unpack(payload)
             seg = _open_spill(pid, fd, ino, size)
-            lease = _codec.SlotLease(seg, _SPILL_DATA, n)
+            lease = _codec.SlotLease(seg, P.QUEUE_SPILL_DATA, n)
             seg.unlink()
         else:
             raise ValueError(f"corrupt queue entry: tag {tag:#x}")
-        if enc == _BYTES:
+        if enc == P.ENC_BYTES:
             return bytes(lease)
-        if enc == _PICKLE:
+        if enc == P.ENC_PICKLE:
             return pickle.loads(lease)
         return _codec.decode(lease, copy=self._copy)
 
@@ -420,7 +399,7 @@ class _Sender:
         n = data.nbytes if prepared else len(data)
         if n <= self.inline:
             payload = _codec.encode_prepared(data) if prepared else data
-            self.msgs.push_tagged(_INLINE | enc, 0, n, payload, block, timeout)
+            self.msgs.push_tagged(P.tag(enc, P.AT_INLINE), 0, n, payload, block, timeout)
             return
         slot = None
         if n <= self.slot_size:
@@ -445,7 +424,8 @@ class _Sender:
                 else:
                     dest[:] = data
                 dest.release()
-            self.msgs.push_tagged(_SLOT | enc, slot, n, b"", block, _left(deadline))
+            self.msgs.push_tagged(P.tag(enc, P.AT_SLOT), slot, n, b"", block,
+                                  _left(deadline))
             pushed = True
         finally:
             if not pushed:  # the entry never went out: nobody else will free the slot
@@ -469,17 +449,17 @@ class _Sender:
                 pass
 
     def send_spill(self, enc, data, n, block, timeout):
-        seg = Segment.create(_SPILL_DATA + n, "spill")
+        seg = Segment.create(P.QUEUE_SPILL_DATA + n, "spill")
         try:
             with memoryview(seg) as mv:
-                dest = mv[_SPILL_DATA:_SPILL_DATA + n]
+                dest = mv[P.QUEUE_SPILL_DATA:P.QUEUE_SPILL_DATA + n]
                 if isinstance(data, _codec.Prepared):
                     _codec.write(data, dest)
                 else:
                     dest[:] = data
                 dest.release()
-            desc = _SPILL_DESC.pack(os.getpid(), seg.fd, seg.ino, seg.size)
-            self.msgs.push_tagged(_SPILL | enc, 0, n, desc, block, timeout)
+            desc = P.QUEUE_SPILL_DESC.pack(os.getpid(), seg.fd, seg.ino, seg.size)
+            self.msgs.push_tagged(P.tag(enc, P.AT_SPILL), 0, n, desc, block, timeout)
         except BaseException:
             seg.close()
             raise
@@ -578,13 +558,13 @@ class _SlotReleaser:
 def _open_spill(pid, fd, ino, size):
     seg = _segment_from_peer(pid, fd, ino, size, "spill")
     with memoryview(seg) as mv:
-        struct.pack_into("<I", mv, 0, 1)  # mapped: the sender may let go of it
+        P.QUEUE_SPILL_ACK.pack_into(mv, 0, 1)  # mapped: the sender may let go of it
     return seg
 
 
 def _spill_acked(seg):
     with memoryview(seg) as mv:
-        return struct.unpack_from("<I", mv, 0)[0] == 1
+        return P.QUEUE_SPILL_ACK.unpack_from(mv, 0)[0] == 1
 
 
 class _JoinPolicy:

@@ -2,130 +2,29 @@
 
     from unienv_mp import MultiprocessingSampler   # was: from unienv_data.samplers import ...
 
-The only module of the package that knows UniEnv.  One pool of worker processes serves every
-``sample*`` method of the wrapped sampler (UniEnv starts a pool per method), and epochs too
-when the data is shared between processes; otherwise each epoch gets its own pool, started
-when the epoch starts, so that it sees the data as it is then (as UniEnv's epochs do).
-Batches come back through shared-memory slots as zero-copy views (see
+With :mod:`unienv_mp._sampling` and :mod:`unienv_mp.gather`, the only modules of the
+package that know UniEnv.  One manager of worker processes serves every ``sample*`` method
+of the wrapped sampler (UniEnv starts one per method), and epochs too when the data is
+shared between processes; otherwise each epoch gets its own manager, started when the
+epoch starts, so that it sees the data as it is then (as UniEnv's epochs do).  Batches come
+back through shared-memory slots as zero-copy views (see
 :class:`~unienv_mp.manager.MultiProcessingSampleManager`).
 """
 import collections
-import copy as _copy
 import multiprocessing as mp
 from typing import Any, Optional
 
 from unienv_data.base import BatchSampler
-from unienv_interface.utils.seed_util import next_seed_rng
 
 from . import gather as _gather
-from .manager import MultiProcessingSampleManager, _check_int, _check_seconds
+from ._sampling import NO_ARG, RESEED, SamplerTarget, draw_worker_seeds, epoch_batches
+from ._validate import check_int, check_seconds
+from .manager import MultiProcessingSampleManager
 
 __all__ = ["MultiprocessingSampler"]
 
-_NO_ARG = None   # sample* methods take no argument; get*_at methods take an index array
-_RESEED = "__unienv_mp_reseed__"
 #: Batches smaller than this are made several to a task (see ``batches_per_task``).
 _GROUP_BYTES = 256 * 1024
-
-
-class _SamplerTarget:
-    """The work function the workers run: ``(method name, argument)`` -> result, calling
-    the wrapped sampler's method (or ``fn``, for a name of ``None``).
-
-    With ``direct=True`` the methods a direct plan serves (see :mod:`unienv_mp.gather`)
-    return a batch that the worker gathers straight into its slot; the plan is made in the
-    worker, from the worker's own sampler, at the first such task.
-
-    Picklable for spawn and forkserver: the sampler travels as a shallow copy without its
-    random number generators (their state is replaced in the worker by :meth:`reseed`).
-    """
-    _RNG_ATTRS = ("rng", "data_rng")
-
-    def __init__(self, sampler, fn=None, direct=False):
-        self.sampler = sampler
-        self.fn = fn
-        self.direct = direct
-        self._gatherer = None
-        self._stripped = ()
-
-    def __call__(self, work):
-        name, arg = work
-        if name == _RESEED:
-            self.reseed(arg)
-            return None
-        if self.direct:
-            gatherer = self._gatherer
-            if gatherer is None:
-                try:
-                    gatherer = self._gatherer = _gather.Gatherer(self.sampler)
-                except Exception:
-                    # the sampler changed since it was checked: the generic path, for good
-                    self.direct = False
-            if gatherer is not None:
-                batch = gatherer(name, arg)
-                if batch is not None:
-                    return batch
-        fn = self.fn if name is None else getattr(self.sampler, name)
-        if arg is _NO_ARG:
-            return fn()
-        if type(arg) is int and name is not None and name.startswith("sample"):
-            return tuple([fn() for _ in range(arg)])   # a group (see batches_per_task)
-        return fn(arg)
-
-    def reseed(self, seed):
-        sampler = self.sampler
-        if not self._stripped:
-            sampler.manual_seed(seed)
-            return
-        for name in self._stripped:
-            device = sampler.device if name == "rng" else sampler.data.device
-            setattr(sampler, name,
-                    sampler.backend.random.random_number_generator(seed, device=device))
-
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        sampler = _copy.copy(self.sampler)
-        attrs = vars(sampler)
-        stripped = tuple(n for n in self._RNG_ATTRS if attrs.get(n) is not None)
-        for n in stripped:
-            attrs[n] = None
-        state["sampler"] = sampler
-        state["_stripped"] = stripped
-        state["_gatherer"] = None   # made again from the sampler where it is needed
-        return state
-
-
-def _draw_worker_seeds(sampler, n):
-    """One seed per worker from the sampler's RNG (advancing it), as UniEnv does; None if
-    the sampler has no RNG."""
-    use_data_rng = sampler.data_rng is not None
-    rng = sampler.data_rng if use_data_rng else sampler.rng
-    if rng is None:
-        return None
-    seeds = []
-    for _ in range(n):
-        rng, seed = next_seed_rng(rng, sampler.backend)
-        seeds.append(seed % (2 ** 31))
-    if use_data_rng:
-        sampler.data_rng = rng
-    else:
-        sampler.rng = rng
-    return seeds
-
-
-def _epoch_batches(sampler):
-    """Draw one random permutation of ``sampler.data`` with the sampler's RNG (advancing
-    it, as ``BatchSampler.epoch_iter`` does) and split it into batches of
-    ``sampler.batch_size``, the last one partial."""
-    n = len(sampler.data)
-    if sampler.data_rng is not None:
-        sampler.data_rng, idx = sampler.backend.random.random_permutation(
-            n, rng=sampler.data_rng, device=sampler.data.device)
-    else:
-        sampler.rng, idx = sampler.backend.random.random_permutation(
-            n, rng=sampler.rng, device=sampler.data.device)
-    bs = sampler.batch_size
-    return [idx[s:s + bs] for s in range(0, n, bs)]
 
 
 def _data_is_shared(sampler):
@@ -234,14 +133,14 @@ class MultiprocessingSampler(BatchSampler):
         batches_per_task: Optional[int] = None,
     ):
         self._closed = True   # first: __del__ -> close() must work on a half-built sampler
-        self._pool = None
+        self._manager = None
         if not isinstance(sampler, BatchSampler):
             raise TypeError(f"sampler must be a unienv_data BatchSampler (e.g. StepSampler), "
                             f"got {type(sampler).__module__}.{type(sampler).__qualname__}")
-        n_workers = _check_int(n_workers, "n_workers")
-        n_buffers = _check_int(n_buffers, "n_buffers")
-        _check_seconds(doze_time, "doze_time", allow_none=False)
-        _check_seconds(timeout, "timeout")
+        n_workers = check_int(n_workers, "n_workers")
+        n_buffers = check_int(n_buffers, "n_buffers")
+        check_seconds(doze_time, "doze_time", allow_none=False)
+        check_seconds(timeout, "timeout")
         if isinstance(ctx, str):
             ctx = mp.get_context(ctx)
         elif ctx is not None and not hasattr(ctx, "Process"):
@@ -256,7 +155,7 @@ class MultiprocessingSampler(BatchSampler):
                     f"{what} is {dev!r}: wrap a sampler whose data and batches are on the "
                     f"CPU and move batches to {dev!r} in the training loop")
         if batches_per_task is not None:
-            batches_per_task = _check_int(batches_per_task, "batches_per_task")
+            batches_per_task = check_int(batches_per_task, "batches_per_task")
         if direct_gather is not None and type(direct_gather) is not bool:
             raise TypeError(f"direct_gather must be None, True or False, got {direct_gather!r}")
         not_direct = "direct_gather=False" if direct_gather is False else None
@@ -285,7 +184,7 @@ class MultiprocessingSampler(BatchSampler):
         self.respawn = bool(respawn)
         self.batches_per_task = batches_per_task
         self._streams = {}
-        self._epoch_pools = set()
+        self._epoch_managers = set()
         # Every other sample* / get*_at method of the wrapped sampler runs in the workers
         # too (as UniEnv does): sample_x() directly, get_at_x as epoch_iter_x(), and
         # get_flattened_at_x as epoch_flat_iter_x().  Made on access (see __getattr__), so
@@ -317,28 +216,28 @@ class MultiprocessingSampler(BatchSampler):
     def __dir__(self):
         return sorted(set(super().__dir__()) | set(self.__dict__.get("_extra", ())))
 
-    # -- the pool ---------------------------------------------------------------------------
+    # -- the manager ------------------------------------------------------------------------
 
-    def _ensure_pool(self) -> MultiProcessingSampleManager:
+    def _ensure_manager(self) -> MultiProcessingSampleManager:
         if self._closed:
             raise RuntimeError("this MultiprocessingSampler is closed")
-        if self._pool is None:
-            target = _SamplerTarget(self.sampler, direct=self._direct)
-            self._pool = MultiProcessingSampleManager(
+        if self._manager is None:
+            target = SamplerTarget(self.sampler, direct=self._direct)
+            self._manager = MultiProcessingSampleManager(
                 target, n_workers=self.n_workers, ctx=self.mp_ctx, doze_time=self.doze_time,
                 daemon=self.daemon, worker_init_fn=target.reseed,
-                worker_seeds=_draw_worker_seeds(self.sampler, self.n_workers),
+                worker_seeds=draw_worker_seeds(self.sampler, self.n_workers),
                 in_order=self.in_order, copy=self.copy, timeout=self.timeout,
                 respawn=self.respawn)
-        return self._pool
+        return self._manager
 
     def _sample(self, name):
         # Runs once per batch.  Every attribute read on this class goes through
         # __getattribute__ and then its __getattr__ hook: each is read once here, and
         # _collect is inlined.
-        pool = self._pool
-        if pool is None or self._closed:
-            pool = self._ensure_pool()
+        manager = self._manager
+        if manager is None or self._closed:
+            manager = self._ensure_manager()
         streams = self._streams
         stream = streams.get(name)
         if stream is None:
@@ -351,19 +250,19 @@ class MultiprocessingSampler(BatchSampler):
         # soon as fewer are left, so between n_buffers and n_buffers + k - 1 after a call
         n_buffers = self.n_buffers
         while len(ready) + k * len(tickets) <= n_buffers:
-            tickets.append(pool.submit((name, _NO_ARG if k == 1 else k)))
+            tickets.append(manager.submit((name, NO_ARG if k == 1 else k)))
         if ready:
             return ready.popleft()
         if self.in_order:
             ticket = tickets.popleft()
         else:
-            ticket = pool._first_ready(True, None, tickets)
+            ticket = manager.wait_any(tickets)
             tickets.remove(ticket)
         try:
-            value = pool.result(ticket)
+            value = manager.result(ticket)
         except BaseException:
             # interrupted or timed out: nobody will ask for this ticket again
-            pool.cancel(ticket)
+            manager.cancel(ticket)
             raise
         if k == 1:
             return value
@@ -380,51 +279,51 @@ class MultiprocessingSampler(BatchSampler):
         return max(1, min(self.n_buffers, _GROUP_BYTES // max(1, row * self.batch_size)))
 
     @staticmethod
-    def _collect(pool, ticket):
+    def _collect(manager, ticket):
         try:
-            return pool.result(ticket)
+            return manager.result(ticket)
         except BaseException:
             # interrupted or timed out: nobody will ask for this ticket again
-            pool.cancel(ticket)
+            manager.cancel(ticket)
             raise
 
     def _epoch(self, getter):
         if self._closed:
             raise RuntimeError("this MultiprocessingSampler is closed")
         # The permutation first, as UniEnv draws it (before any worker seeds).
-        batches = _epoch_batches(self.sampler)
+        batches = epoch_batches(self.sampler)
         if _data_is_shared(self.sampler):
-            pool, own = self._ensure_pool(), False
+            manager, own = self._ensure_manager(), False
         else:
             # Workers hold a copy of unshared data as it was when they started: this epoch
             # needs workers started now (its get*_at draw nothing random: no seeds).
-            pool, own = MultiProcessingSampleManager(
-                _SamplerTarget(self.sampler, direct=self._direct), n_workers=self.n_workers,
+            manager, own = MultiProcessingSampleManager(
+                SamplerTarget(self.sampler, direct=self._direct), n_workers=self.n_workers,
                 ctx=self.mp_ctx, doze_time=self.doze_time, daemon=self.daemon,
                 in_order=self.in_order, copy=self.copy, timeout=self.timeout,
                 respawn=self.respawn), True
-            self._epoch_pools.add(pool)
+            self._epoch_managers.add(manager)
         pending = collections.deque()
         nxt = 0
         try:
             while nxt < len(batches) or pending:
                 while nxt < len(batches) and len(pending) < self.n_buffers:
-                    pending.append(pool.submit((getter, batches[nxt])))
+                    pending.append(manager.submit((getter, batches[nxt])))
                     nxt += 1
                 if self.in_order:
                     ticket = pending.popleft()
                 else:
-                    ticket = pool._first_ready(True, None, pending)
+                    ticket = manager.wait_any(pending)
                     pending.remove(ticket)
-                yield self._collect(pool, ticket)
+                yield self._collect(manager, ticket)
         finally:
             # Also on an early break (generator closed) or an error: drop what is in flight.
             if own:
-                self._epoch_pools.discard(pool)
-                pool.close()
-            elif self._pool is pool and not pool.closed:
+                self._epoch_managers.discard(manager)
+                manager.close()
+            elif self._manager is manager and not manager.closed:
                 for t in pending:
-                    pool.cancel(t)
+                    manager.cancel(t)
 
     @property
     def gather_path(self):
@@ -488,18 +387,18 @@ class MultiprocessingSampler(BatchSampler):
         are dropped and the workers are reseeded from it, so that what follows is the same
         as from a fresh sampler seeded with ``seed``."""
         self.sampler.manual_seed(seed)
-        pool = self._pool
-        if pool is None or self._closed:
+        manager = self._manager
+        if manager is None or self._closed:
             return
         for stream in self._streams.values():
             for t in stream.tickets:
-                pool.cancel(t)
+                manager.cancel(t)
         self._streams.clear()   # (and the batches of groups not handed out yet)
-        seeds = _draw_worker_seeds(self.sampler, self.n_workers)
+        seeds = draw_worker_seeds(self.sampler, self.n_workers)
         if seeds is not None:
             for i, s in enumerate(seeds):
-                pool.cancel(pool.submit((_RESEED, s), worker=i))
-        pool._rr = 0
+                manager.cancel(manager.submit((RESEED, s), worker=i))
+        manager.reset_order()
 
     @property
     def sampled_space(self):
@@ -572,16 +471,16 @@ class MultiprocessingSampler(BatchSampler):
     def close(self):
         """End the workers and release the shared memory; batches already returned stay
         valid.  Idempotent."""
-        if (getattr(self, "_closed", True) and getattr(self, "_pool", None) is None
-                and not getattr(self, "_epoch_pools", None)):
+        if (getattr(self, "_closed", True) and getattr(self, "_manager", None) is None
+                and not getattr(self, "_epoch_managers", None)):
             return
         self._closed = True
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.close()
-        epoch_pools, self._epoch_pools = getattr(self, "_epoch_pools", ()), set()
-        for epoch_pool in list(epoch_pools):
-            epoch_pool.close()
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            manager.close()
+        epoch_managers, self._epoch_managers = getattr(self, "_epoch_managers", ()), set()
+        for epoch_manager in list(epoch_managers):
+            epoch_manager.close()
         self._streams = {}
 
     def __enter__(self):

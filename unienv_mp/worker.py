@@ -1,15 +1,13 @@
 """The worker process: take tasks from its ring, run the target, write results into its own
 slots, announce them on its result ring.  Started by :mod:`unienv_mp.manager`."""
-import ctypes
 import os
 import pickle
-import select
 import signal
 import sys
-import threading
 import traceback
 
 from . import _codec
+from . import _process
 from . import _protocol as P
 from ._ring import Event, RingBuffer, Segment, _segment_from_peer
 from .errors import RingClosed
@@ -30,36 +28,6 @@ def limit_threads():
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_num_threads(1)
-
-
-def _die_with_parent(parent_pid, use_pdeathsig):
-    """Make sure this process ends when the parent does, however the parent ends."""
-    if use_pdeathsig:
-        # The kernel sends SIGKILL when the thread that started us exits: immediate.
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-    # A watchdog thread for every other case (forkserver, a parent that started us from a
-    # thread that has since ended): sleep on a pidfd of the parent, exit when it ends.
-    try:
-        pidfd = os.pidfd_open(parent_pid)
-    except ProcessLookupError:
-        os._exit(0)  # the parent is already gone
-    except (AttributeError, OSError):
-        pidfd = None
-    if pidfd is not None:
-        def watch():
-            poller = select.poll()   # (select.select fails on descriptors >= 1024)
-            poller.register(pidfd, select.POLLIN)
-            while True:
-                events = poller.poll()
-                if any(ev & select.POLLIN for _, ev in events):
-                    os._exit(0)      # the parent ended
-                if any(ev & select.POLLNVAL for _, ev in events):
-                    return           # the work function closed our descriptor
-        threading.Thread(target=watch, name="unienv_mp parent watchdog", daemon=True).start()
 
 
 def error_payload(exc, max_traceback=_MAX_TRACEBACK, max_message=_MAX_TRACEBACK):
@@ -156,18 +124,18 @@ class _Slots:
 def worker_main(index, target_fn, seg, doorbell_seg, parent_pid, init_fn, seed, options):
     """Entry point of a worker process (see MultiProcessingSampleManager)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    _die_with_parent(parent_pid, options.get("pdeathsig", False))
+    _process.exit_with_parent(parent_pid, options.get("pdeathsig", False))
     limit_threads()
     poll = options.get("poll_interval", 0.005)
     spin = options.get("spin", 20e-6)
     done_event = options.get("done_event")
-    magic, version, t_off, _, _, r_off, _, _ = P.HEADER.unpack_from(seg, 0)
-    if magic != P.MAGIC or version != P.VERSION:
+    magic, version, t_off, _, _, r_off, _, _ = P.WORKER_HEADER.unpack_from(seg, 0)
+    if magic != P.WORKER_MAGIC or version != P.WORKER_VERSION:
         os._exit(3)
     tasks = RingBuffer._attach(seg, t_off, poll, spin)
     results = RingBuffer._attach(seg, r_off, poll, spin)
     doorbell = Event(doorbell_seg, 0)
-    inline_max = results.entry_size - 16
+    inline_max = results.entry_size - P.ENTRY_HEADER
 
     def check():
         if done_event is not None and done_event.is_set():
@@ -236,7 +204,7 @@ def worker_main(index, target_fn, seg, doorbell_seg, parent_pid, init_fn, seed, 
                 work = small.get(payload) if where == P.AT_INLINE else None
                 if work is None:
                     work = _read_work(where, payload, parent_pid)
-                    if _is_simple(work) and len(small) < 1024:
+                    if P.is_simple(work) and len(small) < 1024:
                         small[payload] = work
                 value, status = target_fn(work), P.ST_OK
             except Exception as e:
@@ -247,19 +215,10 @@ def worker_main(index, target_fn, seg, doorbell_seg, parent_pid, init_fn, seed, 
         pass
 
 
-_SIMPLE = (str, int, bool, type(None))
-
-
-def _is_simple(work):
-    """Immutable, and cheap to recognise: safe to hand out again from a cache."""
-    t = type(work)
-    return t in _SIMPLE or (t is tuple and all(type(x) in _SIMPLE for x in work))
-
-
 def _read_work(where, payload, parent_pid):
     if where == P.AT_INLINE:
         return _codec.decode(payload, copy=True)
-    pid, fd, ino, size, nbytes = P.SPILL_DESC.unpack(payload)
+    pid, fd, ino, size, nbytes = P.TASK_SPILL_DESC.unpack(payload)
     seg = _segment_from_peer(pid, fd, ino, size, "task spill")
     try:
         with memoryview(seg) as mv:

@@ -1,0 +1,217 @@
+"""Supervision of worker processes: noticing that one ended, signalling and stopping them,
+and making a worker end with its parent.
+
+The parent keeps a pidfd of every worker it starts (:func:`open_pidfd`, closed by
+:func:`stop_processes`).  A pidfd tells that the child ended even when something else
+reaped it (a SIGCHLD handler, an ``os.wait()`` elsewhere: ``Process.is_alive()`` then
+stays True) or when a grandchild holds the sentinel pipe open, and a signal sent through
+it cannot reach another process that reused the pid.  Where pidfds are not available,
+everything here falls back to the ``Process`` object's own methods and sentinel.
+
+A worker calls :func:`exit_with_parent` first thing, so that it never outlives the parent,
+however the parent ends.
+"""
+import contextlib
+import ctypes
+import os
+import select
+import signal
+import threading
+import time
+from multiprocessing import process as _mp_process
+from multiprocessing.connection import wait as _wait_ready
+
+__all__ = ["open_pidfd", "has_exited", "exit_code", "describe_exit", "send_signal",
+           "stop_processes", "stop_half_started", "exit_with_parent", "interrupts_deferred"]
+
+# The pidfd of a started process, kept on its Process object: an int >= 0, -1 once it is
+# closed or when the process was already gone when started, None where there are none.
+_PIDFD = "_unienv_mp_pidfd"
+
+
+def _poll_pidfd(fd, timeout_ms):
+    """The poll events of pidfd ``fd`` (POLLIN: the process ended) within ``timeout_ms``
+    (-1: wait).  ``select.poll``, not ``select.select``: that fails on descriptors >= 1024."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    events = 0
+    for _, ev in poller.poll(timeout_ms):
+        events |= ev
+    return events
+
+
+def open_pidfd(proc):
+    """Keep a pidfd of the started process ``proc`` on it (see :func:`has_exited`)."""
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except ProcessLookupError:
+        fd = -1           # already gone (and reaped: SIGCHLD ignored)
+    except (AttributeError, OSError):
+        fd = None         # no pidfds here: fall back to the sentinel
+    setattr(proc, _PIDFD, fd)
+
+
+def _close_pidfd(proc):
+    fd = getattr(proc, _PIDFD, None)
+    setattr(proc, _PIDFD, -1 if fd is not None else None)
+    if fd is not None and fd >= 0:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def has_exited(proc):
+    """True if the started process ``proc`` has ended: its pidfd says so; without one,
+    ``is_alive()`` and then the sentinel do."""
+    fd = getattr(proc, _PIDFD, None)
+    try:
+        if fd is not None:
+            return fd < 0 or _poll_pidfd(fd, 0) != 0
+        if not proc.is_alive():
+            return True
+        return bool(_wait_ready([proc.sentinel], 0))
+    except (ValueError, OSError):
+        return True   # the Process object was closed
+
+
+def exit_code(proc, wait=0.0):
+    """``proc``'s exit code, waiting up to ``wait`` seconds for its exit status to arrive
+    (a pidfd may tell that it ended before that, e.g. under forkserver, which sends it);
+    None if it is unknown (collected elsewhere, or not there yet)."""
+    try:
+        code = proc.exitcode
+        if code is None and wait > 0:
+            proc.join(wait)
+            code = proc.exitcode
+        return code
+    except (ValueError, AssertionError, OSError):
+        return None
+
+
+def describe_exit(code):
+    """How a process with exit code ``code`` (see :func:`exit_code`) ended, in words."""
+    if code is None:
+        return "ended (its exit status was collected elsewhere)"
+    if code < 0:
+        return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def send_signal(proc, sig):
+    """Send ``sig`` to ``proc`` if it has not exited, through its pidfd when it has one (a
+    pid alone may have been reused once the child was reaped)."""
+    fd = getattr(proc, _PIDFD, None)
+    try:
+        if fd is None:
+            proc.kill() if sig == signal.SIGKILL else proc.terminate()
+        elif fd >= 0:
+            signal.pidfd_send_signal(fd, sig)
+    except (ValueError, AssertionError, OSError):
+        pass   # closed, not started, or already gone
+
+
+def _call(proc, method, *args):
+    try:
+        return getattr(proc, method)(*args)
+    except (ValueError, AssertionError, OSError):
+        return None   # closed, not started, or already reaped
+
+
+def stop_processes(procs, join_timeout):
+    """Wait up to ``join_timeout`` seconds for ``procs`` to end, then terminate (and then
+    kill) those still running; collect their exit status and close their pidfds.
+    Tolerates Process objects never started or already closed."""
+    started = [p for p in procs if _call(p, "is_alive") is not None]
+    try:
+        deadline = time.monotonic() + join_timeout
+        for p in started:
+            if not has_exited(p):
+                _call(p, "join", max(0.0, deadline - time.monotonic()))
+        for p in started:
+            if not has_exited(p):
+                send_signal(p, signal.SIGTERM)
+        for p in started:
+            if not has_exited(p):
+                _call(p, "join", 1.0)
+            if not has_exited(p):
+                send_signal(p, signal.SIGKILL)
+                _call(p, "join", 1.0)
+        for p in started:
+            if not has_exited(p):
+                continue   # still dying: multiprocessing reaps it later
+            _call(p, "join", 0.1)   # collect the exit status
+            if _call(p, "is_alive"):
+                # Ended, but reaped by someone else (its exit status is gone):
+                # multiprocessing would count it among active_children() for ever.
+                _mp_process._children.discard(p)
+            else:
+                _call(p, "close")
+    finally:
+        for p in procs:
+            _close_pidfd(p)
+
+
+def stop_half_started(proc):
+    """Stop ``proc`` if its ``start()`` got as far as making the process (it was
+    interrupted or failed after that), leaving no orphan."""
+    if getattr(proc, "_popen", None) is not None:
+        if getattr(proc, _PIDFD, None) is None:
+            open_pidfd(proc)
+        stop_processes([proc], 0.0)
+
+
+def exit_with_parent(parent_pid, use_pdeathsig):
+    """Make this process end when process ``parent_pid`` ends, however it ends.
+
+    ``use_pdeathsig``: ask the kernel to SIGKILL this process when the *thread* that
+    started it exits (immediate; only worth it when that was the parent's main thread).
+    Besides, a daemon thread sleeps on a pidfd of the parent and exits the process when it
+    ends (forkserver, a parent thread that has ended).  Exits at once if the parent is
+    already gone."""
+    if use_pdeathsig:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    try:
+        pidfd = os.pidfd_open(parent_pid)
+    except ProcessLookupError:
+        os._exit(0)
+    except (AttributeError, OSError):
+        return
+
+    def watch():
+        while True:
+            events = _poll_pidfd(pidfd, -1)
+            if events & select.POLLIN:
+                os._exit(0)      # the parent ended
+            if events & select.POLLNVAL:
+                return           # the work function closed our descriptor
+
+    threading.Thread(target=watch, name="unienv_mp parent watchdog", daemon=True).start()
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """Hold back Ctrl-C (SIGINT) for the duration of the ``with`` block: a SIGINT that
+    arrives meanwhile is handed to the handler that was installed (by default: raise
+    ``KeyboardInterrupt``) when the block ends, so a ``KeyboardInterrupt`` cannot land
+    between two statements of it.  Signals are only handled in the main thread; elsewhere
+    (and when Python's own handler is not in place) this changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):   # SIG_IGN, SIG_DFL or a handler not installed from Python
+        yield
+        return
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            previous(signal.SIGINT, held[0])

@@ -1,0 +1,316 @@
+"""WorkerHandle: the parent's side of one worker, i.e. its process, the segment holding its
+two rings, and the result slots it writes into, one process after another.
+
+The handle starts a process (:meth:`WorkerHandle.start`), pushes tasks and pops result
+entries on its rings, maps the slot segments named by result entries, and keeps the slot
+numbers free for new tasks.  When the process dies, :meth:`~WorkerHandle.detach` takes the
+process and its memory off the handle, to be stopped and released, and the next
+:meth:`~WorkerHandle.start` begins a new *incarnation*: slot numbers belong to one
+incarnation, since each process creates its own slots.
+
+What to run, in which order, and what to do when a process dies is the manager's
+(:mod:`unienv_mp.manager`).
+"""
+import collections
+import os
+import pickle
+import queue as _queue
+import threading
+
+from . import _process
+from . import _protocol as P
+from ._ring import RingBuffer, Segment, _segment_from_peer
+from .errors import PeerGoneError
+from .worker import worker_main
+
+__all__ = ["WorkerHandle", "WorkerDied", "Launch", "TASK_CAPACITY", "TASK_INLINE",
+           "RESULT_INLINE"]
+
+#: Tasks a worker can have queued (its task ring); the manager keeps at most that many in
+#: flight on one worker.
+TASK_CAPACITY = 64
+#: Largest encoded work info carried inside a task entry (larger: a one-off segment).
+TASK_INLINE = 8192
+#: Largest encoded result carried inside a result entry (larger: a slot).
+RESULT_INLINE = 4096
+
+_unpack_slot = P.SLOT_DESC.unpack
+
+
+class WorkerDied(Exception):
+    """The process of worker ``handle`` ended (raised while waiting on its rings)."""
+
+    def __init__(self, handle):
+        super().__init__(handle.index)
+        self.handle = handle
+
+
+class Launch:
+    """What every process of a manager's workers is started with."""
+
+    def __init__(self, target_fn, init_fn, ctx, daemon, doorbell_seg, done_event,
+                 poll_interval, spin):
+        self.target_fn = target_fn
+        self.init_fn = init_fn
+        self.ctx = ctx
+        self.daemon = daemon
+        self.doorbell_seg = doorbell_seg
+        self.done_event = done_event
+        self.poll_interval = poll_interval
+        self.spin = spin
+
+
+class _LivenessCheck:
+    """Called while waiting on a worker's rings: raises WorkerDied if its process ended,
+    RuntimeError if the handle was shut down (the manager was closed)."""
+    __slots__ = ("handle",)
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __call__(self):
+        handle = self.handle
+        proc = handle.proc
+        if proc is not None and _process.has_exited(proc):
+            raise WorkerDied(handle)
+        if handle.shut_down:
+            raise RuntimeError("manager was closed while waiting")
+
+
+class _Detached:
+    """A process taken off its handle, and its memory: :meth:`stop` ends it and releases
+    the memory."""
+
+    def __init__(self, proc, rings, seg):
+        self.proc = proc
+        self.rings = rings
+        self.seg = seg
+
+    def stop(self, join_timeout):
+        try:
+            for ring in self.rings:
+                ring.shutdown()   # should the process not be dead after all: it stops
+            _process.stop_processes([self.proc] if self.proc is not None else [],
+                                    join_timeout)
+        finally:
+            _close_memory(self.rings, self.seg)
+
+
+def _close_memory(rings, seg):
+    for ring in rings:
+        ring.close()
+    if seg is not None:
+        seg.close()
+
+
+class WorkerHandle:
+    """Worker ``index`` of a manager, as the parent sees it.
+
+    Public attributes, read-only outside this class: ``index``; ``incarnation``, the number
+    of processes started so far; ``proc``, the current ``Process`` (None between a death
+    and the next start); ``pid``; ``shut_down``.
+    """
+
+    def __init__(self, index, launch):
+        self.index = index
+        self.incarnation = 0
+        self.proc = None
+        self.pid = None             # of proc (no Python code to run to read it)
+        self.shut_down = False
+        self._launch = launch
+        self._check = _LivenessCheck(self)
+        self._seg = None
+        self._tasks = None
+        self._results = None
+        self._rings = ()
+        self._slot_maps = {}        # slot -> (generation, Segment mapped here)
+        # (a deque: a list taken down to empty and refilled, as a slot goes out and comes
+        # back once per batch, is reallocated each time)
+        self._free_slots = collections.deque()
+        self._next_slot = 0
+        self._put_back = collections.deque()   # result entries popped, then interrupted
+
+    @property
+    def has_process(self):
+        """True between :meth:`start` and :meth:`detach`."""
+        return self._tasks is not None
+
+    @property
+    def results_published(self):
+        """Result entries the process published that were not popped yet."""
+        return len(self._results) if self._results is not None else 0
+
+    def has_exited(self):
+        """True if it has a process and that process ended."""
+        proc = self.proc
+        return proc is not None and _process.has_exited(proc)
+
+    # -- process --------------------------------------------------------------------------
+
+    def start(self, seed):
+        """Start a process, the next incarnation, with fresh rings and no slots.
+        ``seed``: passed to the manager's ``worker_init_fn``.  Raises ``TypeError`` if the
+        work function cannot be sent to the process."""
+        launch = self._launch
+        task_entry = P.ENTRY_HEADER + TASK_INLINE
+        result_entry = P.ENTRY_HEADER + RESULT_INLINE
+        t_bytes = RingBuffer.footprint(TASK_CAPACITY, task_entry)
+        # The manager keeps at most TASK_CAPACITY tasks in flight per worker, so a worker
+        # never waits to publish a result.
+        r_cap = TASK_CAPACITY + 2
+        r_bytes = RingBuffer.footprint(r_cap, result_entry)
+        t_off, r_off = P.RINGS_AT, P.RINGS_AT + t_bytes
+        seg = Segment.create(r_off + r_bytes, f"worker{self.index}")
+        tasks = results = None
+        try:
+            with memoryview(seg) as mv:
+                P.WORKER_HEADER.pack_into(mv, 0, P.WORKER_MAGIC, P.WORKER_VERSION, t_off,
+                                          TASK_CAPACITY, task_entry, r_off, r_cap,
+                                          result_entry)
+            tasks = RingBuffer._create_in(seg, t_off, TASK_CAPACITY, task_entry,
+                                          launch.poll_interval, launch.spin)
+            results = RingBuffer._create_in(seg, r_off, r_cap, result_entry,
+                                            launch.poll_interval, launch.spin)
+            options = {"poll_interval": launch.poll_interval, "done_event": launch.done_event,
+                       # PR_SET_PDEATHSIG fires when the *thread* that started the worker
+                       # ends: only worth it from the main thread (a watchdog covers the rest)
+                       "pdeathsig": threading.current_thread() is threading.main_thread(),
+                       "spin": launch.spin}
+            proc = launch.ctx.Process(
+                target=worker_main,
+                args=(self.index, launch.target_fn, seg, launch.doorbell_seg, os.getpid(),
+                      launch.init_fn, seed, options),
+                daemon=launch.daemon, name=f"unienv_mp-worker-{self.index}")
+            try:
+                proc.start()
+                _process.open_pidfd(proc)
+            except (pickle.PicklingError, TypeError, AttributeError) as e:
+                _process.stop_half_started(proc)
+                raise TypeError(
+                    f"cannot start workers with the {launch.ctx.get_start_method()!r} start "
+                    f"method: the work function (and everything it refers to, e.g. the "
+                    f"wrapped sampler) must be picklable, but pickling failed with "
+                    f"{type(e).__name__}: {e}") from e
+            except BaseException:
+                _process.stop_half_started(proc)   # e.g. Ctrl-C after the fork
+                raise
+        except BaseException:
+            # (a worker started despite all is told to stop by its rings, then unmapped)
+            for ring in (tasks, results):
+                if ring is not None:
+                    ring.shutdown()
+            seg.close()
+            raise
+        # From here on, nothing that can fail or run Python code of another module.
+        self.incarnation += 1
+        self._seg, self._tasks, self._results = seg, tasks, results
+        self._rings = (tasks, results)
+        self.proc, self.pid = proc, proc.pid
+        self._put_back = collections.deque()
+        self._slot_maps = {}
+        self._free_slots = collections.deque()
+        self._next_slot = 0
+
+    def detach(self):
+        """Take the process (which died) and its memory off the handle, and return them,
+        to be stopped and released with ``.stop(join_timeout)``.  Result entries put back
+        and slots mapped are dropped with them.  Runs no Python code of other modules, so
+        that the caller can make it part of one step that a Ctrl-C cannot cut in two."""
+        detached = _Detached(self.proc, self._rings, self._seg)
+        self.proc = self.pid = None
+        self._tasks = self._results = self._seg = None
+        self._rings = ()
+        self._slot_maps = {}
+        self._put_back = collections.deque()
+        return detached
+
+    def shut_down_rings(self):
+        """Tell the process to stop: shut both rings down (a worker waiting for a task
+        exits; one finishing a batch exits instead of taking the next), and make waits on
+        this handle raise."""
+        self.shut_down = True
+        for ring in self._rings:
+            try:
+                ring.shutdown()
+            except ValueError:
+                pass
+
+    def release_memory(self):
+        """Unmap the rings, the segment and the slots (the process must have ended)."""
+        rings, seg = self._rings, self._seg
+        self._tasks = self._results = self._seg = None
+        self._rings = ()
+        self._slot_maps = {}
+        _close_memory(rings, seg)
+
+    # -- rings ----------------------------------------------------------------------------
+
+    def push_task(self, tag, slot, ticket, payload):
+        """Push a task entry.  The manager keeps room on the ring (see TASK_CAPACITY), so
+        this does not wait.  Raises WorkerDied if the process is gone."""
+        tasks = self._tasks
+        try:
+            tasks.push_tagged(tag, slot, ticket, payload, False)
+        except _queue.Full:
+            tasks.push_tagged(tag, slot, ticket, payload, check=self._check)
+
+    def pop_result(self, timeout):
+        """The next result entry ``(tag, slot, ticket, payload)``: an entry put back first,
+        else one from the result ring, waiting up to ``timeout`` seconds (``None``: as long
+        as the process lives; ``0``: not at all).  Raises ``queue.Empty`` when none came,
+        WorkerDied if the process ended, ``RingClosed`` if the ring was shut down."""
+        put_back = self._put_back
+        if put_back:
+            return put_back.popleft()
+        results = self._results
+        try:
+            return results.pop_tagged(False)   # a result already there
+        except _queue.Empty:
+            if timeout == 0:
+                raise
+        return results.pop_tagged(True, timeout, check=self._check)
+
+    def put_back(self, entry):
+        """Give back an entry that :meth:`pop_result` returned and that could not be
+        recorded (a Ctrl-C cut in): the next :meth:`pop_result` returns it again."""
+        self._put_back.appendleft(entry)
+
+    # -- slots ----------------------------------------------------------------------------
+
+    def take_slot(self):
+        """A slot number free for a new task of this incarnation."""
+        free = self._free_slots
+        if free:
+            return free.pop()
+        slot = self._next_slot
+        self._next_slot = slot + 1
+        return slot
+
+    def give_back_slot(self, slot, incarnation):
+        """Slot ``slot`` of ``incarnation`` can take new work (nothing, if that process was
+        replaced since: slot numbers belong to one process)."""
+        if incarnation == self.incarnation:
+            self._free_slots.append(slot)
+
+    @property
+    def free_slots(self):
+        """The slot numbers free for new tasks (a copy, for inspection)."""
+        return tuple(self._free_slots)
+
+    def map_slot(self, slot, desc):
+        """``(segment, nbytes)`` of the result that a result entry's ``desc``
+        (``SLOT_DESC``) places in ``slot``, mapping the slot's segment here the first time
+        (and again when the worker grew it).  Raises WorkerDied if the process died before
+        it could be mapped, ``OSError`` if mapping failed otherwise."""
+        gen, fd, ino, size, nbytes = _unpack_slot(desc)
+        slot_maps: dict = self._slot_maps
+        mapped = slot_maps.get(slot)
+        if mapped is not None and mapped[0] == gen:
+            return mapped[1], nbytes
+        try:
+            seg = _segment_from_peer(self.pid, fd, ino, size, f"slot{self.index}")
+        except PeerGoneError:
+            raise WorkerDied(self) from None
+        seg.unlink()  # no descriptor needed: the mapping is what we use
+        slot_maps[slot] = (gen, seg)
+        return seg, nbytes
