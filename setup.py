@@ -37,6 +37,8 @@ extensions = [
     Extension("unienv_mp.manager", sources=["unienv_mp/manager.py"], extra_compile_args=CFLAGS),
     Extension("unienv_mp._worker_handle", sources=["unienv_mp/_worker_handle.py"],
               extra_compile_args=CFLAGS),
+    Extension("unienv_mp._work_encoder", sources=["unienv_mp/_work_encoder.py"],
+              extra_compile_args=CFLAGS),
     Extension("unienv_mp._protocol", sources=["unienv_mp/_protocol.py"],
               extra_compile_args=CFLAGS),
     Extension("unienv_mp.worker", sources=["unienv_mp/worker.py"], extra_compile_args=CFLAGS),

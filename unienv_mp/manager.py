@@ -31,6 +31,7 @@ from . import _protocol as P
 from ._ring import DEFAULT_SPIN as _DEFAULT_SPIN
 from ._ring import Event, Segment
 from ._validate import check_int, check_seconds
+from ._work_encoder import WorkEncoder, spill_entry
 from ._worker_handle import (RESULT_INLINE, TASK_CAPACITY, TASK_INLINE, Launch, WorkerDied,
                              WorkerHandle)
 from .errors import RingClosed, WorkerDiedError, WorkerError, _loads_or_none
@@ -49,13 +50,10 @@ ResultT = TypeVar("ResultT")
 #
 # Protocol constants as globals of this module: the per-batch path reads them once per
 # batch, and a global is cheaper to read than a module attribute.
-_RUN_INLINE = P.tag(P.OP_RUN, P.AT_INLINE)
-_RUN_SPILL = P.tag(P.OP_RUN, P.AT_SPILL)
 _ST_OK = P.ST_OK
 _ST_ERROR = P.ST_ERROR
 _ST_FATAL = P.ST_FATAL
 _AT_SLOT = P.AT_SLOT
-_SIMPLE = P.SIMPLE_TYPES
 _untag = P.untag
 _decode = _codec.decode
 _SlotLease = _codec.SlotLease
@@ -240,7 +238,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         self._order = collections.deque()        # tickets of add_work, for fetch()
         self._released = collections.deque()     # lease tokens given back by the GC
         self._leases = 0
-        self._work_cache = {}
+        self._encoder = WorkEncoder(TASK_INLINE)
         self._owner_pid = os.getpid()
         self._lanes = []
         resources = self._resources
@@ -305,27 +303,32 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 f"without producing a result ({self.max_respawns} replacements), giving up",
                 worker=w.index, exitcode=code)
         # One step that a Ctrl-C must not cut in two: the worker has no process, and its
-        # unfinished work waits for the next one.  Between two statements of plain Python
-        # a KeyboardInterrupt could land, so SIGINT is held back until the step is done
-        # (compiled, these lines would call no Python code that could raise it, but they
-        # must not rely on that).  Stopping the old process and releasing its memory,
-        # which may take a while and may be interrupted, come after.
-        with _process.interrupts_deferred():
-            unfinished = []
-            tasks: dict = self._tasks
-            for t in lane.inflight:
-                task = tasks.get(t)
-                if task is None:
-                    continue
-                if task.cancelled:
-                    self._drop(task)
-                else:
-                    task.slot = None
-                    unfinished.append(task)
-            lane.inflight.clear()
-            lane.waiting[0:0] = unfinished    # before anything queued for it meanwhile
-            detached = w.detach()
-        detached.stop(1.0)
+        # unfinished work waits for the next one.  A KeyboardInterrupt can land between
+        # any two statements of plain Python (compiled or not, this must not depend on
+        # it), so SIGINT is held back until the step is done, then raised.  Stopping the
+        # old process and releasing its memory, which take a while and may be
+        # interrupted themselves, come after, in the ``finally``: also when the Ctrl-C
+        # held back is raised as the step ends.
+        detached = None
+        try:
+            with _process.interrupts_deferred():
+                unfinished = []
+                tasks: dict = self._tasks
+                for t in lane.inflight:
+                    task = tasks.get(t)
+                    if task is None:
+                        continue
+                    if task.cancelled:
+                        self._drop(task)
+                    else:
+                        task.slot = None
+                        unfinished.append(task)
+                lane.inflight.clear()
+                lane.waiting[0:0] = unfinished    # before anything queued for it meanwhile
+                detached = w.detach()
+        finally:
+            if detached is not None:
+                detached.stop(1.0)
 
     def _restart(self, lane):
         """Start a process for ``lane``'s worker if it has none, and hand it the tasks
@@ -411,36 +414,6 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         after it round-robin from there, as in a new manager (``in_order``)."""
         self._next_worker = 0
 
-    def _encode_small(self, work):
-        """Encoded work info for the small immutable items a sampler sends again and again
-        (e.g. ``("sample", None)``), from a cache; None for anything else."""
-        t = type(work)
-        if t is tuple:
-            plain = True
-            for x in work:
-                xt = type(x)
-                if xt is not str and x is not None:
-                    if xt not in _SIMPLE:
-                        return None
-                    plain = False
-            # Equal tuples of only str and None are made of the same types: such a tuple
-            # is its own key (it cannot equal one of the 2-tuples of types below).
-            key = work if plain else (tuple(map(type, work)), work)
-        elif t in _SIMPLE:
-            key = (t, work)   # so that 1, True and 1.0 are not mistaken for one another
-        else:
-            return None
-        cache: dict = self._work_cache
-        payload = cache.get(key)
-        if payload is None:
-            payload = bytes(_codec.encode(work))
-            if len(payload) > TASK_INLINE:
-                return None   # e.g. a long string: it travels in a segment, uncached
-            if len(cache) > 1024:
-                cache.clear()
-            cache[key] = payload
-        return payload
-
     def _make_room(self, lane):
         """Keep at most TASK_CAPACITY tasks in flight on ``lane``'s worker: collect (not
         hand out) results until there is room.  A worker whose rings were both full would
@@ -458,23 +431,12 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         nothing changed) if the process is gone."""
         seg = task.spill
         if seg is None:
-            payload = self._encode_small(task.work)
-            if payload is None:
-                p = _codec.prepare(task.work)
-                if p.nbytes <= TASK_INLINE:
-                    payload = _codec.encode_prepared(p)
-                else:
-                    seg = Segment.create(p.nbytes, "task")
-                    with memoryview(seg) as mv:
-                        _codec.write(p, mv)
-                    task.spill = seg
-                    self._resources.spills.append(seg)
-        if seg is None:
-            tag = _RUN_INLINE
+            tag, payload, seg = self._encoder.encode(task.work)
+            if seg is not None:
+                task.spill = seg
+                self._resources.spills.append(seg)
         else:
-            tag = _RUN_SPILL
-            payload = P.TASK_SPILL_DESC.pack(os.getpid(), seg.fd, seg.ino, seg.size,
-                                             seg.size)
+            tag, payload = spill_entry(seg)   # (work given again, to a new process)
         w = lane.worker
         slot = task.slot
         if slot is None:
