@@ -1,5 +1,6 @@
 """The worker process: take tasks from its ring, run the target, write results into its own
-slots, announce them on its result ring.  Started by :mod:`unienv_mp.manager`."""
+slots, announce them on its result ring.  Started by the manager, through a
+:class:`~unienv_mp._worker_handle.WorkerHandle`."""
 import os
 import pickle
 import signal
