@@ -552,3 +552,31 @@ def test_interrupts_deferred_holds_ctrl_c_until_the_block_ends():
                 done.append(1)
     assert len(done) == 1000
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _sleep_then_pid(seconds):
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def test_wait_any_returns_the_first_ticket_to_arrive():
+    with MultiProcessingSampleManager(_sleep_then_pid, n_workers=2, ctx="fork",
+                                      timeout=30) as mgr:
+        slow = mgr.submit(5.0, worker=0)
+        fast = mgr.submit(0.0, worker=1)
+        assert mgr.wait_any([slow, fast]) == fast
+        assert mgr.result(fast) == mgr.workers[1].pid
+        with pytest.raises(TimeoutError):
+            mgr.wait_any([slow], timeout=0.1)
+        with pytest.raises(KeyError):
+            mgr.wait_any([fast])              # collected already
+        mgr.cancel(slow)
+
+
+def test_reset_order_deals_the_next_task_to_worker_0():
+    with MultiProcessingSampleManager(_sleep_then_pid, n_workers=2, ctx="fork",
+                                      timeout=30) as mgr:
+        pids = [p.pid for p in mgr.workers]
+        assert mgr.result(mgr.submit(0.0)) == pids[0]
+        mgr.reset_order()
+        assert [mgr.result(mgr.submit(0.0)) for _ in range(3)] == [pids[0], pids[1], pids[0]]

@@ -153,6 +153,11 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
     stops the workers when set.  ``doze_time`` is how often a waiting side re-checks that
     its peer is alive (nothing polls on the hot path: waits sleep on futexes).
 
+    Tickets, which UniEnv lacks: :meth:`submit` queues a work item and returns its ticket,
+    :meth:`result` waits for that ticket's result, :meth:`ready` says whether it arrived,
+    :meth:`wait_any` returns the first of several tickets to arrive, :meth:`cancel` drops
+    one, and :meth:`reset_order` restarts the round-robin deal.
+
     Options UniEnv lacks:
 
     * ``in_order=True``: results come back in the order the work was added, and work is
