@@ -19,7 +19,7 @@ Groups:
   touches the 4 (figures are per batch).  extra_info also has the median of each step
   (``median_get_us``, ``median_touch_us``, ``median_drop_us``, and ``median_touch_again_us``:
   touching the same batch a second time, i.e. the cost of the touch itself once mapped
-  and cached).  Issue target: <= 50 us for the large batch and >= 10x faster than
+  and cached).  Target: <= 50 us for the large batch and >= 10x faster than
   multiprocessing.Queue.
 * ``codec: end-to-end <size> <source>``: throughput of a stream of batches, producer ->
   parent, through a bounded queue (maxsize=4).  ``reuse``: the producer sends a few

@@ -15,7 +15,7 @@ Every round moves a fixed number of messages (``msgs_per_round`` in extra_info);
 derived figures (msgs/s, us per message or round trip, MB/s) are in extra_info and in the
 "derived figures" section printed after the tables.
 
-Targets from the issue (recorded in extra_info, not asserted):
+Targets (recorded in extra_info, not asserted):
 RingBuffer from Python >= 5M msgs/s (>= 20M with the batch API), round trip <= 5 us;
 ShmQueue >= 10x multiprocessing.Queue's streaming rate and <= 1/10 of its round trip.
 

@@ -1,4 +1,4 @@
-"""MultiprocessingSampler side by side (the sampler issue): unienv_mp's, UniEnv's
+"""MultiprocessingSampler side by side: unienv_mp's, UniEnv's
 (``shared_memory`` False and True), UniEnv's StepSampler in process, a torch DataLoader
 with as many workers, ``torch.index_select`` of the StepSampler's indices into reused
 output tensors in process (the speed limit of in-process sampling), and a TorchRL

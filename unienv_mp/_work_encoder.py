@@ -68,7 +68,7 @@ class WorkEncoder:
             key = (t, work)   # so that 1, True and 1.0 are not mistaken for one another
         else:
             return None
-        cache: dict = self._cache
+        cache = self._cache
         payload = cache.get(key)
         if payload is None:
             payload = bytes(_codec.encode(work))

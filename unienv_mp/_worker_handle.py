@@ -303,7 +303,7 @@ class WorkerHandle:
         (and again when the worker grew it).  Raises WorkerDied if the process died before
         it could be mapped, ``OSError`` if mapping failed otherwise."""
         gen, fd, ino, size, nbytes = _unpack_slot(desc)
-        slot_maps: dict = self._slot_maps
+        slot_maps = self._slot_maps
         mapped = slot_maps.get(slot)
         if mapped is not None and mapped[0] == gen:
             return mapped[1], nbytes

@@ -42,12 +42,6 @@ __all__ = ["MultiProcessingSampleManager", "TaskInfoT", "ResultT", "TASK_CAPACIT
 TaskInfoT = TypeVar("TaskInfoT")
 ResultT = TypeVar("ResultT")
 
-# This module is compiled by Cython (see setup.py) and must stay correct as plain Python.
-# On the per-batch path, a local annotated with a builtin container type, e.g.
-# ``tasks: dict = self._tasks``, changes nothing in Python; Cython uses the annotation to
-# call the dict's C API directly instead of looking up and calling its methods.  And calls
-# there pass no keyword arguments: from compiled code, a call with one builds a dict.
-#
 # Protocol constants as globals of this module: the per-batch path reads them once per
 # batch, and a global is cheaper to read than a module attribute.
 _ST_OK = P.ST_OK
@@ -309,16 +303,15 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 worker=w.index, exitcode=code)
         # One step that a Ctrl-C must not cut in two: the worker has no process, and its
         # unfinished work waits for the next one.  A KeyboardInterrupt can land between
-        # any two statements of plain Python (compiled or not, this must not depend on
-        # it), so SIGINT is held back until the step is done, then raised.  Stopping the
-        # old process and releasing its memory, which take a while and may be
-        # interrupted themselves, come after, in the ``finally``: also when the Ctrl-C
-        # held back is raised as the step ends.
+        # any two statements, so SIGINT is held back until the step is done, then
+        # raised.  Stopping the old process and releasing its memory, which take a while
+        # and may be interrupted themselves, come after, in the ``finally``: also when
+        # the Ctrl-C held back is raised as the step ends.
         detached = None
         try:
             with _process.interrupts_deferred():
                 unfinished = []
-                tasks: dict = self._tasks
+                tasks = self._tasks
                 for t in lane.inflight:
                     task = tasks.get(t)
                     if task is None:
@@ -390,7 +383,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         task.ticket = ticket
         task.work = work_info
         self._next_ticket = ticket + 1
-        tasks: dict = self._tasks
+        tasks = self._tasks
         tasks[ticket] = task
         try:
             # Give the task to the worker, replacing its process first if it died.
@@ -475,7 +468,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         if status == _ST_FATAL:
             info = _codec.decode(payload, copy=True)
             raise self._worker_error(info, w.index, "could not start: ")
-        tasks: dict = self._tasks
+        tasks = self._tasks
         task = tasks.get(ticket)
         if task is None or task.worker != w.index:
             return  # stale (e.g. re-issued work that the dead incarnation also finished)
@@ -579,7 +572,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
 
     def _deliver(self, task):
         """Turn an arrived result into the value returned to the caller."""
-        tasks: dict = self._tasks
+        tasks = self._tasks
         tasks.pop(task.ticket, None)
         if task.error is not None:
             raise task.error
@@ -616,7 +609,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         ``timeout`` (default: the manager's ``timeout``) seconds."""
         if self.closed or _this_pid != self._owner_pid:
             self._ensure_open()   # raises
-        tasks: dict = self._tasks
+        tasks = self._tasks
         task = tasks.get(ticket)
         if task is None:
             raise KeyError(f"unknown or already collected ticket {ticket}")
