@@ -263,3 +263,17 @@ def test_the_two_unienv_mp_rows_take_the_two_paths():
             assert next_batch()["image"].shape == (16, 3, 8, 8)
         finally:
             close()
+
+
+def test_ci_runs_the_readme_test_command():
+    """.ci/run keeps a copy of the README's quick-start test command: the two agree."""
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md")) as f:
+        readme = f.read()
+    with open(os.path.join(root, ".ci", "run")) as f:
+        ci = [line.strip() for line in f]
+    command = 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest tests'
+    assert "    " + command + "\n" in readme
+    assert command in ci
+    assert "    pip install torch==2.13.0 && pip install -e . && python -m unienv_mp\n" in readme
