@@ -21,6 +21,8 @@ from conftest import in_shared_memory
 from _data import indices_of, replay_buffer
 
 
+# -- every method, the drop-in surface -----------------------------------------------------
+
 def _check_all_methods(m, n_rows):
     b = m.sample()
     assert isinstance(b, dict) and set(b) == {"state", "action", "image"}
@@ -78,6 +80,46 @@ def test_drop_in_surface():
             call()
 
 
+class _Synthetic(BatchSampler):
+    """A sampler that makes its batches up: no ``data``."""
+
+    def __init__(self):
+        from unienv_interface.backends.pytorch import PyTorchComputeBackend
+        from unienv_interface.space import BoxSpace
+        super().__init__(BoxSpace(PyTorchComputeBackend, -1.0, 1.0, torch.float32,
+                                  shape=(3,)), None, 4)
+        self.n = 0
+
+    def sample(self):
+        self.n += 1
+        return torch.full((4, 3), float(self.n))
+
+
+def test_a_sampler_without_data_is_wrapped():
+    with MultiprocessingSampler(_Synthetic(), n_workers=1, n_buffers=1, ctx="fork") as m:
+        assert [float(m.sample()[0, 0]) for _ in range(3)] == [1.0, 2.0, 3.0]
+
+
+class _TwiceSampler(StepSampler):
+    def sample_twice(self):
+        return self.sample_index(), self.sample_index()
+
+
+def test_an_extra_method_keeps_its_sampler_alive():
+    rb = replay_buffer(50)
+    fn = MultiprocessingSampler(_TwiceSampler(rb, 4, seed=0), n_workers=1, n_buffers=1,
+                                ctx="fork").sample_twice
+    gc.collect()
+    a, b = fn()
+    assert len(a) == 4 and len(b) == 4
+    assert "sample_twice" in dir(fn.__self__)
+    fn.__self__.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        fn()
+
+
+# -- epochs, seeds and batches requested ahead ---------------------------------------------
+
 def test_epoch_covers_every_index_once_with_partial_last_batch():
     rb = replay_buffer(103)
     with MultiprocessingSampler(StepSampler(rb, 10, seed=3), n_workers=3, n_buffers=4,
@@ -89,6 +131,14 @@ def test_epoch_covers_every_index_once_with_partial_last_batch():
                 seen += indices_of(b)
             assert sizes == [10] * 10 + [3]
             assert sorted(seen) == list(range(103))
+
+
+def test_first_epoch_is_the_in_process_epoch_for_the_same_seed():
+    rb = replay_buffer(100)
+    expected = [indices_of(b) for b in StepSampler(rb, 16, seed=5).epoch_iter()]
+    with MultiprocessingSampler(StepSampler(rb, 16, seed=5), n_workers=2, n_buffers=3,
+                                ctx="fork") as m:
+        assert [indices_of(b) for b in m.epoch_iter()] == expected
 
 
 def test_same_seed_same_batches_whatever_the_timing():
@@ -189,6 +239,8 @@ def test_out_of_order_mode_returns_every_epoch_index():
         assert all(len(indices_of(m.sample())) == 8 for _ in range(10))
 
 
+# -- the batches handed out: held, copied, other backends, views, structures ---------------
+
 def test_held_batches_never_change():
     rb = replay_buffer(400)
     with MultiprocessingSampler(StepSampler(rb, 16, seed=5), n_workers=2, n_buffers=4,
@@ -212,35 +264,6 @@ def test_copy_mode_returns_owned_arrays():
                                 ctx="fork", copy=True) as m:
         b = m.sample()
         assert not in_shared_memory(b["image"]) and not in_shared_memory(b["state"])
-
-
-def test_online_growth_of_a_multiprocessing_replay_buffer(ctx):
-    rb = replay_buffer(10, capacity=400, multiprocessing=True)
-    s = StepSampler(rb, 32, seed=0)
-    with MultiprocessingSampler(s, n_workers=2, n_buffers=2, ctx=ctx) as m:
-        assert max(indices_of(m.sample())) < 10
-        rb.extend(_data.transitions(10, 390))
-        seen = set()
-        for _ in range(20):
-            seen.update(indices_of(m.sample()))
-        assert max(seen) >= 100, "workers did not see the new transitions"
-        assert sorted(i for b in m.epoch_iter() for i in indices_of(b)) == list(range(400))
-
-
-def test_early_break_cleans_up_and_sampling_goes_on():
-    rb = replay_buffer(200)
-    with MultiprocessingSampler(StepSampler(rb, 10, seed=0), n_workers=2, n_buffers=6,
-                                ctx="fork") as m:
-        for _ in range(3):
-            for i, b in enumerate(m.epoch_iter()):
-                if i == 2:
-                    break
-        assert indices_of(m.sample())
-        assert sorted(i for b in m.epoch_iter() for i in indices_of(b)) == list(range(200))
-        gc.collect()
-        pool = m._manager
-        # nothing accumulates: only the sample stream's look-ahead is still pending
-        assert len(pool._tasks) <= m.n_buffers + 3 * 6
 
 
 def test_numpy_backend_sampler():
@@ -292,6 +315,70 @@ def test_batches_that_grow_and_change_structure():
         assert len(kinds) == 4
 
 
+# -- data that changes while it is sampled -------------------------------------------------
+
+def test_online_growth_of_a_multiprocessing_replay_buffer(ctx):
+    rb = replay_buffer(10, capacity=400, multiprocessing=True)
+    s = StepSampler(rb, 32, seed=0)
+    with MultiprocessingSampler(s, n_workers=2, n_buffers=2, ctx=ctx) as m:
+        assert max(indices_of(m.sample())) < 10
+        rb.extend(_data.transitions(10, 390))
+        seen = set()
+        for _ in range(20):
+            seen.update(indices_of(m.sample()))
+        assert max(seen) >= 100, "workers did not see the new transitions"
+        assert sorted(i for b in m.epoch_iter() for i in indices_of(b)) == list(range(400))
+
+
+def test_each_epoch_sees_the_data_as_it_is_when_the_epoch_starts():
+    # A ReplayBuffer in ordinary memory: workers hold a copy, so each epoch needs its own
+    # (as UniEnv's epochs do).  Grown between epochs, then overwritten at the same length.
+    rb = replay_buffer(100, capacity=200)
+    with MultiprocessingSampler(StepSampler(rb, 32, seed=0), n_workers=2, n_buffers=2,
+                                ctx="fork") as m:
+        assert sorted(i for b in m.epoch_iter() for i in indices_of(b)) == list(range(100))
+        assert len(indices_of(m.sample())) == 32       # the sampling pool starts here
+        rb.extend(_data.transitions(100, 100))
+        assert sorted(i for b in m.epoch_iter() for i in indices_of(b)) == list(range(200))
+        rb.extend(_data.transitions(200, 200))         # every row replaced, len unchanged
+        assert sorted(i for b in m.epoch_iter() for i in indices_of(b)) == \
+            list(range(200, 400))
+        assert max(indices_of(m.sample())) < 100       # sample() keeps its snapshot, as UniEnv
+        assert not m._epoch_managers
+
+
+# -- lifetime: an epoch left early, a sampler garbage-collected ----------------------------
+
+def test_early_break_cleans_up_and_sampling_goes_on():
+    rb = replay_buffer(200)
+    with MultiprocessingSampler(StepSampler(rb, 10, seed=0), n_workers=2, n_buffers=6,
+                                ctx="fork") as m:
+        for _ in range(3):
+            for i, b in enumerate(m.epoch_iter()):
+                if i == 2:
+                    break
+        assert indices_of(m.sample())
+        assert sorted(i for b in m.epoch_iter() for i in indices_of(b)) == list(range(200))
+        gc.collect()
+        pool = m._manager
+        # nothing accumulates: only the sample stream's look-ahead is still pending
+        assert len(pool._tasks) <= m.n_buffers + 3 * 6
+
+
+def test_garbage_collection_ends_the_workers():
+    rb = replay_buffer(20)
+    m = MultiprocessingSampler(StepSampler(rb, 4, seed=0), n_workers=2, ctx="fork")
+    m.sample()
+    pids = [p.pid for p in mp.active_children()]
+    assert len(pids) == 2
+    del m
+    gc.collect()
+    import os
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
+
+
+# -- worker errors and refused arguments ---------------------------------------------------
+
 def test_a_worker_error_is_raised_and_the_sampler_goes_on():
     rb = replay_buffer(50)
     with MultiprocessingSampler(_data.FailingSampler(rb, 4, seed=0, fail_every=3),
@@ -327,6 +414,14 @@ def test_bad_arguments_are_refused_clearly(kwargs, exc, words):
         MultiprocessingSampler(StepSampler(rb, 2), **kwargs)
 
 
+def test_numpy_integers_are_accepted_for_counts():
+    rb = replay_buffer(50)
+    with MultiprocessingSampler(StepSampler(rb, 4, seed=0), n_workers=np.int64(1),
+                                n_buffers=np.int32(2), ctx="fork") as m:
+        assert m.n_workers == 1 and type(m.n_workers) is int
+        assert len(indices_of(m.sample())) == 4
+
+
 def test_not_a_batch_sampler():
     with pytest.raises(TypeError, match="BatchSampler.*got builtins.list"):
         MultiprocessingSampler([1, 2, 3])
@@ -353,18 +448,6 @@ def test_unpicklable_sampler_under_spawn():
     with pytest.raises(TypeError, match="spawn.*picklable"):
         m.sample()
     m.close()
-
-
-def test_garbage_collection_ends_the_workers():
-    rb = replay_buffer(20)
-    m = MultiprocessingSampler(StepSampler(rb, 4, seed=0), n_workers=2, ctx="fork")
-    m.sample()
-    pids = [p.pid for p in mp.active_children()]
-    assert len(pids) == 2
-    del m
-    gc.collect()
-    import os
-    assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
 
 
 # -- UniEnv's module-level helpers ---------------------------------------------------------
@@ -401,76 +484,3 @@ def test_worker_loop_with_multiprocessing_queues():
     assert p.exitcode == 0
     assert got[:3] == [0, 2, 4] and got[4] == 8
     assert isinstance(got[3], WorkerError) and got[3].exc_message == "three"
-
-
-# -- found in the compatibility review ---------------------------------------------------------
-
-def test_each_epoch_sees_the_data_as_it_is_when_the_epoch_starts():
-    # A ReplayBuffer in ordinary memory: workers hold a copy, so each epoch needs its own
-    # (as UniEnv's epochs do).  Grown between epochs, then overwritten at the same length.
-    rb = replay_buffer(100, capacity=200)
-    with MultiprocessingSampler(StepSampler(rb, 32, seed=0), n_workers=2, n_buffers=2,
-                                ctx="fork") as m:
-        assert sorted(i for b in m.epoch_iter() for i in indices_of(b)) == list(range(100))
-        assert len(indices_of(m.sample())) == 32       # the sampling pool starts here
-        rb.extend(_data.transitions(100, 100))
-        assert sorted(i for b in m.epoch_iter() for i in indices_of(b)) == list(range(200))
-        rb.extend(_data.transitions(200, 200))         # every row replaced, len unchanged
-        assert sorted(i for b in m.epoch_iter() for i in indices_of(b)) == \
-            list(range(200, 400))
-        assert max(indices_of(m.sample())) < 100       # sample() keeps its snapshot, as UniEnv
-        assert not m._epoch_managers
-
-
-def test_first_epoch_is_the_in_process_epoch_for_the_same_seed():
-    rb = replay_buffer(100)
-    expected = [indices_of(b) for b in StepSampler(rb, 16, seed=5).epoch_iter()]
-    with MultiprocessingSampler(StepSampler(rb, 16, seed=5), n_workers=2, n_buffers=3,
-                                ctx="fork") as m:
-        assert [indices_of(b) for b in m.epoch_iter()] == expected
-
-
-class _Synthetic(BatchSampler):
-    """A sampler that makes its batches up: no ``data``."""
-
-    def __init__(self):
-        from unienv_interface.backends.pytorch import PyTorchComputeBackend
-        from unienv_interface.space import BoxSpace
-        super().__init__(BoxSpace(PyTorchComputeBackend, -1.0, 1.0, torch.float32,
-                                  shape=(3,)), None, 4)
-        self.n = 0
-
-    def sample(self):
-        self.n += 1
-        return torch.full((4, 3), float(self.n))
-
-
-def test_a_sampler_without_data_is_wrapped():
-    with MultiprocessingSampler(_Synthetic(), n_workers=1, n_buffers=1, ctx="fork") as m:
-        assert [float(m.sample()[0, 0]) for _ in range(3)] == [1.0, 2.0, 3.0]
-
-
-class _TwiceSampler(StepSampler):
-    def sample_twice(self):
-        return self.sample_index(), self.sample_index()
-
-
-def test_an_extra_method_keeps_its_sampler_alive():
-    rb = replay_buffer(50)
-    fn = MultiprocessingSampler(_TwiceSampler(rb, 4, seed=0), n_workers=1, n_buffers=1,
-                                ctx="fork").sample_twice
-    gc.collect()
-    a, b = fn()
-    assert len(a) == 4 and len(b) == 4
-    assert "sample_twice" in dir(fn.__self__)
-    fn.__self__.close()
-    with pytest.raises(RuntimeError, match="closed"):
-        fn()
-
-
-def test_numpy_integers_are_accepted_for_counts():
-    rb = replay_buffer(50)
-    with MultiprocessingSampler(StepSampler(rb, 4, seed=0), n_workers=np.int64(1),
-                                n_buffers=np.int32(2), ctx="fork") as m:
-        assert m.n_workers == 1 and type(m.n_workers) is int
-        assert len(indices_of(m.sample())) == 4
