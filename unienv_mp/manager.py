@@ -42,6 +42,11 @@ __all__ = ["MultiProcessingSampleManager", "TaskInfoT", "ResultT", "TASK_CAPACIT
 TaskInfoT = TypeVar("TaskInfoT")
 ResultT = TypeVar("ResultT")
 
+# This module, _worker_handle and _protocol are compiled by Cython (see setup.py): compiled
+# code runs no Python signal handler between a ring call's return and the statement that
+# keeps its result, so a Ctrl-C cannot lose a popped result or undo a push that happened.
+# As plain Python they work, but a Ctrl-C landing in such a window may do either.
+#
 # Protocol constants as globals of this module: the per-batch path reads them once per
 # batch, and a global is cheaper to read than a module attribute.
 _ST_OK = P.ST_OK
