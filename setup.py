@@ -32,18 +32,6 @@ extensions = [
         include_dirs=["csrc"],
         extra_compile_args=CFLAGS,
     ),
-    # Pure-Python modules on the per-batch path.  Compiled, they run no signal handler
-    # between a ring call's return and the use of what it returned: a Ctrl-C there would
-    # otherwise lose a popped result or undo a push that happened (see README,
-    # "Developing").  The .py files are the source; the compiled modules take precedence.
-    Extension("unienv_mp.manager", sources=["unienv_mp/manager.py"], extra_compile_args=CFLAGS),
-    Extension("unienv_mp._worker_handle", sources=["unienv_mp/_worker_handle.py"],
-              extra_compile_args=CFLAGS),
-    Extension("unienv_mp._work_encoder", sources=["unienv_mp/_work_encoder.py"],
-              extra_compile_args=CFLAGS),
-    Extension("unienv_mp._protocol", sources=["unienv_mp/_protocol.py"],
-              extra_compile_args=CFLAGS),
-    Extension("unienv_mp.worker", sources=["unienv_mp/worker.py"], extra_compile_args=CFLAGS),
 ]
 
 setup(
