@@ -122,6 +122,37 @@ def test_push_many_reports_partial_progress():
         assert info.value.pushed == 2
 
 
+def test_tagged_entries_and_what_the_calls_record():
+    import collections
+    with RingBuffer(2, 32) as r:
+        pushed, popped = [], collections.deque()
+        r.push_tagged(7, 1, 10, b"ab", record=pushed)
+        r.push_tagged(2**32 - 1, 2**32 - 1, 2**64 - 1, bytearray(16))
+        assert pushed == [10]
+        # what did not go into the ring is not recorded: full, a timeout, a check raising
+        with pytest.raises(queue.Full):
+            r.push_tagged(1, 1, 11, b"", False, record=pushed)
+        with pytest.raises(queue.Full):
+            r.push_tagged(1, 1, 12, b"", timeout=0.01, record=pushed)
+
+        def stop():
+            raise KeyboardInterrupt
+        with pytest.raises(KeyboardInterrupt):
+            r.push_tagged(1, 1, 13, b"", check=stop, record=pushed)
+        assert pushed == [10]
+        with pytest.raises(ValueError):   # 17 payload bytes do not fit in 32 - 16
+            r.push_tagged(1, 1, 14, bytes(17), record=pushed)
+        assert pushed == [10]
+        assert r.pop_tagged(into=popped) == (7, 1, 10, b"ab")
+        assert r.pop_tagged(False) == (2**32 - 1, 2**32 - 1, 2**64 - 1, bytes(16))
+        assert list(popped) == [(7, 1, 10, b"ab")]
+        with pytest.raises(queue.Empty):
+            r.pop_tagged(False, into=popped)
+        with pytest.raises(queue.Empty):
+            r.pop_tagged(timeout=0.01, into=popped)
+        assert len(popped) == 1
+
+
 # -- bad arguments -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bad, exc", [

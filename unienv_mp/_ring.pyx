@@ -821,11 +821,16 @@ cdef class RingBuffer:
     # -- tagged entries -----------------------------------------------------------------
 
     def push_tagged(self, uint32_t tag, uint32_t aux, uint64_t value, payload=b"",
-                    block=True, timeout=None, *, check=None):
+                    block=True, timeout=None, *, check=None, record=None):
         """Push one entry made of a 16-byte header (``tag``, ``aux``, ``value``) followed by
         ``payload`` (bytes-like, at most ``entry_size - 16`` bytes).  Same blocking rules
         as :meth:`push`.  The queue and the sampler describe messages this way: what kind,
-        which slot, how many bytes, and small payloads inline."""
+        which slot, how many bytes, and small payloads inline.
+
+        ``record``: if given (a list or deque), ``record.append(value)`` runs inside this
+        call once the entry is in the ring, and only then.  A Python caller can be
+        interrupted (a Ctrl-C's ``KeyboardInterrupt``) right after any call returns, so
+        it cannot tell from the return alone whether the push happened; ``record`` can."""
         cdef Py_buffer view
         cdef const char *src
         cdef Py_ssize_t n
@@ -855,15 +860,21 @@ cdef class RingBuffer:
             if n:
                 memcpy(buf + 16, src, n)
             self._push(buf, n + 16, block, timeout, check)
+            if record is not None:
+                record.append(value)
         finally:
             if have_view:
                 PyBuffer_Release(&view)
             if buf != stackbuf:
                 free(buf)
 
-    def pop_tagged(self, block=True, timeout=None, *, check=None):
+    def pop_tagged(self, block=True, timeout=None, *, check=None, into=None):
         """Pop one entry pushed by :meth:`push_tagged`; returns ``(tag, aux, value,
-        payload)`` with ``payload`` as ``bytes``."""
+        payload)`` with ``payload`` as ``bytes``.
+
+        ``into``: if given (a list or deque), the entry is also appended to it inside this
+        call, so that an entry taken off the ring is never lost to a ``KeyboardInterrupt``
+        landing right after the call returns (see ``record`` of :meth:`push_tagged`)."""
         cdef uint32_t length = 0, tag, aux
         cdef uint64_t value
         # (large enough for the manager's result entries, 16 + 4096 bytes: one is popped
@@ -883,7 +894,10 @@ cdef class RingBuffer:
             memcpy(&tag, buf, 4)
             memcpy(&aux, buf + 4, 4)
             memcpy(&value, buf + 8, 8)
-            return (tag, aux, value, PyBytes_FromStringAndSize(buf + 16, length - 16))
+            entry = (tag, aux, value, PyBytes_FromStringAndSize(buf + 16, length - 16))
+            if into is not None:
+                into.append(entry)
+            return entry
         finally:
             if buf != stackbuf:
                 free(buf)
