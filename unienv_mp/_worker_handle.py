@@ -128,7 +128,9 @@ class WorkerHandle:
         # back once per batch, is reallocated each time)
         self._free_slots = collections.deque()
         self._next_slot = 0
-        self._put_back = collections.deque()   # result entries popped, then interrupted
+        # result entries taken off the ring and not yet recorded by the manager (see
+        # next_result): the ring appends each one here itself
+        self._popped = collections.deque()
 
     @property
     def has_process(self):
@@ -150,7 +152,9 @@ class WorkerHandle:
     def start(self, seed):
         """Start a process, the next incarnation, with fresh rings and no slots.
         ``seed``: passed to the manager's ``worker_init_fn``.  Raises ``TypeError`` if the
-        work function cannot be sent to the process."""
+        work function cannot be sent to the process.  Either the handle has the new
+        process when this returns or raises (a ``KeyboardInterrupt`` arriving meanwhile
+        is raised once the handle has it), or no process is left running."""
         launch = self._launch
         task_entry = P.ENTRY_HEADER + TASK_INLINE
         result_entry = P.ENTRY_HEADER + RESULT_INLINE
@@ -161,7 +165,8 @@ class WorkerHandle:
         r_bytes = RingBuffer.footprint(r_cap, result_entry)
         t_off, r_off = P.RINGS_AT, P.RINGS_AT + t_bytes
         seg = Segment.create(r_off + r_bytes, f"worker{self.index}")
-        tasks = results = None
+        tasks = results = proc = None
+        adopted = False
         try:
             with memoryview(seg) as mv:
                 P.WORKER_HEADER.pack_into(mv, 0, P.WORKER_MAGIC, P.WORKER_VERSION, t_off,
@@ -185,43 +190,44 @@ class WorkerHandle:
                 proc.start()
                 _process.open_pidfd(proc)
             except (pickle.PicklingError, TypeError, AttributeError) as e:
-                _process.stop_half_started(proc)
                 raise TypeError(
                     f"cannot start workers with the {launch.ctx.get_start_method()!r} start "
                     f"method: the work function (and everything it refers to, e.g. the "
                     f"wrapped sampler) must be picklable, but pickling failed with "
                     f"{type(e).__name__}: {e}") from e
-            except BaseException:
-                _process.stop_half_started(proc)   # e.g. Ctrl-C after the fork
-                raise
+            # The handle takes the process in one step that a Ctrl-C cannot cut in two.
+            with _process.interrupts_deferred():
+                self.incarnation += 1
+                self._seg, self._tasks, self._results = seg, tasks, results
+                self._rings = (tasks, results)
+                self.proc, self.pid = proc, proc.pid
+                self._popped = collections.deque()
+                self._slot_maps = {}
+                self._free_slots = collections.deque()
+                self._next_slot = 0
+                adopted = True
         except BaseException:
-            # (a worker started despite all is told to stop by its rings, then unmapped)
-            for ring in (tasks, results):
-                if ring is not None:
-                    ring.shutdown()
-            seg.close()
+            if not adopted:
+                if proc is not None:
+                    _process.stop_half_started(proc)   # e.g. Ctrl-C after the fork
+                # (a worker started despite all is told to stop by its rings, then unmapped)
+                for ring in (tasks, results):
+                    if ring is not None:
+                        ring.shutdown()
+                seg.close()
             raise
-        # From here on, nothing that can fail or run Python code of another module.
-        self.incarnation += 1
-        self._seg, self._tasks, self._results = seg, tasks, results
-        self._rings = (tasks, results)
-        self.proc, self.pid = proc, proc.pid
-        self._put_back = collections.deque()
-        self._slot_maps = {}
-        self._free_slots = collections.deque()
-        self._next_slot = 0
 
     def detach(self):
         """Take the process (which died) and its memory off the handle, and return them,
-        to be stopped and released with ``.stop(join_timeout)``.  Result entries put back
-        and slots mapped are dropped with them.  Runs no Python code of other modules, so
+        to be stopped and released with ``.stop(join_timeout)``.  Result entries not
+        recorded and slots mapped are dropped with them.  Runs no Python code of other modules, so
         that the caller can make it part of one step that a Ctrl-C cannot cut in two."""
         detached = _Detached(self.proc, self._rings, self._seg)
         self.proc = self.pid = None
         self._tasks = self._results = self._seg = None
         self._rings = ()
         self._slot_maps = {}
-        self._put_back = collections.deque()
+        self._popped = collections.deque()
         return detached
 
     def shut_down_rings(self):
@@ -245,35 +251,41 @@ class WorkerHandle:
 
     # -- rings ----------------------------------------------------------------------------
 
-    def push_task(self, tag, slot, ticket, payload):
-        """Push a task entry.  The manager keeps room on the ring (see TASK_CAPACITY), so
-        this does not wait.  Raises WorkerDied if the process is gone."""
+    def push_task(self, tag, slot, ticket, payload, record):
+        """Push a task entry, and append ``ticket`` to ``record`` if and only if it was
+        pushed (the ring does that, inside the call: see ``RingBuffer.push_tagged``).  The
+        manager keeps room on the ring (see TASK_CAPACITY), so this does not wait.  Raises
+        WorkerDied if the process is gone."""
         tasks = self._tasks
         try:
-            tasks.push_tagged(tag, slot, ticket, payload, False)
+            tasks.push_tagged(tag, slot, ticket, payload, False, None, record=record)
         except _queue.Full:
-            tasks.push_tagged(tag, slot, ticket, payload, check=self._check)
+            tasks.push_tagged(tag, slot, ticket, payload, check=self._check, record=record)
 
-    def pop_result(self, timeout):
-        """The next result entry ``(tag, slot, ticket, payload)``: an entry put back first,
-        else one from the result ring, waiting up to ``timeout`` seconds (``None``: as long
-        as the process lives; ``0``: not at all).  Raises ``queue.Empty`` when none came,
-        WorkerDied if the process ended, ``RingClosed`` if the ring was shut down."""
-        put_back = self._put_back
-        if put_back:
-            return put_back.popleft()
+    def next_result(self, timeout):
+        """The oldest result entry ``(tag, slot, ticket, payload)`` not recorded yet (see
+        :meth:`result_recorded`): one taken off the result ring earlier, else the next one
+        there, waiting up to ``timeout`` seconds (``None``: as long as the process lives;
+        ``0``: not at all).  Raises ``queue.Empty`` when none came, WorkerDied if the
+        process ended, ``RingClosed`` if the ring was shut down.
+
+        An entry stays here until the manager says it recorded it, so a ``KeyboardInterrupt``
+        landing anywhere between its pop and the end of its recording loses nothing: the
+        next call returns the same entry, to be recorded again."""
+        popped = self._popped
+        if popped:
+            return popped[0]
         results = self._results
         try:
-            return results.pop_tagged(False)   # a result already there
+            return results.pop_tagged(False, None, into=popped)   # a result already there
         except _queue.Empty:
             if timeout == 0:
                 raise
-        return results.pop_tagged(True, timeout, check=self._check)
+        return results.pop_tagged(True, timeout, check=self._check, into=popped)
 
-    def put_back(self, entry):
-        """Give back an entry that :meth:`pop_result` returned and that could not be
-        recorded (a Ctrl-C cut in): the next :meth:`pop_result` returns it again."""
-        self._put_back.appendleft(entry)
+    def result_recorded(self):
+        """The entry :meth:`next_result` returned is recorded: drop it."""
+        self._popped.popleft()
 
     # -- slots ----------------------------------------------------------------------------
 

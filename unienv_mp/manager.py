@@ -42,10 +42,25 @@ __all__ = ["MultiProcessingSampleManager", "TaskInfoT", "ResultT", "TASK_CAPACIT
 TaskInfoT = TypeVar("TaskInfoT")
 ResultT = TypeVar("ResultT")
 
-# This module, _worker_handle and _protocol are compiled by Cython (see setup.py): compiled
-# code runs no Python signal handler between a ring call's return and the statement that
-# keeps its result, so a Ctrl-C cannot lose a popped result or undo a push that happened.
-# As plain Python they work, but a Ctrl-C landing in such a window may do either.
+# A Ctrl-C (KeyboardInterrupt) can land between any two bytecodes of this module, in
+# particular right after any call returns.  What keeps the manager consistent whatever it
+# cuts short:
+#
+# * The rings record what they did inside the call: a task pushed is appended to its
+#   lane's ``inflight`` by the push itself (RingBuffer.push_tagged's ``record``), and a
+#   result entry popped stays in its handle until its recording ends (next_result /
+#   result_recorded).  So "pushed" is exactly "in inflight", and no popped entry is lost.
+# * Recording a result (_accept) may run again on the same entry, and every step of it
+#   gives the same state when run twice; ``arrived`` is set before the ticket leaves
+#   ``inflight``, so a task is never neither arrived nor in flight (nor re-issued once it
+#   has arrived: _bury skips arrived tasks).
+# * A slot number is given back only through _give_back_slot, which clears ``task.slot``
+#   first: an interruption can at worst leak a slot number (the worker makes another
+#   slot), never give one back twice (two tasks writing into one slot).
+# * submit() hands its ticket over through ``record`` (the caller's list), appended as
+#   the last step; if it raises before, the task is abandoned (_abandon).
+# * The rare multi-step changes (replacing a worker's process) hold SIGINT back until
+#   they are done (_process.interrupts_deferred).
 #
 # Protocol constants as globals of this module: the per-batch path reads them once per
 # batch, and a global is cheaper to read than a module attribute.
@@ -293,17 +308,19 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         if w.has_process:
             try:
                 while True:
-                    self._take(lane, w.pop_result(0))
+                    self._take(lane, w.next_result(0))
             except (_queue.Empty, RingClosed, WorkerDied):
                 pass
         how = _process.describe_exit(code)
-        lane.deaths_in_a_row += 1
+        deaths = lane.deaths_in_a_row + 1
         if not self.respawn:
+            lane.deaths_in_a_row = deaths
             raise WorkerDiedError(f"worker {w.index} (pid {pid}) {how}; respawn=False",
                                   worker=w.index, exitcode=code)
-        if lane.deaths_in_a_row > self.max_respawns:
+        if deaths > self.max_respawns:
+            lane.deaths_in_a_row = deaths
             raise WorkerDiedError(
-                f"worker {w.index} {how}; it died {lane.deaths_in_a_row} times in a row "
+                f"worker {w.index} {how}; it died {deaths} times in a row "
                 f"without producing a result ({self.max_respawns} replacements), giving up",
                 worker=w.index, exitcode=code)
         # One step that a Ctrl-C must not cut in two: the worker has no process, and its
@@ -315,16 +332,17 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         detached = None
         try:
             with _process.interrupts_deferred():
+                lane.deaths_in_a_row = deaths
                 unfinished = []
                 tasks = self._tasks
                 for t in lane.inflight:
                     task = tasks.get(t)
-                    if task is None:
+                    if task is None or task.arrived:
                         continue
+                    task.slot = None   # (the slot numbers of the dead process are void)
                     if task.cancelled:
                         self._drop(task)
-                    else:
-                        task.slot = None
+                    elif task not in lane.waiting:
                         unfinished.append(task)
                 lane.inflight.clear()
                 lane.waiting[0:0] = unfinished    # before anything queued for it meanwhile
@@ -345,9 +363,12 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                     w.start(seed)
                 waiting = lane.waiting
                 while waiting:
-                    self._make_room(lane)
-                    self._push_task(waiting[0], lane)
-                    waiting.pop(0)
+                    task = waiting[0]
+                    # (pushed already, by a step that a Ctrl-C cut short: in flight)
+                    if not task.arrived and task.ticket not in lane.inflight:
+                        self._make_room(lane)
+                        self._push_task(task, lane)
+                    del waiting[0]
                 return
             except WorkerDied:
                 self._bury(lane)
@@ -363,10 +384,15 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 f"be used in process {os.getpid()} (a forked child): its workers answer "
                 f"only their parent")
 
-    def submit(self, work_info, worker: Optional[int] = None) -> int:
+    def submit(self, work_info, worker: Optional[int] = None, *, record=None) -> int:
         """Queue ``work_info`` and return its ticket (see :meth:`result`).  ``worker``
         picks the worker; by default the next one round-robin (``in_order``, see
-        :meth:`reset_order`) or the least busy one."""
+        :meth:`reset_order`) or the least busy one.
+
+        ``record``: a list or deque to which the ticket is appended as the last step.  A
+        caller that keeps its tickets there loses none to a ``KeyboardInterrupt``: either
+        the ticket is appended, or the work was not submitted (or is dropped when its
+        result arrives)."""
         if self.closed or _this_pid != self._owner_pid:
             self._ensure_open()   # raises
         if self._released:
@@ -383,14 +409,12 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             self._next_worker = (i + 1) % len(lanes)
         else:
             lane = min(lanes, key=lambda x: len(x.inflight) + len(x.waiting))
-        ticket = self._next_ticket
         task = _Task()
-        task.ticket = ticket
+        ticket = task.ticket = self._next_ticket
         task.work = work_info
         self._next_ticket = ticket + 1
-        tasks = self._tasks
-        tasks[ticket] = task
         try:
+            self._tasks[ticket] = task
             # Give the task to the worker, replacing its process first if it died.
             if lane.waiting or not lane.worker.has_process:
                 lane.waiting.append(task)
@@ -404,13 +428,23 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                     self._bury(lane)
                     lane.waiting.append(task)
                     self._restart(lane)
+            if record is not None:
+                record.append(ticket)
         except BaseException:
-            # (if the task did reach the worker, its result is dropped as unknown)
-            self._drop(task)
-            if task in lane.waiting:
-                lane.waiting.remove(task)
+            if record is None or not record or record[-1] != ticket:
+                self._abandon(task, lane)
+            # (else the caller has the ticket: interrupted after handing it over)
             raise
         return ticket
+
+    def _abandon(self, task, lane):
+        """``submit`` of ``task`` raised: its caller has no ticket.  Drop the task, or, if
+        it reached the worker, let it be dropped when its result arrives."""
+        task.cancelled = True
+        while task in lane.waiting:
+            lane.waiting.remove(task)
+        if task.arrived or task.ticket not in lane.inflight:
+            self._drop(task)
 
     def reset_order(self) -> None:
         """Deal the next task (submitted without ``worker``) to worker 0, and the ones
@@ -424,14 +458,16 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         w = lane.worker
         while len(lane.inflight) >= TASK_CAPACITY:
             try:
-                self._take(lane, w.pop_result(self.timeout))
+                self._take(lane, w.next_result(self.timeout))
             except _queue.Empty:
                 raise TimeoutError(f"worker {w.index} produced no result within "
                                    f"{self.timeout} s") from None
 
     def _push_task(self, task, lane):
-        """Push ``task`` onto the task ring of ``lane``'s worker.  Raises WorkerDied (with
-        nothing changed) if the process is gone."""
+        """Push ``task`` onto the task ring of ``lane``'s worker; it is in
+        ``lane.inflight`` once pushed.  Raises WorkerDied (not pushed) if the process is
+        gone.  Whether it was pushed or not, the task keeps the slot number it was given,
+        for the next try (or for _drop)."""
         seg = task.spill
         if seg is None:
             tag, payload, seg = self._encoder.encode(task.work)
@@ -441,47 +477,42 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         else:
             tag, payload = spill_entry(seg)   # (work given again, to a new process)
         w = lane.worker
-        slot = task.slot
-        if slot is None:
-            slot = w.take_slot()
-        ticket = task.ticket
-        inflight = lane.inflight
-        inflight.append(ticket)
-        try:
-            w.push_task(tag, slot, ticket, payload)
-        except BaseException:
-            inflight.pop()
-            if task.slot is None:
-                w.give_back_slot(slot, w.incarnation)
-            raise
-        task.slot = slot
         task.worker = w.index
         task.incarnation = w.incarnation
+        if task.slot is None:
+            task.slot = w.take_slot()
+        # (the ticket goes into inflight if and only if the push happens)
+        w.push_task(tag, task.slot, task.ticket, payload, lane.inflight)
 
     def add_work(self, work_info: TaskInfoT) -> None:
         """Queue ``work_info``; its result is returned by a later :meth:`fetch`."""
-        self._order.append(self.submit(work_info))
+        self.submit(work_info, record=self._order)
 
     # -- collecting -----------------------------------------------------------------------
 
     def _accept(self, lane, entry):
         """Record a result entry that ``lane``'s worker published (hand nothing out
-        yet)."""
+        yet).  The caller then tells the worker handle it is recorded (see _take); an
+        entry whose recording was cut short is recorded again, so every step below gives
+        the same state when it runs twice."""
         t, slot, ticket, payload = entry
         status, where = _untag(t)
         w = lane.worker
         if status == _ST_FATAL:
+            w.result_recorded()   # (the worker exits; a replacement starts afresh)
             info = _codec.decode(payload, copy=True)
             raise self._worker_error(info, w.index, "could not start: ")
         tasks = self._tasks
         task = tasks.get(ticket)
         if task is None or task.worker != w.index:
-            return  # stale (e.g. re-issued work that the dead incarnation also finished)
-        # An entry whose recording a Ctrl-C cut short is recorded again (see _take): every
-        # step below may run twice, and ``arrived`` is set last.
+            # no longer wanted (dropped, or delivered by a recording cut short)
+            try:
+                lane.inflight.remove(ticket)
+            except ValueError:
+                pass
+            return
         if task.arrived:
-            if task.cancelled:
-                self._drop(task)
+            self._arrived(lane, task)   # (finish a recording cut short)
             return
         if where == _AT_SLOT:
             try:
@@ -502,23 +533,22 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         self._arrived(lane, task)
 
     def _arrived(self, lane, task):
-        """The result of ``task`` is recorded: it is no longer in flight."""
+        """The result of ``task`` is recorded: it is no longer in flight.  (``arrived``
+        first: a task whose ticket is still in flight meanwhile is not re-issued.)"""
+        task.arrived = True
         try:
             lane.inflight.remove(task.ticket)
         except ValueError:
-            pass   # (removed already, by a recording that a Ctrl-C cut short)
-        task.arrived = True
+            pass   # (removed already, by a recording cut short)
         if task.cancelled:
             self._drop(task)
 
     def _take(self, lane, entry):
-        """_accept ``entry``; if a Ctrl-C interrupts that, put the entry back to be
-        accepted first next time (it was popped: nothing else would deliver it)."""
-        try:
-            self._accept(lane, entry)
-        except KeyboardInterrupt:
-            lane.worker.put_back(entry)
-            raise
+        """Record ``entry``, the oldest result entry of ``lane``'s worker not recorded yet
+        (WorkerHandle.next_result), then let the handle drop it.  Interrupted anywhere,
+        the entry stays with the handle and is recorded again next time."""
+        self._accept(lane, entry)
+        lane.worker.result_recorded()
 
     def _release_spill(self, task):
         """Close the segment that carried ``task``'s work info, if any."""
@@ -531,19 +561,35 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             task.spill = None
 
     def _drop(self, task):
-        """Forget ``task`` (cancelled, or failed to submit) and release what it holds: its
-        spill, and its slot if its result arrived."""
+        """Forget ``task`` (cancelled, or abandoned by submit) and release what it holds:
+        its spill, and its slot unless the worker may still write into it (pushed, and no
+        result yet: then the slot goes back when the result arrives, see _abandon)."""
         self._tasks.pop(task.ticket, None)
         self._release_spill(task)
-        if task.arrived and task.error is None:
+        if task.worker is None:
+            return
+        inflight = self._lanes[task.worker].inflight
+        if task.arrived:
+            try:
+                inflight.remove(task.ticket)   # (a recording cut short left it there)
+            except ValueError:
+                pass
+        if task.slot is not None and (task.arrived or task.ticket not in inflight):
             self._give_back_slot(task)
 
     def _give_back_slot(self, task):
-        """The slot of ``task``, whose result was read or dropped, can take new work."""
-        self._lanes[task.worker].worker.give_back_slot(task.slot, task.incarnation)
+        """The slot of ``task``, whose result was read or dropped, can take new work.  At
+        most once: ``task.slot`` is cleared first (cut short in between, the slot number
+        is lost, never given back twice)."""
+        slot = task.slot
+        if slot is not None:
+            task.slot = None
+            self._lanes[task.worker].worker.give_back_slot(slot, task.incarnation)
 
     def _give_back_released_slots(self):
-        """Slots whose last view was garbage collected go back to their worker."""
+        """Slots whose last view was garbage collected go back to their worker (taken
+        off ``_released`` first: cut short in between, a slot number is lost, never given
+        back twice)."""
         released = self._released
         lanes = self._lanes
         while released:
@@ -562,12 +608,9 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 continue
             try:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                entry = w.pop_result(left)
-                try:   # (_take, inlined: this runs once per batch)
-                    self._accept(lane, entry)
-                except KeyboardInterrupt:
-                    w.put_back(entry)
-                    raise
+                entry = w.next_result(left)
+                self._accept(lane, entry)   # (_take, inlined: this runs once per batch)
+                w.result_recorded()
             except _queue.Empty:
                 raise TimeoutError(
                     f"no result from worker {w.index} within {timeout} s") from None
@@ -576,16 +619,18 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 self._restart(lane)
 
     def _deliver(self, task):
-        """Turn an arrived result into the value returned to the caller."""
-        tasks = self._tasks
-        tasks.pop(task.ticket, None)
+        """Turn an arrived result into the value returned to the caller.  The task leaves
+        ``_tasks`` once its slot is given back or leased (cut short before, a later
+        cancel() finds it, and its slot, in a consistent state)."""
         if task.error is not None:
+            self._give_back_slot(task)
+            self._tasks.pop(task.ticket, None)
             raise task.error
         status = task.status
         seg = task.seg
         if seg is None:
-            # (_give_back_slot, inlined: this runs once per batch)
-            self._lanes[task.worker].worker.give_back_slot(task.slot, task.incarnation)
+            self._give_back_slot(task)
+            self._tasks.pop(task.ticket, None)
             value = _decode(task.inline, True)   # (copy)
         elif self.copy or self._leases >= self.max_leases or status != _ST_OK:
             try:
@@ -593,10 +638,14 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                     value = _decode(mv[:task.nbytes], True)   # (copy)
             finally:
                 self._give_back_slot(task)
+                self._tasks.pop(task.ticket, None)
         else:
+            slot = task.slot   # the lease takes it over (as in _give_back_slot: once)
+            task.slot = None
             self._leases += 1
             lease = _SlotLease(seg, 0, task.nbytes, self._released.append,
-                               (task.worker, task.incarnation, task.slot))
+                               (task.worker, task.incarnation, slot))
+            self._tasks.pop(task.ticket, None)
             value = _decode(lease)
             del lease
         if status == _ST_ERROR:
@@ -616,8 +665,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             self._ensure_open()   # raises
         tasks = self._tasks
         task = tasks.get(ticket)
-        if task is None:
-            raise KeyError(f"unknown or already collected ticket {ticket}")
+        if task is None or task.cancelled:
+            raise KeyError(f"unknown, cancelled or already collected ticket {ticket}")
         if not task.arrived:
             self._wait(task, self.timeout if timeout is None else timeout)
         return self._deliver(task)
@@ -626,8 +675,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         """True if the result of ``ticket`` has arrived (collects what has arrived)."""
         self._ensure_open()
         task = self._tasks.get(ticket)
-        if task is None:
-            raise KeyError(f"unknown or already collected ticket {ticket}")
+        if task is None or task.cancelled:
+            raise KeyError(f"unknown, cancelled or already collected ticket {ticket}")
         if not task.arrived:
             self._poll_all(check_alive=True)
         return task.arrived
@@ -665,7 +714,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 self._restart(lane)
             try:
                 while True:
-                    self._take(lane, w.pop_result(0))
+                    self._take(lane, w.next_result(0))
             except _queue.Empty:
                 if check_alive and w.has_exited():
                     self._bury(lane)
@@ -698,16 +747,28 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                         if timeout is not None:
                             return None
                         raise
+            # The ticket leaves _order after its task leaves _tasks (cut short in between,
+            # the next fetch skips it), or when the result is an exception.
+            try:
+                value = self._deliver(task)
+            except Exception:
+                self._order.popleft()
+                raise
             self._order.popleft()
-            return self._deliver(task)
+            return value
         limit = timeout if timeout is not None else self.timeout
         ticket = self._first_ready(self._order, block, limit)
         if ticket is None:
             if block and timeout is None and limit is not None:
                 raise TimeoutError(f"no result within {limit} s")
             return None
+        try:
+            value = self._deliver(self._tasks[ticket])
+        except Exception:
+            self._order.remove(ticket)
+            raise
         self._order.remove(ticket)
-        return self._deliver(self._tasks[ticket])
+        return value
 
     def _first_ready(self, tickets, block, limit):
         """A ticket among ``tickets`` whose result has arrived, waiting up to ``limit``

@@ -250,20 +250,19 @@ class MultiprocessingSampler(BatchSampler):
         # soon as fewer are left, so between n_buffers and n_buffers + k - 1 after a call
         n_buffers = self.n_buffers
         while len(ready) + k * len(tickets) <= n_buffers:
-            tickets.append(manager.submit((name, NO_ARG if k == 1 else k)))
+            manager.submit((name, NO_ARG if k == 1 else k), record=tickets)
         if ready:
             return ready.popleft()
-        if self.in_order:
-            ticket = tickets.popleft()
-        else:
-            ticket = manager.wait_any(tickets)
-            tickets.remove(ticket)
+        # (_collect, inlined)
+        ticket = tickets[0] if self.in_order else manager.wait_any(tickets)
         try:
             value = manager.result(ticket)
         except BaseException:
             # interrupted or timed out: nobody will ask for this ticket again
             manager.cancel(ticket)
+            tickets.remove(ticket)
             raise
+        tickets.remove(ticket)
         if k == 1:
             return value
         ready.extend(value)
@@ -279,13 +278,20 @@ class MultiprocessingSampler(BatchSampler):
         return max(1, min(self.n_buffers, _GROUP_BYTES // max(1, row * self.batch_size)))
 
     @staticmethod
-    def _collect(manager, ticket):
+    def _collect(manager, tickets):
+        """The result of the first of ``tickets`` (``in_order``) or of the first to arrive,
+        taken off ``tickets`` (a ticket leaves it once its result is delivered, or dropped:
+        a Ctrl-C anywhere leaves no ticket behind that is not pending)."""
+        ticket = tickets[0] if manager.in_order else manager.wait_any(tickets)
         try:
-            return manager.result(ticket)
+            value = manager.result(ticket)
         except BaseException:
             # interrupted or timed out: nobody will ask for this ticket again
             manager.cancel(ticket)
+            tickets.remove(ticket)
             raise
+        tickets.remove(ticket)
+        return value
 
     def _epoch(self, getter):
         if self._closed:
@@ -308,14 +314,9 @@ class MultiprocessingSampler(BatchSampler):
         try:
             while nxt < len(batches) or pending:
                 while nxt < len(batches) and len(pending) < self.n_buffers:
-                    pending.append(manager.submit((getter, batches[nxt])))
+                    manager.submit((getter, batches[nxt]), record=pending)
                     nxt += 1
-                if self.in_order:
-                    ticket = pending.popleft()
-                else:
-                    ticket = manager.wait_any(pending)
-                    pending.remove(ticket)
-                yield self._collect(manager, ticket)
+                yield self._collect(manager, pending)
         finally:
             # Also on an early break (generator closed) or an error: drop what is in flight.
             if own:
