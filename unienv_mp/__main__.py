@@ -457,8 +457,8 @@ def sweep_figure(plt, points, case):
     counts = sorted({w for w, _ in points if w is not None})
     names = list(dict.fromkeys(r.name for _, r in points))
     for name in names:
-        mine = sorted((w, r) for w, r in points if r.name == name and not r.error
-                      and r.batches)
+        mine = sorted(((w, r) for w, r in points if r.name == name and not r.error
+                       and r.batches), key=lambda p: p[0] or 0)
         if not mine:
             continue
         label = mine[0][1].label
@@ -545,10 +545,6 @@ def _run_case(case, args, missing, progress, say):
     cfg, note = make_config(args, case)
     if note:
         say(note)
-    reason = compare.case_missing(case, cfg)
-    if reason is not None:
-        say(f"skipping case {case}: {reason}")
-        return None
     names = []
     for name in args.impls:
         if name not in spec.rows:
@@ -562,6 +558,10 @@ def _run_case(case, args, missing, progress, say):
         why = ("; ".join(sorted({missing[n] for n in listed})) if listed else
                f"--impl lists none of its rows ({', '.join(spec.rows)})")
         say(f"nothing to compare here in case {case}: {why}")
+        return None
+    reason = compare.case_missing(case, cfg)
+    if reason is not None:
+        say(f"skipping case {case}: {reason}")
         return None
     counts = args.workers
     swept = len(counts) > 1

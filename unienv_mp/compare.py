@@ -154,8 +154,10 @@ def case_missing(case: str, cfg: Config) -> Optional[str]:
         try:
             from unienv_data.storages.image_storage import ImageStorage  # noqa: F401
         except ImportError as e:
-            return (f"UniEnv's ImageStorage cannot be imported ({e}); it needs Pillow "
-                    f"(pip install pillow)")
+            if e.name == "PIL":
+                return ("Pillow, which UniEnv's ImageStorage needs, is not installed "
+                        "(pip install pillow)")
+            return f"UniEnv's ImageStorage cannot be imported: {e}"
     return None
 
 
@@ -665,10 +667,10 @@ def online_warmup(cfg: Config) -> int:
     return max(cfg.warmup, 4 * cfg.buffers)
 
 
-def run_online(next_batch, rb, cfg: Config, progress: Callable[[float], None] = lambda f: None,
-               result: Optional[OnlineResult] = None) -> OnlineResult:
-    """The online loop over ``rb`` (from ``build_online_buffer``), sampling with
-    ``next_batch``; returns ``result`` (or a new ``OnlineResult``) filled in.
+def online_stepper(next_batch, rb, cfg: Config):
+    """One loop step of the online case at a time, over ``rb`` (from
+    ``build_online_buffer``) with ``next_batch`` as its sampler: a function that does the
+    next step and returns ``(staleness, batch)``.
 
     Loop step ``t`` (1, 2, ...) appends ``cfg.append`` transitions whose ``clock`` is
     ``t``, sets the ``clock`` of every row of the buffer to ``t`` (one ``fill_`` of the
@@ -677,11 +679,9 @@ def run_online(next_batch, rb, cfg: Config, progress: Callable[[float], None] = 
     ``clock`` in a batch is the newest step the batch could contain, and its staleness
     (``staleness``) is ``t`` minus that: 0 for a batch read after this step's writes (as
     in process).  The fill is not atomic: a row read while it runs can still show
-    ``t - 1``, which makes a staleness read at most one step high.  Every row pays the
-    same fill (a few microseconds for 20k rows).  The first ``online_warmup(cfg)`` steps
-    are not measured."""
+    ``t - 1``, which makes a staleness read at most one step high.  Every implementation
+    pays the same fill (a few microseconds for 20k rows)."""
     import torch
-    res = result if result is not None else OnlineResult("", "")
     clock = _dict_storage_tensors(rb)["clock"]
     gen = torch.Generator().manual_seed(1)
     rows = {"state": torch.rand(cfg.append, 10, generator=gen) * 2 - 1,
@@ -697,15 +697,20 @@ def run_online(next_batch, rb, cfg: Config, progress: Callable[[float], None] = 
         clock.fill_(step)
         b = next_batch()
         touch(b)
-        return b
+        return staleness(step, b), b
+    return one_step
 
-    def measured_step():
-        b = one_step()
-        res.staleness.append(staleness(step, b))
 
+def run_online(next_batch, rb, cfg: Config, progress: Callable[[float], None] = lambda f: None,
+               result: Optional[OnlineResult] = None) -> OnlineResult:
+    """The online loop (see ``online_stepper``): ``online_warmup(cfg)`` steps, then as
+    many as fit in ``cfg.seconds``, each one's staleness kept; returns ``result`` (or a
+    new ``OnlineResult``) filled in."""
+    res = result if result is not None else OnlineResult("", "")
+    one_step = online_stepper(next_batch, rb, cfg)
     for _ in range(online_warmup(cfg)):
-        res.batch_bytes = batch_nbytes(one_step())
-    _time_steps(res, measured_step, cfg, progress)
+        res.batch_bytes = batch_nbytes(one_step()[1])
+    _time_steps(res, lambda: res.staleness.append(one_step()[0]), cfg, progress)
     return res
 
 
