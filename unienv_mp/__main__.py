@@ -21,21 +21,19 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 from dataclasses import dataclass, field, replace
 from typing import List
 
 from . import compare
 
-_HELP_CASES = (
-    "image: " + compare.CASES["image"].summary + " (default); "
-    "state: " + compare.CASES["state"].summary + "; "
-    "jpeg: " + compare.CASES["jpeg"].summary + " (needs Pillow); "
-    "online: " + compare.CASES["online"].summary + ". Staleness of a batch: the newest "
-    "step written (t) minus the newest step the batch could contain, which is the last "
-    "loop step whose writes had landed when its rows were read (each step appends, then "
-    "writes t into a clock column of every row; the batch's largest clock is that step); "
-    "latency: " + compare.CASES["latency"].summary + ", asked for in three ways: "
-    + "; ".join(compare.TRIGGERS.values()) + "; all: every case, one after the other")
+def _cases_epilog():
+    lines = ["cases:"]
+    for name, case in list(compare.CASES.items()) + [
+            ("all", compare.Case("all", "", (), "every case, one after the other"))]:
+        lines += textwrap.wrap(case.summary, width=88, initial_indent=f"  {name:<9}",
+                               subsequent_indent=" " * 11, break_on_hyphens=False)
+    return "\n".join(lines)
 
 
 def _shape(text):
@@ -77,9 +75,10 @@ def parse_args(argv=None):
         prog="python -m unienv_mp",
         description="Time unienv_mp's MultiprocessingSampler against UniEnv's, in-process "
                     "sampling, a torch DataLoader, index_select into reused memory and "
-                    "TorchRL's ReplayBuffer, on the workloads of --case.")
+                    "TorchRL's ReplayBuffer, on the workloads of --case.",
+        epilog=_cases_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--case", choices=tuple(compare.CASES) + ("all",), default="image",
-                   help=_HELP_CASES)
+                   help="the workload (see below; default image)")
     p.add_argument("--transitions", type=_positive(int), help="steps in the buffer "
                    "(default 20000; jpeg 4000; online: the capacity, half filled at "
                    "the start; fewer if memory is short)")
@@ -480,16 +479,6 @@ def sweep_figure(plt, points, case):
     return fig
 
 
-def plot(results, path, case="image"):
-    """Save the two-panel chart of a throughput table (ms and main CPU per batch) to
-    ``path``; False (with a message) without matplotlib."""
-    plt = _pyplot()
-    if plt is None:
-        return False
-    _save(plt, table_figure(plt, results, case), path)
-    return True
-
-
 def _save(plt, fig, path):
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -508,13 +497,16 @@ def _plot_path(path, case, several):
 
 @dataclass
 class CaseRun:
-    """What one case produced: its table, its JSON payload, its chart (a function of
-    pyplot, or None), and whether a row failed."""
+    """What one case produced: its table, its results for the JSON output, its chart (a
+    function of pyplot that returns a figure), whether a row failed, and the rows skipped
+    here (name: why)."""
     case: str
+    cfg: compare.Config
     table: Table
     payload: dict
     figure: object
     failed: bool
+    skipped: dict
 
 
 def _config_dict(cfg):
@@ -583,9 +575,9 @@ def _run_case(case, args, missing, progress, say):
         points = _points(names, counts, lambda n, w: timed(
             n, w, lambda adv: compare.measure_online(n, at(w), adv)))
         payload = {"results": [_row_dict(w, r) for w, r in points]}
-        return CaseRun(case, online_table(points, cfg), payload,
+        return CaseRun(case, cfg, online_table(points, cfg), payload,
                        lambda plt: online_figure(plt, points),
-                       any(r.error for _, r in points)), cfg, skipped
+                       any(r.error for _, r in points), skipped)
 
     bar = progress.bar(cfg.transitions, f"{case}: building the replay buffer", "steps")
     with compare.case_data(case, cfg, bar.update) as rb:
@@ -598,9 +590,9 @@ def _run_case(case, args, missing, progress, say):
                         n, w, lambda adv: compare.measure_latency(n, trigger, rb, at(w), adv),
                         f", {trigger}")))
             payload = {"results": [_row_dict(w, r) for w, r in points]}
-            return CaseRun(case, latency_table(points, cfg), payload,
+            return CaseRun(case, cfg, latency_table(points, cfg), payload,
                            lambda plt: latency_figure(plt, points),
-                           any(r.error for _, r in points)), cfg, skipped
+                           any(r.error for _, r in points), skipped)
         if swept:
             points = _points(names, counts, lambda n, w: timed(
                 n, w, lambda adv: compare.measure(n, rb, at(w), adv)))
@@ -608,17 +600,17 @@ def _run_case(case, args, missing, progress, say):
                         for w in counts}
             payload = {"results": [_row_dict(w, r) for w, r in points],
                        "speedup_of_unienv_mp": by_count}
-            return CaseRun(case, sweep_table(points, cfg, case), payload,
+            return CaseRun(case, cfg, sweep_table(points, cfg, case), payload,
                            lambda plt: sweep_figure(plt, points, case),
-                           any(r.error for _, r in points)), cfg, skipped
+                           any(r.error for _, r in points), skipped)
         results = [timed(n, None, lambda adv: compare.measure(n, rb, cfg, adv))
                    for n in names]
     payload = {"results": [_row_dict(cfg.workers if r.name in compare.USES_WORKERS else None,
                                      r) for r in results],
                "speedup_of_unienv_mp": compare.speedups(results)}
-    return CaseRun(case, throughput_table(results, cfg, case), payload,
+    return CaseRun(case, cfg, throughput_table(results, cfg, case), payload,
                    lambda plt: table_figure(plt, results, case),
-                   any(r.error for r in results)), cfg, skipped
+                   any(r.error for r in results), skipped)
 
 
 def main(argv=None):
@@ -635,14 +627,13 @@ def main(argv=None):
 
     runs = []
     for case in cases:
-        out = _run_case(case, args, missing, progress, say)
-        if out is None:
+        run = _run_case(case, args, missing, progress, say)
+        if run is None:
             continue
-        run, cfg, skipped = out
-        config = _config_dict(cfg)
+        config = _config_dict(run.cfg)
         if len(args.workers) > 1:
             config["workers"] = list(args.workers)
-        run.payload = {"case": case, "config": config, **run.payload, "skipped": skipped}
+        run.payload = {"case": case, "config": config, **run.payload, "skipped": run.skipped}
         runs.append(run)
         if not args.json:
             if len(cases) > 1:

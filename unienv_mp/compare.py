@@ -109,16 +109,22 @@ CASES = {
     "jpeg": Case("jpeg", "throughput",
                  ("unienv_mp", "unienv", "unienv_shm", "in_process", "dataloader"),
                  "batches of 64 {state, action, 128x128x3 image} whose images are JPEG "
-                 "files in UniEnv's ImageStorage, decoded for every batch",
+                 "files in UniEnv's ImageStorage, decoded for every batch (needs Pillow)",
                  {"transitions": 4000, "batch_size": 64}, quick_transitions=1000),
     "online": Case("online", "online", ("unienv_mp", "unienv", "in_process"),
-                   "a loop that appends 4 transitions to a shared ReplayBuffer "
+                   "a loop that appends 4 transitions (--append) to a shared ReplayBuffer "
                    "(multiprocessing=True) before every sample() of 256 {state, action}: "
-                   "ms per loop step and staleness",
+                   "ms per loop step, and staleness: the newest step written (t) minus "
+                   "the newest step the batch could contain.  Each step t appends, then "
+                   "writes t into a clock column of every row, then samples; the "
+                   "batch's largest clock is the last step whose writes had landed when "
+                   "its rows were read",
                    {"image_shape": ()}),
     "latency": Case("latency", "latency", ("unienv_mp", "unienv", "in_process"),
-                    "time to one batch of 256 {state, action, 3x128x128 image} with nothing "
-                    "prefetched: p50 and p99"),
+                    "the time to one batch of 256 {state, action, 3x128x128 image} from "
+                    "an in-memory ReplayBuffer with nothing prefetched, p50 and p99, "
+                    "asked for by: manual_seed(), then sample(); the first batch of a "
+                    "new epoch_iter(); the first sample() of a new sampler"),
 }
 
 
