@@ -593,12 +593,8 @@ def measure(name: str, rb, cfg: Config, progress: Callable[[float], None] = lamb
         return res
     gc.collect()
     t0 = time.perf_counter()
-    try:
-        next_batch, close = make_sampler(name, rb, cfg)
-    except Exception as e:   # reported in the table, not fatal to the comparison
-        res.error = _error(e)
-        return res
-    try:
+
+    def run(next_batch):
         for _ in range(cfg.warmup):
             b = next_batch()
             touch(b)
@@ -606,6 +602,20 @@ def measure(name: str, rb, cfg: Config, progress: Callable[[float], None] = lamb
             del b
         res.startup_s = time.perf_counter() - t0
         _time_steps(res, lambda: touch(next_batch()), cfg, progress)
+    return _guarded(res, lambda: make_sampler(name, rb, cfg), run)
+
+
+def _guarded(res, make, run):
+    """``value, close = make()``, then ``run(value)``, then ``close()`` whatever happened;
+    an exception in ``make`` or ``run`` goes into ``res.error`` (reported in the table,
+    not fatal to the comparison).  Returns ``res``."""
+    try:
+        value, close = make()
+    except Exception as e:
+        res.error = _error(e)
+        return res
+    try:
+        run(value)
     except Exception as e:
         res.error = _error(e)
     finally:
@@ -725,24 +735,17 @@ def measure_online(name: str, cfg: Config, progress: Callable[[float], None] = l
     (every row starts from the same buffer): an ``OnlineResult``."""
     res = OnlineResult(name, LABELS.get(name, name))
     gc.collect()
-    try:
+    t0 = time.perf_counter()
+
+    def make():
         rb = build_online_buffer(cfg)
-        t0 = time.perf_counter()
         next_batch, close = make_sampler(name, rb, cfg)
-    except Exception as e:   # reported in the table, not fatal to the comparison
-        res.error = _error(e)
-        return res
-    try:
-        run_online(next_batch, rb, cfg, progress, res)
+        return (next_batch, rb), close
+
+    def run(sampler_and_buffer):
+        run_online(*sampler_and_buffer, cfg, progress, res)
         res.startup_s = time.perf_counter() - t0 - res.seconds
-    except Exception as e:
-        res.error = _error(e)
-    finally:
-        try:
-            close()
-        except Exception:
-            pass
-    return res
+    return _guarded(res, make, run)
 
 
 # ---------------------------------------------------------------------------------------
@@ -793,6 +796,17 @@ class LatencyResult:
                 "times_s": list(self.times), "error": self.error, "skipped": self.skipped}
 
 
+def not_measurable(name: str, trigger: str) -> Optional[str]:
+    """Why implementation ``name`` cannot be asked for a batch by ``trigger`` (a key of
+    ``TRIGGERS``), or None."""
+    if trigger not in TRIGGERS:
+        raise ValueError(f"unknown trigger {trigger!r}; expected one of {tuple(TRIGGERS)}")
+    if trigger == "reseed" and name in ("unienv", "unienv_shm"):
+        return ("UniEnv's manual_seed() reseeds only this process's copy of the sampler; "
+                "sample() then returns a batch its workers made before")
+    return None
+
+
 def latency_probe(name: str, trigger: str, rb, cfg: Config):
     """``(prepare, first_batch, close)`` for timing one way (``trigger``, a key of
     ``TRIGGERS``) of asking implementation ``name`` for a batch with nothing prefetched:
@@ -813,12 +827,9 @@ def latency_probe(name: str, trigger: str, rb, cfg: Config):
       ``sample()``, so it includes starting the workers (``prepare`` closes the one
       before).
     """
-    if trigger not in TRIGGERS:
-        raise ValueError(f"unknown trigger {trigger!r}; expected one of {tuple(TRIGGERS)}")
-    if trigger == "reseed" and name in ("unienv", "unienv_shm"):
-        raise NotMeasurable(
-            "UniEnv's manual_seed() reseeds only this process's copy of the sampler; "
-            "sample() then returns a batch its workers made before")
+    reason = not_measurable(name, trigger)
+    if reason is not None:
+        raise NotMeasurable(reason)
     seeds = itertools.count(1)
 
     def pause():
@@ -884,16 +895,17 @@ def measure_latency(name: str, trigger: str, rb, cfg: Config,
     fits in ``cfg.seconds`` (at least ``cfg.min_batches`` runs, at most
     ``cfg.max_batches``); each run's time covers asking for the batch and reading it."""
     res = LatencyResult(name, LABELS.get(name, name), trigger)
+    res.skipped = not_measurable(name, trigger)
+    if res.skipped is not None:
+        return res
     gc.collect()
-    try:
+
+    def make():
         prepare, first_batch, close = latency_probe(name, trigger, rb, cfg)
-    except NotMeasurable as e:
-        res.skipped = str(e)
-        return res
-    except Exception as e:   # reported in the table, not fatal to the comparison
-        res.error = _error(e)
-        return res
-    try:
+        return (prepare, first_batch), close
+
+    def run(probe):
+        prepare, first_batch = probe
         start = time.perf_counter()
         elapsed = 0.0
         while len(res.times) < cfg.max_batches and (
@@ -904,19 +916,4 @@ def measure_latency(name: str, trigger: str, rb, cfg: Config,
             res.times.append(time.perf_counter() - t0)
             elapsed = time.perf_counter() - start
             progress(min(1.0, elapsed / cfg.seconds))
-    except Exception as e:
-        res.error = _error(e)
-    finally:
-        try:
-            close()
-        except Exception:
-            pass
-    return res
-
-
-def latency_speedups(results: List[LatencyResult], reference: str = "unienv_mp"):
-    """{(name, trigger): how many times less ``reference`` takes (p50) with the same
-    trigger}."""
-    ref = {r.trigger: r for r in results if r.name == reference and r.times}
-    return {(r.name, r.trigger): r.p50_ms / ref[r.trigger].p50_ms for r in results
-            if r.name != reference and r.times and r.trigger in ref}
+    return _guarded(res, make, run)
