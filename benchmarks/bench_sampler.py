@@ -1,16 +1,28 @@
-"""MultiprocessingSampler side by side: unienv_mp's, UniEnv's
-(``shared_memory`` False and True), UniEnv's StepSampler in process, a torch DataLoader
-with as many workers, ``torch.index_select`` of the StepSampler's indices into reused
-output tensors in process (the speed limit of in-process sampling), and a TorchRL
-ReplayBuffer with 4 prefetch threads (skipped without torchrl), over one in-memory
-ReplayBuffer of 20k transitions; 4 workers, fork; the consumer touches one byte per 4 KiB
-page of every batch.
+"""The main job's cases as pytest-benchmark groups, with the same rows
+(``unienv_mp.compare.CASES``); 4 workers, 8 buffers, fork; the consumer touches one byte
+per 4 KiB page of every batch.
 
-* image: batches of 256 {state 10 f32, action 7 f32, image 3x128x128 u8} (12.6 MB)
-* state: batches of 32 {state 10 f32, action 7 f32}
+* ``sampler image`` / ``sampler state``: MultiprocessingSampler side by side: unienv_mp's,
+  UniEnv's (``shared_memory`` False and True), UniEnv's StepSampler in process, a torch
+  DataLoader with as many workers, ``torch.index_select`` of the StepSampler's indices
+  into reused output tensors in process (the speed limit of in-process sampling), and a
+  TorchRL ReplayBuffer with 4 prefetch threads (skipped without torchrl), over one
+  in-memory ReplayBuffer of 20k transitions: batches of 256 {state 10 f32, action 7 f32,
+  image 3x128x128 u8} (12.6 MB), and of 32 {state 10 f32, action 7 f32}.  A round is one
+  batch.
+* ``sampler jpeg``: batches of 64 from 4000 transitions whose 128x128x3 images are JPEG
+  files in UniEnv's ImageStorage, decoded for every batch (skipped without Pillow).  A
+  round is one batch.
+* ``online``: a round is one step of a loop that appends 4 transitions to a shared
+  (``multiprocessing=True``) buffer, then samples 256 {state, action, clock};
+  ``extra_info`` holds the batches' staleness in loop steps (``compare.online_stepper``).
+* ``latency, ...``: one group per way of asking for a batch with nothing prefetched
+  (``compare.TRIGGERS``); a round is one such batch, its set-up (a pause, closing the
+  previous epoch or sampler) untimed.  UniEnv's ``manual_seed()`` keeps the batches its
+  workers made, so that row is skipped.
 
-Each round is one batch; the mean round time is the time per batch.  The same comparison,
-as one command with a table: ``python -m unienv_mp`` (``--case state`` for the second).
+The mean round time is the time per batch (or loop step).  The same comparisons, as one
+command with a table each: ``python -m unienv_mp --case all``.
 """
 import pytest
 
@@ -20,10 +32,14 @@ CASES = {
     "image": compare.Config(transitions=20_000, batch_size=256, image_shape=(3, 128, 128)),
     "state": compare.Config(transitions=20_000, batch_size=32, image_shape=()),
 }
+JPEG = compare.case_config("jpeg")
+ONLINE = compare.case_config("online")
+LATENCY = compare.case_config("latency")
 # Enough rounds, after a warm-up as long as the deepest pipeline (n_buffers batches in flight,
 # each in a slot made and first touched on its first use), for the steady state to dominate
-ROUNDS = {"image": 200, "state": 2000}
-WARMUP = {"image": 20, "state": 200}
+ROUNDS = {"image": 200, "state": 2000, "jpeg": 100, "online": 2000}
+WARMUP = {"image": 20, "state": 200, "jpeg": 10}
+LATENCY_ROUNDS = {"reseed": 40, "epoch": 15, "start": 10}
 MISSING = compare.available()
 
 
@@ -33,12 +49,26 @@ def case(request):
     return request.param, cfg, compare.build_buffer(cfg)
 
 
-@pytest.mark.parametrize("impl", compare.IMPLEMENTATIONS)
-def test_sampler(benchmark, case, impl):
-    name, cfg, rb = case
+@pytest.fixture(scope="module")
+def jpeg_rb():
+    reason = compare.case_missing("jpeg", JPEG)
+    if reason is not None:
+        pytest.skip(reason)
+    with compare.case_data("jpeg", JPEG) as rb:
+        yield rb
+
+
+@pytest.fixture(scope="module")
+def latency_rb():
+    return compare.build_buffer(LATENCY)
+
+
+def _skip_missing(impl):
     if impl in MISSING:
         pytest.skip(MISSING[impl])
-    benchmark.group = f"sampler {name}: B={cfg.batch_size}, 4 workers, fork"
+
+
+def _bench_batches(benchmark, impl, rb, cfg, name):
     next_batch, close = compare.make_sampler(impl, rb, cfg)
     try:
         first = next_batch()
@@ -48,7 +78,72 @@ def test_sampler(benchmark, case, impl):
                            iterations=1, warmup_rounds=WARMUP[name])
     finally:
         close()
-    mean = benchmark.stats.stats.mean
-    benchmark.extra_info.update({"ms_per_batch": mean * 1e3, "batches_per_s": 1 / mean,
-                                 "MB_per_s": nbytes / mean / 1e6,
-                                 "implementation": compare.LABELS[impl]})
+    benchmark.extra_info["implementation"] = compare.LABELS[impl]
+    mean = _mean(benchmark)
+    if mean is not None:
+        benchmark.extra_info.update({"ms_per_batch": mean * 1e3, "batches_per_s": 1 / mean,
+                                     "MB_per_s": nbytes / mean / 1e6})
+
+
+def _mean(benchmark):
+    """The mean round time, None when benchmarks are disabled (``--benchmark-disable``)."""
+    stats = getattr(benchmark, "stats", None)
+    return None if stats is None else stats.stats.mean
+
+
+@pytest.mark.parametrize("impl", compare.IMPLEMENTATIONS)
+def test_sampler(benchmark, case, impl):
+    name, cfg, rb = case
+    _skip_missing(impl)
+    benchmark.group = f"sampler {name}: B={cfg.batch_size}, 4 workers, fork"
+    _bench_batches(benchmark, impl, rb, cfg, name)
+
+
+@pytest.mark.parametrize("impl", compare.CASES["jpeg"].rows)
+def test_jpeg(benchmark, jpeg_rb, impl):
+    _skip_missing(impl)
+    benchmark.group = f"sampler jpeg: B={JPEG.batch_size}, decoded per batch, 4 workers, fork"
+    _bench_batches(benchmark, impl, jpeg_rb, JPEG, "jpeg")
+
+
+@pytest.mark.parametrize("impl", compare.CASES["online"].rows)
+def test_online(benchmark, impl):
+    _skip_missing(impl)
+    benchmark.group = (f"online: append {ONLINE.append}, then sample B={ONLINE.batch_size}, "
+                       f"4 workers, fork")
+    rb = compare.build_online_buffer(ONLINE)
+    next_batch, close = compare.make_sampler(impl, rb, ONLINE)
+    stale = []
+    try:
+        step = compare.online_stepper(next_batch, rb, ONLINE)
+        benchmark.pedantic(lambda: stale.append(step()[0]), rounds=ROUNDS["online"],
+                           iterations=1, warmup_rounds=compare.online_warmup(ONLINE))
+    finally:
+        close()
+    result = compare.OnlineResult(impl, compare.LABELS[impl],
+                                  staleness=stale[-ROUNDS["online"]:])
+    benchmark.extra_info.update({"implementation": result.label,
+                                 **{f"staleness_{k}": v
+                                    for k, v in result.staleness_stats().items()}})
+    mean = _mean(benchmark)
+    if mean is not None:
+        benchmark.extra_info["ms_per_step"] = mean * 1e3
+
+
+@pytest.mark.parametrize("trigger", compare.TRIGGERS)
+@pytest.mark.parametrize("impl", compare.CASES["latency"].rows)
+def test_latency(benchmark, latency_rb, impl, trigger):
+    _skip_missing(impl)
+    benchmark.group = (f"latency, {compare.TRIGGERS[trigger]}: B={LATENCY.batch_size}, "
+                       f"4 workers, fork")
+    try:
+        prepare, first_batch, close = compare.latency_probe(impl, trigger, latency_rb, LATENCY)
+    except compare.NotMeasurable as e:
+        pytest.skip(str(e))
+    try:
+        benchmark.pedantic(lambda: compare.touch(first_batch()), setup=prepare,
+                           rounds=LATENCY_ROUNDS[trigger], iterations=1)
+    finally:
+        close()
+    benchmark.extra_info.update({"implementation": compare.LABELS[impl],
+                                 "asked_for_by": compare.TRIGGERS[trigger]})

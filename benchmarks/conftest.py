@@ -103,7 +103,8 @@ def pytest_terminal_summary(terminalreporter, config):
     keys = ["us_per_msg", "us_per_msg_best", "msgs_per_s",
             "us_per_round_trip", "us_per_round_trip_best", "round_trips_per_s",
             "us_per_batch", "us_per_batch_best", "batches_per_s", "MB_per_s",
-            "median_get_us", "median_touch_us", "median_drop_us", "median_touch_again_us"]
+            "median_get_us", "median_touch_us", "median_drop_us", "median_touch_again_us",
+            "ms_per_step", "staleness_mean", "staleness_max"]
 
     def per_msg(b):
         return b.stats.mean / b.extra_info.get("msgs_per_round", 1)

@@ -1,18 +1,39 @@
 """``python -m unienv_mp``: how much faster is unienv_mp here, on this machine?
 
-Builds an in-memory UniEnv ReplayBuffer, then times, one after the other and in one run,
-unienv_mp's MultiprocessingSampler (and the same with ``direct_gather=False``), UniEnv's MultiprocessingSampler (with and without
-``shared_memory``), sampling in-process with UniEnv's StepSampler, a torch DataLoader
-with the same number of workers, ``torch.index_select`` of the StepSampler's indices into
-reused output tensors in process (the speed limit of in-process sampling), and a TorchRL
-ReplayBuffer with 4 prefetch threads (skipped if torchrl is not installed), all over the
-same data; prints a table.
+Runs one case of ``compare.CASES`` (``--case``; ``--case all`` runs every one), timing its
+rows one after the other, in one run, over the same data, and prints one table per case:
+
+* ``image``, ``state``: batches/s of ``sample()`` from an in-memory UniEnv ReplayBuffer:
+  unienv_mp's MultiprocessingSampler (and the same with ``direct_gather=False``), UniEnv's
+  MultiprocessingSampler (with and without ``shared_memory``), sampling in-process with
+  UniEnv's StepSampler, a torch DataLoader with the same number of workers,
+  ``torch.index_select`` of the StepSampler's indices into reused output tensors in
+  process (the speed limit of in-process sampling), and a TorchRL ReplayBuffer with 4
+  prefetch threads (skipped if torchrl is not installed);
+* ``jpeg``: the same where every row decodes a JPEG file (UniEnv's ImageStorage);
+* ``online``: a loop that appends to a shared buffer before every ``sample()``: ms per
+  step, and how stale the batches are;
+* ``latency``: the time to one batch when nothing was prefetched.
+
+``--workers 1,2,4,8`` times every worker count (a sweep).
 """
 import argparse
 import json
+import os
 import sys
+import textwrap
+from dataclasses import dataclass, field, replace
+from typing import List
 
 from . import compare
+
+def _cases_epilog():
+    lines = ["cases:"]
+    for name, case in list(compare.CASES.items()) + [
+            ("all", compare.Case("all", "", (), "every case, one after the other"))]:
+        lines += textwrap.wrap(case.summary, width=88, initial_indent=f"  {name:<9}",
+                               subsequent_indent=" " * 11, break_on_hyphens=False)
+    return "\n".join(lines)
 
 
 def _shape(text):
@@ -39,33 +60,56 @@ def _positive(kind):
     return parse
 
 
+def _counts(text):
+    """``4`` or ``1,2,4,8``: worker counts, in the order given, without repeats."""
+    counts = []
+    for part in text.split(","):
+        n = _positive(int)(part.strip())
+        if n not in counts:
+            counts.append(n)
+    return counts
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         prog="python -m unienv_mp",
         description="Time unienv_mp's MultiprocessingSampler against UniEnv's, in-process "
                     "sampling, a torch DataLoader, index_select into reused memory and "
-                    "TorchRL's ReplayBuffer over one in-memory ReplayBuffer.")
-    p.add_argument("--case", choices=("image", "state"), default="image",
-                   help="image: batches of 256 {state, action, 3x128x128 uint8 image} "
-                        "(default); state: batches of 32 {state, action}")
+                    "TorchRL's ReplayBuffer, on the workloads of --case.",
+        epilog=_cases_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--case", choices=tuple(compare.CASES) + ("all",), default="image",
+                   help="the workload (see below; default image)")
     p.add_argument("--transitions", type=_positive(int), help="steps in the buffer "
-                   "(default 20000, fewer if memory is short)")
-    p.add_argument("--batch-size", type=_positive(int), help="default 256 (image), 32 (state)")
-    p.add_argument("--image-shape", type=_shape, help="e.g. 3x128x128; 'none' for no image")
-    p.add_argument("--workers", type=_positive(int), default=4)
+                   "(default 20000; jpeg 4000; online: the capacity, half filled at "
+                   "the start; fewer if memory is short)")
+    p.add_argument("--batch-size", type=_positive(int),
+                   help="default 256 (image, online, latency), 32 (state), 64 (jpeg)")
+    p.add_argument("--image-shape", type=_shape, help="e.g. 3x128x128; 'none' for no image "
+                   "(jpeg: 3xHxW, stored and sampled as HxWx3; online has no image)")
+    p.add_argument("--workers", type=_counts, default=[4],
+                   help="worker processes (default 4); a comma-separated list such as "
+                        "1,2,4,8 times each count: batches/s against workers for image, "
+                        "state and jpeg (rows without workers run once), a row per "
+                        "count for online and latency")
     p.add_argument("--buffers", type=_positive(int), default=8, help="batches in flight")
+    p.add_argument("--append", type=_positive(int), default=4,
+                   help="online: transitions appended per loop step (default 4)")
     p.add_argument("--start-method", choices=("fork", "spawn", "forkserver"), default="fork")
     p.add_argument("--impl", default=",".join(compare.IMPLEMENTATIONS),
                    help="comma-separated subset of: " + ", ".join(compare.IMPLEMENTATIONS)
-                   + " (default: all; index_select: torch.index_select of the StepSampler's "
+                   + " (default: all; each case runs those of its rows that are listed; "
+                   "index_select: torch.index_select of the StepSampler's "
                    "indices into reused tensors, in process; torchrl: TorchRL "
                    "ReplayBuffer(prefetch=4), skipped if torchrl is not installed)")
     p.add_argument("--seconds", type=_positive(float), default=6.0,
-                   help="measuring time per implementation (default 6)")
+                   help="measuring time per row (default 6)")
     p.add_argument("--quick", action="store_true",
-                   help="a small buffer and 1.5 s per implementation: a smoke run")
+                   help="a small buffer and 1.5 s per row: a smoke run")
     p.add_argument("--json", action="store_true", help="print machine-readable results")
-    p.add_argument("--plot", metavar="FILE.png", help="save a bar chart (needs matplotlib)")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="save a chart (needs matplotlib): ms and main CPU per batch, or "
+                        "batches/s against workers with --workers 1,2,...; with --case "
+                        "all, one file per case, named FILE-CASE.png")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     impls = [x.strip() for x in args.impl.split(",") if x.strip()]
@@ -87,21 +131,24 @@ def _available_memory():
     return None
 
 
-def make_config(args):
-    cfg = compare.Config(workers=args.workers, buffers=args.buffers,
-                         start_method=args.start_method, seconds=args.seconds)
-    if args.case == "state":
-        cfg.batch_size, cfg.image_shape = 32, ()
+def make_config(args, case=None):
+    """(``compare.Config`` for ``case`` (default ``args.case``) from the options, a note
+    to print or None).  The first of ``--workers`` is the config's worker count."""
+    case = case or args.case
+    cfg = compare.case_config(case, quick=args.quick, workers=args.workers[0],
+                              buffers=args.buffers, start_method=args.start_method,
+                              append=args.append)
+    if not args.quick:
+        cfg.seconds = args.seconds
     if args.batch_size:
         cfg.batch_size = args.batch_size
-    if args.image_shape is not None:
+    if args.image_shape is not None and case != "online":
         cfg.image_shape = args.image_shape
-    if args.quick:
-        cfg.transitions, cfg.seconds, cfg.warmup = 2000, 1.5, 2
     if args.transitions:
         cfg.transitions = args.transitions
     cfg.transitions = max(cfg.transitions, cfg.batch_size)
-    row = 17 * 4 + (int(_prod(cfg.image_shape)) if cfg.image_shape else 0)
+    in_memory = case in ("image", "state", "latency")   # jpeg: images on disk; online: none
+    row = 17 * 4 + (int(_prod(cfg.image_shape)) if cfg.image_shape and in_memory else 0)
     mem = _available_memory()
     note = None
     if mem is not None and args.transitions is None and row * cfg.transitions > mem // 4:
@@ -138,6 +185,18 @@ class _Progress:
         return self.tqdm(total=total, desc=desc, unit=unit, leave=False, file=sys.stderr,
                          disable=None, bar_format="{desc:<44} {bar} {percentage:3.0f}%")
 
+    def timing(self, desc):
+        """A bar for one measurement: ``(advance(fraction done), close())``."""
+        bar = self.bar(100, desc, "%")
+        last = [0]
+
+        def advance(fraction):
+            step = int(fraction * 100)
+            if step > last[0]:
+                bar.update(step - last[0])
+                last[0] = step
+        return advance, bar.close
+
 
 class _NoBar:
     n = 0
@@ -157,7 +216,40 @@ def _versus(ratio):
     return f"{factor:.2f}x {word}" if factor < 1.05 else f"{factor:.1f}x {word}"
 
 
-def render_table(results, cfg):
+# ---------------------------------------------------------------------------------------
+# tables: one per case, each a title, a header, rows and the notes printed under it
+# ---------------------------------------------------------------------------------------
+
+@dataclass
+class Table:
+    title: str
+    head: List[str]
+    rows: List[List[str]]
+    notes: List[str] = field(default_factory=list)
+
+    def format(self):
+        widths = [max(len(str(x[i])) for x in self.rows + [self.head])
+                  for i in range(len(self.head))]
+        line = "  ".join("-" * w for w in widths)
+
+        def fmt(cells):
+            return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
+                             for i, (c, w) in enumerate(zip(cells, widths)))
+        out = [self.title, fmt(self.head), line] + [fmt(r) for r in self.rows]
+        return "\n".join(out + ([""] + self.notes if self.notes else []))
+
+
+_TOUCH = "each batch touched once per 4 KiB"
+_MAIN_CPU = ("main CPU: CPU time of this process (all its threads) per batch, i.e. what the "
+             "training loop gives up to sampling; workers' CPU is not counted.")
+
+
+def _setup(cfg, workers=True):
+    w = f"{cfg.workers} workers, " if workers else ""
+    return f"{w}{cfg.buffers} buffers, {cfg.start_method}"
+
+
+def throughput_table(results, cfg, case="image"):
     ups = compare.speedups(results)
     head = ["implementation", "ms/batch", "batches/s", "MB/s", "main CPU ms/batch",
             "unienv_mp is"]
@@ -170,85 +262,398 @@ def render_table(results, cfg):
             _versus(ups[r.name]) if r.name in ups else "n/a")
         rows.append([r.label, f"{r.ms_per_batch:.3f}", f"{r.batches_per_s:,.0f}",
                      f"{r.mb_per_s:,.0f}", f"{r.main_cpu_ms_per_batch:.3f}", up])
-    widths = [max(len(str(x[i])) for x in rows + [head]) for i in range(len(head))]
-    line = "  ".join("-" * w for w in widths)
-    fmt = lambda cells: "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
-                                  for i, (c, w) in enumerate(zip(cells, widths)))
-    img = "x".join(map(str, cfg.image_shape)) if cfg.image_shape else "no image"
     title = (f"{cfg.transitions} transitions, batches of {cfg.batch_size} "
-             f"(state 10 f32, action 7 f32, image {img}), {cfg.workers} workers, "
-             f"{cfg.buffers} buffers, {cfg.start_method}; each batch touched once per 4 KiB")
-    notes = ("ms/batch: wall-clock time per batch in a loop that only reads batches.  "
-             "main CPU: CPU time of this process (all its threads) per batch, i.e. what the "
-             "training loop gives up to sampling; workers' CPU is not counted.")
-    return "\n".join([title, fmt(head), line] + [fmt(r) for r in rows] + ["", notes])
+             f"({compare.describe(case, cfg)}), {_setup(cfg)}; {_TOUCH}")
+    notes = ["ms/batch: wall-clock time per batch in a loop that only reads batches.  "
+             + _MAIN_CPU]
+    return Table(title, head, rows, notes)
 
 
-def plot(results, path):
+def render_table(results, cfg, case="image"):
+    return throughput_table(results, cfg, case).format()
+
+
+def _workers_cell(workers):
+    return "-" if workers is None else str(workers)
+
+
+def _unienv_mp_is(points, w, r, value, swept, same=lambda ref, r: True):
+    """The "unienv_mp is" cell of row ``r`` (run with ``w`` workers) of a table of
+    (workers, result) ``points``: ``value`` (lower is better) against unienv_mp's rows
+    with as many workers (all of them, for a row without workers in a sweep) for which
+    ``same(ref, r)``."""
+    if r.name == "unienv_mp":
+        return "-"
+    refs = sorted(((v, ref) for v, ref in points
+                   if ref.name == "unienv_mp" and not ref.error and same(ref, r)
+                   and (w is None or v == w) and value(ref) > 0),
+                  key=lambda p: p[0] or 0)
+    return "; ".join(_versus(value(r) / value(ref))
+                     + (f" (vs {v} workers)" if swept and w is None else "")
+                     for v, ref in refs) or "n/a"
+
+
+def online_table(points, cfg):
+    """``points``: (worker count or None, ``compare.OnlineResult``) pairs."""
+    swept = len({w for w, _ in points if w is not None}) > 1
+    head = (["implementation"] + (["workers"] if swept else [])
+            + ["ms/step", "steps/s", "main CPU ms/step", "stale mean", "p50", "p99", "max",
+               "unienv_mp is"])
+    rows = []
+    for w, r in points:
+        lead = [r.label] + ([_workers_cell(w)] if swept else [])
+        if r.error:
+            rows.append(lead + ["-"] * 7 + ["failed: " + r.error[:60]])
+            continue
+        st = r.staleness_stats()
+        up = _unienv_mp_is(points, w, r, lambda x: x.ms_per_batch, swept)
+        rows.append(lead + [f"{r.ms_per_batch:.3f}", f"{r.batches_per_s:,.0f}",
+                            f"{r.main_cpu_ms_per_batch:.3f}", f"{st['mean']:.1f}",
+                            f"{st['p50']:.0f}", f"{st['p99']:.0f}", str(st["max"]), up])
+    title = (f"online: a buffer of capacity {cfg.transitions} shared between processes "
+             f"(multiprocessing=True), half full at the start; each loop step appends "
+             f"{cfg.append} transitions, then samples a batch of {cfg.batch_size} "
+             f"({compare.describe('online', cfg)}); "
+             f"{_setup(cfg, workers=not swept)}; {_TOUCH}")
+    notes = [f"ms/step: wall-clock time per loop step (append {cfg.append} transitions, "
+             f"set the clock column, sample(), read the batch).  main CPU: as ms/step, "
+             f"CPU time of this process.",
+             "stale: loop steps between the newest step written (t, this step) and the "
+             "newest step the batch could contain: the largest clock among its rows, i.e. "
+             "the last step whose writes had landed when its rows were read (0: read "
+             f"after this step's writes; x {cfg.append} for transitions)."]
+    return Table(title, head, rows, notes)
+
+
+def latency_table(points, cfg):
+    """``points``: (worker count or None, ``compare.LatencyResult``) pairs."""
+    swept = len({w for w, _ in points if w is not None}) > 1
+    head = (["implementation"] + (["workers"] if swept else [])
+            + ["asked for by", "runs", "p50 ms", "p99 ms", "unienv_mp is"])
+    rows = []
+    for w, r in points:
+        lead = [r.label] + ([_workers_cell(w)] if swept else []) + [r.trigger_label]
+        if r.skipped:
+            rows.append(lead + ["-", "-", "-", "n/a (see below)"])
+            continue
+        if r.error:
+            rows.append(lead + ["-", "-", "-", "failed: " + r.error[:60]])
+            continue
+        up = _unienv_mp_is(points, w, r, lambda x: x.p50_ms if x.times else 0.0, swept,
+                           lambda ref, x: ref.trigger == x.trigger)
+        rows.append(lead + [str(len(r.times)), f"{r.p50_ms:.2f}", f"{r.p99_ms:.2f}", up])
+    title = (f"latency: one batch of {cfg.batch_size} ({compare.describe('latency', cfg)}) "
+             f"from {cfg.transitions} transitions in memory, with nothing prefetched; "
+             f"{_setup(cfg, workers=not swept)}; {_TOUCH}")
+    notes = [f"Time from asking for the batch to having read it, p50 and p99 over the runs "
+             f"(with fewer than 100 runs, p99 lies between the two slowest); each run "
+             f"follows a {compare.LATENCY_PAUSE_S * 1e3:.0f} ms pause, so that workers "
+             f"are idle.  unienv_mp is: by p50, against the same way of asking.",
+             "manual_seed(), then sample(): the sampler already runs; "
+             "first batch of a new epoch_iter(): over data not shared between processes, "
+             "each epoch starts its workers; first sample() of a new sampler: includes "
+             "starting the workers."]
+    notes += list(dict.fromkeys(f"{r.label}, {r.trigger_label}: n/a: {r.skipped}."
+                                for _, r in points if r.skipped))
+    return Table(title, head, rows, notes)
+
+
+def sweep_table(points, cfg, case):
+    """``points``: (worker count or None, ``compare.Result``) pairs; None for rows that
+    use no workers (run once)."""
+    counts = sorted({w for w, _ in points if w is not None})
+    names = list(dict.fromkeys(r.name for _, r in points))
+    head = (["implementation"] + [f"{w} worker{'s' if w > 1 else ''}" for w in counts]
+            + ["no workers"])
+    rows = []
+    for name in names:
+        cells = {w: r for w, r in points if r.name == name}
+        label = next(r.label for _, r in points if r.name == name)
+
+        def cell(w):
+            r = cells.get(w)
+            if r is None:
+                return ""
+            return "failed" if r.error else f"{r.batches_per_s:,.0f}"
+        rows.append([label] + [cell(w) for w in counts] + [cell(None)])
+    title = (f"{case}: batches/s against workers; {cfg.transitions} transitions, batches of "
+             f"{cfg.batch_size} ({compare.describe(case, cfg)}), {_setup(cfg, workers=False)}; "
+             f"{_TOUCH}")
+    notes = ["batches/s: in a loop that only reads batches; rows without workers "
+             "(in process, TorchRL's threads) run once, in the last column."]
+    failed = [f"{r.label} ({w} workers): {r.error}" for w, r in points if r.error]
+    return Table(title, head, rows, notes + [f"failed: {x}" for x in failed])
+
+
+# ---------------------------------------------------------------------------------------
+# charts
+# ---------------------------------------------------------------------------------------
+
+def _pyplot():
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("--plot needs matplotlib: pip install 'unienv_mp[plot]'", file=sys.stderr)
-        return False
-    ok = [r for r in results if r.batches]
-    fig, ax = plt.subplots(figsize=(8, 0.6 * len(ok) + 1.5))
-    ax.barh([r.label for r in ok], [r.ms_per_batch for r in ok],
-            color=["tab:green" if r.name == "unienv_mp" else "tab:gray" for r in ok])
-    ax.invert_yaxis()
-    ax.set_xlabel("ms per batch (lower is better)")
-    for i, r in enumerate(ok):
-        ax.text(r.ms_per_batch, i, f" {r.ms_per_batch:.3g}", va="center")
+        return None
+    return plt
+
+
+def _bar_panels(plt, labels, highlight, panels, title):
+    """One horizontal bar chart per panel (x label, values), side by side, sharing the
+    row labels; the ``highlight`` rows in green."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels) + 3,
+                                                      0.5 * len(labels) + 1.8),
+                             sharey=True, squeeze=False)
+    colors = ["tab:green" if h else "tab:gray" for h in highlight]
+    for ax, (xlabel, values) in zip(axes[0], panels):
+        ax.barh(range(len(labels)), values, color=colors)
+        ax.set_xlabel(xlabel)
+        for i, v in enumerate(values):
+            ax.text(v, i, f" {v:.3g}", va="center", fontsize=8)
+        ax.margins(x=0.25)
+    axes[0][0].set_yticks(range(len(labels)))
+    axes[0][0].set_yticklabels(labels)
+    axes[0][0].invert_yaxis()
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
+    return fig
+
+
+def table_figure(plt, results, case):
+    ok = [r for r in results if r.batches and not r.error]
+    return _bar_panels(plt, [r.label for r in ok], [r.name == "unienv_mp" for r in ok],
+                       [("ms per batch (lower is better)", [r.ms_per_batch for r in ok]),
+                        ("main CPU ms per batch (lower is better)",
+                         [r.main_cpu_ms_per_batch for r in ok])], case)
+
+
+def online_figure(plt, points):
+    ok = [(w, r) for w, r in points if r.batches and not r.error]
+    swept = len({w for w, _ in ok if w is not None}) > 1
+    labels = [r.label + (f" ({w})" if swept and w is not None else "") for w, r in ok]
+    return _bar_panels(plt, labels, [r.name == "unienv_mp" for _, r in ok],
+                       [("ms per loop step (lower is better)", [r.ms_per_batch for _, r in ok]),
+                        ("mean staleness, loop steps", [r.staleness_stats()["mean"]
+                                                        for _, r in ok])], "online")
+
+
+def latency_figure(plt, points):
+    ok = [(w, r) for w, r in points if r.times and not r.error]
+    swept = len({w for w, _ in ok if w is not None}) > 1
+    labels = [f"{r.label}: {r.trigger_label}" + (f" ({w})" if swept and w is not None else "")
+              for w, r in ok]
+    return _bar_panels(plt, labels, [r.name == "unienv_mp" for _, r in ok],
+                       [("p50 ms", [r.p50_ms for _, r in ok]),
+                        ("p99 ms", [r.p99_ms for _, r in ok])], "latency")
+
+
+def sweep_figure(plt, points, case):
+    """batches/s against workers, a line per implementation; rows without workers as
+    horizontal lines."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    counts = sorted({w for w, _ in points if w is not None})
+    names = list(dict.fromkeys(r.name for _, r in points))
+    for name in names:
+        mine = sorted(((w, r) for w, r in points if r.name == name and not r.error
+                       and r.batches), key=lambda p: p[0] or 0)
+        if not mine:
+            continue
+        label = mine[0][1].label
+        if mine[0][0] is None:
+            ax.axhline(mine[0][1].batches_per_s, linestyle="--", label=label,
+                       color="black" if name == "in_process" else None)
+        else:
+            ax.plot([w for w, _ in mine], [r.batches_per_s for _, r in mine], marker="o",
+                    label=label, linewidth=2.5 if name == "unienv_mp" else 1.5)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(counts)
+    ax.set_xticklabels([str(w) for w in counts])
+    ax.set_xlabel("workers")
+    ax.set_ylabel("batches/s (higher is better)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(case)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def _save(plt, fig, path):
     fig.savefig(path, dpi=120)
-    return True
+    plt.close(fig)
+
+
+def _plot_path(path, case, several):
+    if not several:
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}-{case}{ext or '.png'}"
+
+
+# ---------------------------------------------------------------------------------------
+# running the cases
+# ---------------------------------------------------------------------------------------
+
+@dataclass
+class CaseRun:
+    """What one case produced: its table, its results for the JSON output, its chart (a
+    function of pyplot that returns a figure), whether a row failed, and the rows skipped
+    here (name: why)."""
+    case: str
+    cfg: compare.Config
+    table: Table
+    payload: dict
+    figure: object
+    failed: bool
+    skipped: dict
+
+
+def _config_dict(cfg):
+    return {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
+
+
+def _row_dict(w, r):
+    d = r.as_dict()
+    d["workers"] = w
+    return d
+
+
+def _points(names, counts, measure_one):
+    """(workers, result) for every row: rows that use workers at every count, the others
+    once (workers None); a row that cannot be measured is asked once."""
+    out = []
+    for name in names:
+        for w in (counts if name in compare.USES_WORKERS else [None]):
+            r = measure_one(name, w)
+            out.append((w, r))
+            if getattr(r, "skipped", None):
+                break
+    return out
+
+
+def _run_case(case, args, missing, progress, say):
+    spec = compare.CASES[case]
+    cfg, note = make_config(args, case)
+    if note:
+        say(note)
+    names = []
+    for name in args.impls:
+        if name not in spec.rows:
+            continue
+        if name in missing:
+            say(f"skipping {compare.LABELS[name]}: {missing[name]}")
+        else:
+            names.append(name)
+    if not names:
+        listed = [n for n in args.impls if n in spec.rows]
+        why = ("; ".join(sorted({missing[n] for n in listed})) if listed else
+               f"--impl lists none of its rows ({', '.join(spec.rows)})")
+        say(f"nothing to compare here in case {case}: {why}")
+        return None
+    reason = compare.case_missing(case, cfg)
+    if reason is not None:
+        say(f"skipping case {case}: {reason}")
+        return None
+    counts = args.workers
+    swept = len(counts) > 1
+    skipped = {k: missing[k] for k in args.impls if k in missing and k in spec.rows}
+
+    def timed(name, w, fn, suffix=""):
+        where = (f" ({w} worker{'s' if w > 1 else ''})" if swept and w is not None
+                 else "")
+        advance, close = progress.timing(f"{case}: {compare.LABELS[name]}{suffix}{where}")
+        try:
+            return fn(advance)
+        finally:
+            close()
+
+    def at(w):
+        return cfg if w is None else replace(cfg, workers=w)
+
+    if spec.kind == "online":
+        points = _points(names, counts, lambda n, w: timed(
+            n, w, lambda adv: compare.measure_online(n, at(w), adv)))
+        payload = {"results": [_row_dict(w, r) for w, r in points]}
+        return CaseRun(case, cfg, online_table(points, cfg), payload,
+                       lambda plt: online_figure(plt, points),
+                       any(r.error for _, r in points), skipped)
+
+    bar = progress.bar(cfg.transitions, f"{case}: building the replay buffer", "steps")
+    with compare.case_data(case, cfg, bar.update) as rb:
+        bar.close()
+        if spec.kind == "latency":
+            points = []
+            for name in names:
+                for trigger in compare.TRIGGERS:
+                    points.extend(_points([name], counts, lambda n, w: timed(
+                        n, w, lambda adv: compare.measure_latency(n, trigger, rb, at(w), adv),
+                        f", {trigger}")))
+            payload = {"results": [_row_dict(w, r) for w, r in points]}
+            return CaseRun(case, cfg, latency_table(points, cfg), payload,
+                           lambda plt: latency_figure(plt, points),
+                           any(r.error for _, r in points), skipped)
+        if swept:
+            points = _points(names, counts, lambda n, w: timed(
+                n, w, lambda adv: compare.measure(n, rb, at(w), adv)))
+            by_count = {str(w): compare.speedups([r for v, r in points if v in (w, None)])
+                        for w in counts}
+            payload = {"results": [_row_dict(w, r) for w, r in points],
+                       "speedup_of_unienv_mp": by_count}
+            return CaseRun(case, cfg, sweep_table(points, cfg, case), payload,
+                           lambda plt: sweep_figure(plt, points, case),
+                           any(r.error for _, r in points), skipped)
+        results = [timed(n, None, lambda adv: compare.measure(n, rb, cfg, adv))
+                   for n in names]
+    payload = {"results": [_row_dict(cfg.workers if r.name in compare.USES_WORKERS else None,
+                                     r) for r in results],
+               "speedup_of_unienv_mp": compare.speedups(results)}
+    return CaseRun(case, cfg, throughput_table(results, cfg, case), payload,
+                   lambda plt: table_figure(plt, results, case),
+                   any(r.error for r in results), skipped)
 
 
 def main(argv=None):
     args = parse_args(argv)
     missing = compare.available()
-    impls = []
-    for name in args.impls:
-        if name in missing:
-            print(f"skipping {compare.LABELS[name]}: {missing[name]}", file=sys.stderr)
-        else:
-            impls.append(name)
-    if not impls:
-        print("nothing to compare here: " + "; ".join(sorted(set(missing.values()))),
-              file=sys.stderr)
-        return 2
-    cfg, note = make_config(args)
-    if note:
-        print(note, file=sys.stderr)
+    cases = list(compare.CASES) if args.case == "all" else [args.case]
     progress = _Progress(not args.no_progress and not args.json)
-    bar = progress.bar(cfg.transitions, "building the replay buffer", "steps")
-    rb = compare.build_buffer(cfg, bar.update)
-    bar.close()
-    results = []
-    for name in impls:
-        bar = progress.bar(100, f"timing {compare.LABELS[name]}", "%")
-        last = [0]
+    said = set()
 
-        def advance(fraction, bar=bar, last=last):
-            step = int(fraction * 100)
-            if step > last[0]:
-                bar.update(step - last[0])
-                last[0] = step
+    def say(message):
+        if message not in said:
+            said.add(message)
+            print(message, file=sys.stderr)
 
-        results.append(compare.measure(name, rb, cfg, advance))
-        bar.close()
+    runs = []
+    for case in cases:
+        run = _run_case(case, args, missing, progress, say)
+        if run is None:
+            continue
+        config = _config_dict(run.cfg)
+        if len(args.workers) > 1:
+            config["workers"] = list(args.workers)
+        run.payload = {"case": case, "config": config, **run.payload, "skipped": run.skipped}
+        runs.append(run)
+        if not args.json:
+            if len(cases) > 1:
+                print(f"== {case} ==")
+            print(run.table.format())
+            if len(cases) > 1:
+                print()
+    if not runs:
+        return 2
     if args.json:
-        print(json.dumps({"config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
-                          "results": [r.as_dict() for r in results],
-                          "speedup_of_unienv_mp": compare.speedups(results),
-                          "skipped": {k: missing[k] for k in args.impls if k in missing}},
-                         indent=2))
-    else:
-        print(render_table(results, cfg))
-    if args.plot and plot(results, args.plot):
-        print(f"plot saved to {args.plot}", file=sys.stderr)
-    return 1 if any(r.error for r in results) else 0
+        print(json.dumps(runs[0].payload if len(cases) == 1 else
+                         {"cases": [r.payload for r in runs]}, indent=2))
+    if args.plot:
+        plt = _pyplot()
+        if plt is not None:
+            for run in runs:
+                path = _plot_path(args.plot, run.case, len(cases) > 1)
+                _save(plt, run.figure(plt), path)
+                print(f"plot saved to {path}", file=sys.stderr)
+    return 1 if any(r.failed for r in runs) else 0
 
 
 if __name__ == "__main__":

@@ -1,9 +1,22 @@
-"""Side-by-side timing of batch samplers over one in-memory UniEnv ReplayBuffer.
+"""Side-by-side timing of batch samplers over UniEnv ReplayBuffers: the main job's cases.
 
 Used by the main job (``python -m unienv_mp``) and by ``benchmarks/bench_sampler.py``.
-Every implementation samples the same buffer with the same batch size; the consumer touches
+Every row of a case samples the same data with the same batch size; the consumer touches
 one byte per 4 KiB page of every array it receives, as a training step that reads the
 batch would.
+
+The cases (``CASES``):
+
+* ``image``, ``state``: batches per second of ``sample()`` from an in-memory ReplayBuffer
+  (``build_buffer``), every implementation below;
+* ``jpeg``: the same where every batch decodes: the images are JPEG files in UniEnv's
+  ``ImageStorage`` (``build_jpeg_buffer``), so the worker (or the training process, in
+  process) decodes each row it samples;
+* ``online``: a training loop that appends ``Config.append`` transitions to a shared
+  (``multiprocessing=True``) ReplayBuffer before every ``sample()`` (``measure_online``):
+  time per loop step, and how stale the batches are (``staleness``);
+* ``latency``: the time to one batch when nothing was prefetched (``measure_latency``),
+  for each way of asking for one (``TRIGGERS``).
 
 The implementations (``IMPLEMENTATIONS``):
 
@@ -20,13 +33,20 @@ The implementations (``IMPLEMENTATIONS``):
   is only valid until the next one);
 * ``torchrl``: a TorchRL ``ReplayBuffer(prefetch=4)`` (uniform ``RandomSampler``, 4
   prefetch threads) over the same rows; needs ``torchrl``, which is optional.
+
+Each measurement returns a result object (``Result``, ``OnlineResult``,
+``LatencyResult``); the main job turns each case's results into one table.
 """
+import contextlib
 import gc
 import importlib.util
+import itertools
 import multiprocessing as mp
+import os
+import tempfile
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from dataclasses import dataclass, field, replace
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -43,13 +63,16 @@ LABELS = {
     "torchrl": "TorchRL ReplayBuffer(prefetch=4)",
 }
 TORCHRL_PREFETCH = 4
+# The implementations whose speed depends on the number of workers (a worker sweep times
+# them at each count; the others run once).
+USES_WORKERS = ("unienv_mp", "unienv_mp_generic", "unienv", "unienv_shm", "dataloader")
 
 
 @dataclass
 class Config:
     transitions: int = 20_000
     batch_size: int = 256
-    image_shape: tuple = (3, 128, 128)
+    image_shape: tuple = (3, 128, 128)   # C x H x W; () for none
     workers: int = 4
     buffers: int = 8
     start_method: str = "fork"
@@ -57,6 +80,91 @@ class Config:
     warmup: int = 3               # batches taken before the clock starts
     min_batches: int = 5
     max_batches: int = 5000
+    append: int = 4               # online: transitions appended per loop step
+
+
+# ---------------------------------------------------------------------------------------
+# cases
+# ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Case:
+    """One workload of the main job: what it measures (``kind``: ``"throughput"``,
+    ``"online"`` or ``"latency"``), its rows, in table order, and its data."""
+    name: str
+    kind: str
+    rows: Tuple[str, ...]
+    summary: str
+    defaults: Dict[str, object] = field(default_factory=dict)
+    quick_transitions: int = 2000
+
+
+CASES = {
+    "image": Case("image", "throughput", IMPLEMENTATIONS,
+                  "batches of 256 {state, action, 3x128x128 uint8 image} from an in-memory "
+                  "ReplayBuffer"),
+    "state": Case("state", "throughput", IMPLEMENTATIONS,
+                  "batches of 32 {state, action} from an in-memory ReplayBuffer",
+                  {"batch_size": 32, "image_shape": ()}),
+    "jpeg": Case("jpeg", "throughput",
+                 ("unienv_mp", "unienv", "unienv_shm", "in_process", "dataloader"),
+                 "batches of 64 {state, action, 128x128x3 image} whose images are JPEG "
+                 "files in UniEnv's ImageStorage, decoded for every batch (needs Pillow)",
+                 {"transitions": 4000, "batch_size": 64}, quick_transitions=1000),
+    "online": Case("online", "online", ("unienv_mp", "unienv", "in_process"),
+                   "a loop that appends 4 transitions (--append) to a shared ReplayBuffer "
+                   "(multiprocessing=True) before every sample() of 256 {state, action}: "
+                   "ms per loop step, and staleness: the newest step written (t) minus "
+                   "the newest step the batch could contain.  Each step t appends, then "
+                   "writes t into a clock column of every row, then samples; the "
+                   "batch's largest clock is the last step whose writes had landed when "
+                   "its rows were read",
+                   {"image_shape": ()}),
+    "latency": Case("latency", "latency", ("unienv_mp", "unienv", "in_process"),
+                    "the time to one batch of 256 {state, action, 3x128x128 image} from "
+                    "an in-memory ReplayBuffer with nothing prefetched, p50 and p99, "
+                    "asked for by: manual_seed(), then sample(); the first batch of a "
+                    "new epoch_iter(); the first sample() of a new sampler"),
+}
+
+
+def case_config(case: str, quick: bool = False, **overrides) -> Config:
+    """The ``Config`` of ``case``: its defaults, the quick run's (a small buffer, 1.5 s
+    per row) if ``quick``, then ``overrides``."""
+    spec = CASES[case]
+    cfg = replace(Config(), **spec.defaults)
+    if quick:
+        cfg = replace(cfg, transitions=spec.quick_transitions, seconds=1.5, warmup=2)
+    return replace(cfg, **overrides)
+
+
+def describe(case: str, cfg: Config) -> str:
+    """What one batch of ``case`` holds, for table titles."""
+    img = "x".join(map(str, cfg.image_shape))
+    if case == "jpeg":
+        c, h, w = cfg.image_shape
+        return (f"state 10 f32, action 7 f32, image {h}x{w}x{c} u8 from JPEG files in "
+                f"ImageStorage, decoded for every batch")
+    if case == "online":
+        return "state 10 f32, action 7 f32, clock i64"
+    return f"state 10 f32, action 7 f32, image {img if cfg.image_shape else 'no image'}"
+
+
+def case_missing(case: str, cfg: Config) -> Optional[str]:
+    """Why ``case`` cannot run here with ``cfg`` (None if it can): a missing optional
+    dependency, or a configuration the case cannot use."""
+    if case == "jpeg":
+        if len(cfg.image_shape) != 3 or cfg.image_shape[0] != 3:
+            return (f"the jpeg case needs an RGB image shape 3xHxW, not "
+                    f"{'x'.join(map(str, cfg.image_shape)) or 'none'}")
+        try:
+            from unienv_data.storages.image_storage import ImageStorage  # noqa: F401
+        except ImportError as e:
+            if e.name == "PIL":
+                return ("Pillow, which UniEnv's ImageStorage needs, is not installed "
+                        "(pip install pillow)")
+            return f"UniEnv's ImageStorage cannot be imported: {e}"
+    return None
 
 
 @dataclass
@@ -152,6 +260,102 @@ def build_buffer(cfg: Config, progress: Callable[[int], None] = lambda n: None):
     return rb
 
 
+
+JPEG_QUALITY = 75
+
+
+def _photo_like(n, shape, gen):
+    """``n`` H x W x 3 uint8 images that compress about as well as photographs: smooth
+    random colour fields (bicubic upsampling of a coarse random grid) with a little
+    noise.  Uniform noise would make files several times larger and slower to decode
+    than a camera's frames."""
+    import torch
+    import torch.nn.functional as F
+    _, h, w = shape
+    coarse = torch.rand(n, 3, max(2, h // 16), max(2, w // 16), generator=gen) * 255
+    img = F.interpolate(coarse, size=(h, w), mode="bicubic", align_corners=False)
+    img = img + torch.randn(n, 3, h, w, generator=gen) * 6
+    return img.clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+
+
+def build_jpeg_buffer(cfg: Config, directory, progress: Callable[[int], None] = lambda n: None):
+    """A ReplayBuffer of ``cfg.transitions`` steps of {state: 10 f32, action: 7 f32,
+    image: H x W x 3 u8} whose images are JPEG files (quality ``JPEG_QUALITY``), one per
+    step, in UniEnv's ``ImageStorage`` under ``directory/replay``; state and action are
+    in memory.  ``cfg.image_shape`` is 3 x H x W; the images are stored and sampled as
+    H x W x 3, ImageStorage's layout.  Every ``get`` of a row opens and decodes its file
+    (on UniEnv's per-process pool of IO threads)."""
+    import torch
+    from unienv_data.replay_buffer import ReplayBuffer
+    from unienv_data.storages.dict_storage import DictStorage
+    from unienv_data.storages.image_storage import ImageStorage
+    from unienv_data.storages.pytorch import PytorchTensorStorage
+    from unienv_interface.backends.pytorch import PyTorchComputeBackend as B
+    from unienv_interface.space import BoxSpace, DictSpace
+
+    reason = case_missing("jpeg", cfg)
+    if reason is not None:
+        raise ValueError(reason)
+    _, h, w = cfg.image_shape
+    spaces = {"state": BoxSpace(B, -1.0, 1.0, torch.float32, shape=(10,)),
+              "action": BoxSpace(B, -1.0, 1.0, torch.float32, shape=(7,)),
+              "image": BoxSpace(B, 0, 255, torch.uint8, shape=(h, w, 3))}
+    rb = ReplayBuffer.create(
+        DictStorage, DictSpace(B, spaces),
+        {"state": PytorchTensorStorage, "action": PytorchTensorStorage, "image": ImageStorage},
+        cache_path=os.path.join(directory, "replay"), capacity=cfg.transitions,
+        type_kwargs={PytorchTensorStorage: {"is_memmap": False},
+                     ImageStorage: {"format": "JPEG", "quality": JPEG_QUALITY}})
+    gen = torch.Generator().manual_seed(0)
+    chunk = 250
+    for start in range(0, cfg.transitions, chunk):
+        n = min(chunk, cfg.transitions - start)
+        rb.extend({"state": torch.rand(n, 10, generator=gen) * 2 - 1,
+                   "action": torch.rand(n, 7, generator=gen) * 2 - 1,
+                   "image": _photo_like(n, cfg.image_shape, gen)})
+        progress(n)
+    return rb
+
+
+def build_online_buffer(cfg: Config, progress: Callable[[int], None] = lambda n: None):
+    """A ReplayBuffer shared between processes (``multiprocessing=True``, tensors in
+    shared memory) of capacity ``cfg.transitions``, of {state: 10 f32, action: 7 f32,
+    clock: i64}, filled to half with ``clock`` 0 (see ``run_online``)."""
+    import torch
+    from unienv_data.replay_buffer import ReplayBuffer
+    from unienv_data.storages.dict_storage import DictStorage
+    from unienv_data.storages.pytorch import PytorchTensorStorage
+    from unienv_interface.backends.pytorch import PyTorchComputeBackend as B
+    from unienv_interface.space import BoxSpace, DictSpace
+
+    spaces = {"state": BoxSpace(B, -1.0, 1.0, torch.float32, shape=(10,)),
+              "action": BoxSpace(B, -1.0, 1.0, torch.float32, shape=(7,)),
+              "clock": BoxSpace(B, 0, 2 ** 62, torch.int64, shape=())}
+    rb = ReplayBuffer.create(DictStorage, DictSpace(B, spaces),
+                             {k: PytorchTensorStorage for k in spaces},
+                             capacity=cfg.transitions, is_memmap=False, multiprocessing=True)
+    gen = torch.Generator().manual_seed(0)
+    n = max(cfg.batch_size, cfg.transitions // 2)
+    rb.extend({"state": torch.rand(n, 10, generator=gen) * 2 - 1,
+               "action": torch.rand(n, 7, generator=gen) * 2 - 1,
+               "clock": torch.zeros(n, dtype=torch.int64)})
+    progress(n)
+    return rb
+
+
+@contextlib.contextmanager
+def case_data(case: str, cfg: Config, progress: Callable[[int], None] = lambda n: None):
+    """The ReplayBuffer of ``case`` (``with case_data(...) as rb``); the jpeg case's files
+    live in a temporary directory removed on exit.  The online case makes a fresh buffer
+    for every row instead (``measure_online``): this yields None for it."""
+    if case == "online":
+        yield None
+    elif case == "jpeg":
+        with tempfile.TemporaryDirectory(prefix="unienv_mp-jpeg-") as directory:
+            yield build_jpeg_buffer(cfg, directory, progress)
+    else:
+        yield build_buffer(cfg, progress)
+
 def _is_tensor_collection(x):
     """A TensorDict (or the like): a mapping of arrays with a ``batch_size``; told apart from
     tensors, which have ``values()`` too (sparse), without importing tensordict."""
@@ -202,21 +406,41 @@ class _SampleDataset:
             yield self.sampler.sample()
 
 
-def make_sampler(name: str, rb, cfg: Config, seed: int = 0):
-    """(next_batch, close) for implementation ``name``."""
+def _sampler_object(name: str, rb, cfg: Config, seed: int = 0):
+    """The sampler object of implementation ``name`` (one of the UniEnv-API samplers:
+    ``unienv_mp``, ``unienv_mp_generic``, ``unienv``, ``unienv_shm``, ``in_process``)
+    over a StepSampler of ``rb`` seeded with ``seed``.  Workers start at its first call."""
     from unienv_data.samplers import StepSampler
     base = StepSampler(rb, cfg.batch_size, seed=seed)
     ctx = mp.get_context(cfg.start_method)
     if name in ("unienv_mp", "unienv_mp_generic"):
         from .sampler import MultiprocessingSampler
-        s = MultiprocessingSampler(base, n_workers=cfg.workers, n_buffers=cfg.buffers, ctx=ctx,
-                                   direct_gather=False if name == "unienv_mp_generic" else None)
-        return s.sample, s.close
+        return MultiprocessingSampler(
+            base, n_workers=cfg.workers, n_buffers=cfg.buffers, ctx=ctx,
+            direct_gather=False if name == "unienv_mp_generic" else None)
     if name in ("unienv", "unienv_shm"):
         from unienv_data.samplers import MultiprocessingSampler as UniEnvSampler
-        s = UniEnvSampler(base, n_workers=cfg.workers, n_buffers=cfg.buffers, ctx=ctx,
-                          shared_memory=name == "unienv_shm")
+        return UniEnvSampler(base, n_workers=cfg.workers, n_buffers=cfg.buffers, ctx=ctx,
+                             shared_memory=name == "unienv_shm")
+    if name == "in_process":
+        return base
+    raise ValueError(f"{name!r} is not one of the UniEnv-API samplers")
+
+
+def _close(sampler):
+    close = getattr(sampler, "close", None)    # (a StepSampler has none)
+    if close is not None:
+        close()
+
+
+def make_sampler(name: str, rb, cfg: Config, seed: int = 0):
+    """(next_batch, close) for implementation ``name``."""
+    if name in ("unienv_mp", "unienv_mp_generic", "unienv", "unienv_shm"):
+        s = _sampler_object(name, rb, cfg, seed)
         return s.sample, s.close
+    from unienv_data.samplers import StepSampler
+    base = StepSampler(rb, cfg.batch_size, seed=seed)
+    ctx = mp.get_context(cfg.start_method)
     if name == "in_process":
         return base.sample, lambda: None
     if name == "dataloader":
@@ -332,45 +556,68 @@ def _torchrl_sampler(rb, cfg: Config, seed: int = 0):
 _PREIMPORT = {"torchrl": ("tensordict", "torchrl.data")}
 
 
+def _error(e):
+    return f"{type(e).__name__}: {e}"
+
+
+def _preimport(name):
+    for module in _PREIMPORT.get(name, ()):
+        importlib.import_module(module)
+
+
+def _time_steps(res, step, cfg: Config, progress: Callable[[float], None]):
+    """Call ``step()`` as often as fits in ``cfg.seconds`` (at least ``cfg.min_batches``
+    times, at most ``cfg.max_batches``); the count, the seconds and this process's CPU
+    time go into ``res`` (a ``Result``)."""
+    n = 0
+    cpu0 = _process_cpu()
+    start = time.perf_counter()
+    elapsed = 0.0
+    while n < cfg.max_batches and (elapsed < cfg.seconds or n < cfg.min_batches):
+        step()
+        n += 1
+        elapsed = time.perf_counter() - start
+        progress(min(1.0, elapsed / cfg.seconds))
+    res.batches, res.seconds = n, elapsed
+    res.main_cpu_s = _process_cpu() - cpu0
+
+
 def measure(name: str, rb, cfg: Config, progress: Callable[[float], None] = lambda f: None):
     """Time implementation ``name``: start it, take ``cfg.warmup`` batches, then as many as
     fit in ``cfg.seconds`` (at least ``cfg.min_batches``)."""
     res = Result(name, LABELS.get(name, name))
     try:
-        for module in _PREIMPORT.get(name, ()):
-            importlib.import_module(module)
+        _preimport(name)
     except Exception as e:   # reported in the table, not fatal to the comparison
-        res.error = f"{type(e).__name__}: {e}"
+        res.error = _error(e)
         return res
     gc.collect()
     t0 = time.perf_counter()
-    try:
-        next_batch, close = make_sampler(name, rb, cfg)
-    except Exception as e:   # reported in the table, not fatal to the comparison
-        res.error = f"{type(e).__name__}: {e}"
-        return res
-    try:
+
+    def run(next_batch):
         for _ in range(cfg.warmup):
             b = next_batch()
             touch(b)
             res.batch_bytes = batch_nbytes(b)
             del b
         res.startup_s = time.perf_counter() - t0
-        n = 0
-        cpu0 = _process_cpu()
-        start = time.perf_counter()
-        elapsed = 0.0
-        while n < cfg.max_batches and (elapsed < cfg.seconds or n < cfg.min_batches):
-            b = next_batch()
-            touch(b)
-            del b
-            n += 1
-            elapsed = time.perf_counter() - start
-            progress(min(1.0, elapsed / cfg.seconds))
-        res.batches, res.seconds = n, elapsed
-        res.main_cpu_s = _process_cpu() - cpu0
+        _time_steps(res, lambda: touch(next_batch()), cfg, progress)
+    return _guarded(res, lambda: make_sampler(name, rb, cfg), run)
+
+
+def _guarded(res, make, run):
+    """``value, close = make()``, then ``run(value)``, then ``close()`` whatever happened;
+    an exception in ``make`` or ``run`` goes into ``res.error`` (reported in the table,
+    not fatal to the comparison).  Returns ``res``."""
+    try:
+        value, close = make()
     except Exception as e:
-        res.error = f"{type(e).__name__}: {e}"
+        res.error = _error(e)
+        return res
+    try:
+        run(value)
+    except Exception as e:
+        res.error = _error(e)
     finally:
         try:
             close()
@@ -393,3 +640,280 @@ def speedups(results: List[Result], reference: str = "unienv_mp"):
         if ref is not None and r is not ref and r.batches:
             out[r.name] = r.ms_per_batch / ref.ms_per_batch
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# online: a training loop that appends to the buffer before every sample()
+# ---------------------------------------------------------------------------------------
+
+@dataclass
+class OnlineResult(Result):
+    """``Result`` of the online case, where a "batch" is one loop step (an append, then
+    one ``sample()``); ``staleness`` holds the staleness of every measured step, in loop
+    steps (see ``run_online``)."""
+    staleness: List[int] = field(default_factory=list)
+
+    def staleness_stats(self):
+        """{"mean", "p50", "p99", "max"} of ``staleness``, in loop steps."""
+        if not self.staleness:
+            return {"mean": float("nan"), "p50": float("nan"), "p99": float("nan"),
+                    "max": None}
+        a = np.asarray(self.staleness)
+        return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
+                "p99": float(np.percentile(a, 99)), "max": int(a.max())}
+
+    def as_dict(self):
+        out = super().as_dict()
+        out["ms_per_step"] = self.ms_per_batch
+        out["main_cpu_ms_per_step"] = self.main_cpu_ms_per_batch
+        out["staleness_steps"] = self.staleness_stats()
+        return out
+
+
+def staleness(step: int, batch) -> int:
+    """How many loop steps ``batch`` lags behind ``step``, the newest step written: ``step``
+    minus the largest ``clock`` among the batch's rows, which is the newest step the batch
+    could contain (see ``run_online``)."""
+    return int(step) - int(batch["clock"].max())
+
+
+def online_warmup(cfg: Config) -> int:
+    """Loop steps taken before the online case's clock starts: enough for every sampler's
+    pipeline (up to ``2 * n_buffers`` batches ahead) to fill."""
+    return max(cfg.warmup, 4 * cfg.buffers)
+
+
+def online_stepper(next_batch, rb, cfg: Config):
+    """One loop step of the online case at a time, over ``rb`` (from
+    ``build_online_buffer``) with ``next_batch`` as its sampler: a function that does the
+    next step and returns ``(staleness, batch)``.
+
+    Loop step ``t`` (1, 2, ...) appends ``cfg.append`` transitions whose ``clock`` is
+    ``t``, sets the ``clock`` of every row of the buffer to ``t`` (one ``fill_`` of the
+    shared column), then takes one batch and reads it.  A worker that reads a row
+    therefore sees the last step whose writes had landed by then, so the largest
+    ``clock`` in a batch is the newest step the batch could contain, and its staleness
+    (``staleness``) is ``t`` minus that: 0 for a batch read after this step's writes (as
+    in process).  The fill is not atomic: a row read while it runs can still show
+    ``t - 1``, which makes a staleness read at most one step high.  Every implementation
+    pays the same fill (a few microseconds for 20k rows)."""
+    import torch
+    clock = _dict_storage_tensors(rb)["clock"]
+    gen = torch.Generator().manual_seed(1)
+    rows = {"state": torch.rand(cfg.append, 10, generator=gen) * 2 - 1,
+            "action": torch.rand(cfg.append, 7, generator=gen) * 2 - 1,
+            "clock": torch.zeros(cfg.append, dtype=torch.int64)}
+    step = 0
+
+    def one_step():
+        nonlocal step
+        step += 1
+        rows["clock"].fill_(step)
+        rb.extend(rows)
+        clock.fill_(step)
+        b = next_batch()
+        touch(b)
+        return staleness(step, b), b
+    return one_step
+
+
+def run_online(next_batch, rb, cfg: Config, progress: Callable[[float], None] = lambda f: None,
+               result: Optional[OnlineResult] = None) -> OnlineResult:
+    """The online loop (see ``online_stepper``): ``online_warmup(cfg)`` steps, then as
+    many as fit in ``cfg.seconds``, each one's staleness kept; returns ``result`` (or a
+    new ``OnlineResult``) filled in."""
+    res = result if result is not None else OnlineResult("", "")
+    one_step = online_stepper(next_batch, rb, cfg)
+    for _ in range(online_warmup(cfg)):
+        res.batch_bytes = batch_nbytes(one_step()[1])
+    _time_steps(res, lambda: res.staleness.append(one_step()[0]), cfg, progress)
+    return res
+
+
+def measure_online(name: str, cfg: Config, progress: Callable[[float], None] = lambda f: None):
+    """The online case for implementation ``name``, over a fresh ``build_online_buffer``
+    (every row starts from the same buffer): an ``OnlineResult``."""
+    res = OnlineResult(name, LABELS.get(name, name))
+    gc.collect()
+    t0 = time.perf_counter()
+
+    def make():
+        rb = build_online_buffer(cfg)
+        next_batch, close = make_sampler(name, rb, cfg)
+        return (next_batch, rb), close
+
+    def run(sampler_and_buffer):
+        run_online(*sampler_and_buffer, cfg, progress, res)
+        res.startup_s = time.perf_counter() - t0 - res.seconds
+    return _guarded(res, make, run)
+
+
+# ---------------------------------------------------------------------------------------
+# latency: one batch with nothing prefetched
+# ---------------------------------------------------------------------------------------
+
+TRIGGERS = {
+    "reseed": "manual_seed(), then sample()",
+    "epoch": "first batch of a new epoch_iter()",
+    "start": "first sample() of a new sampler",
+}
+# Wait before each run, so that the workers finish what they were asked for and go idle.
+LATENCY_PAUSE_S = 0.05
+
+
+class NotMeasurable(Exception):
+    """This implementation's API has no way to ask for a batch like this."""
+
+
+@dataclass
+class LatencyResult:
+    name: str
+    label: str
+    trigger: str
+    times: List[float] = field(default_factory=list)   # seconds to the batch, one per run
+    error: Optional[str] = None
+    skipped: Optional[str] = None    # why this implementation cannot be asked this way
+
+    @property
+    def trigger_label(self):
+        return TRIGGERS[self.trigger]
+
+    def percentile_ms(self, q):
+        return 1e3 * float(np.percentile(self.times, q)) if self.times else float("nan")
+
+    @property
+    def p50_ms(self):
+        return self.percentile_ms(50)
+
+    @property
+    def p99_ms(self):
+        return self.percentile_ms(99)
+
+    def as_dict(self):
+        return {"name": self.name, "label": self.label, "trigger": self.trigger,
+                "trigger_label": self.trigger_label, "runs": len(self.times),
+                "p50_ms": self.p50_ms, "p99_ms": self.p99_ms,
+                "times_s": list(self.times), "error": self.error, "skipped": self.skipped}
+
+
+def not_measurable(name: str, trigger: str) -> Optional[str]:
+    """Why implementation ``name`` cannot be asked for a batch by ``trigger`` (a key of
+    ``TRIGGERS``), or None."""
+    if trigger not in TRIGGERS:
+        raise ValueError(f"unknown trigger {trigger!r}; expected one of {tuple(TRIGGERS)}")
+    if trigger == "reseed" and name in ("unienv", "unienv_shm"):
+        return ("UniEnv's manual_seed() reseeds only this process's copy of the sampler; "
+                "sample() then returns a batch its workers made before")
+    return None
+
+
+def latency_probe(name: str, trigger: str, rb, cfg: Config):
+    """``(prepare, first_batch, close)`` for timing one way (``trigger``, a key of
+    ``TRIGGERS``) of asking implementation ``name`` for a batch with nothing prefetched:
+    ``prepare()`` (not timed) sets up the next run and waits ``LATENCY_PAUSE_S``,
+    ``first_batch()`` (timed) asks for the batch and returns it, ``close()`` releases
+    everything.
+
+    * ``reseed``: one sampler, started (``cfg.warmup`` batches) before the first run;
+      each run calls ``manual_seed`` with a new seed, then ``sample()``.  unienv_mp drops
+      the batches requested before and reseeds the workers, so the batch is made after
+      the call.  UniEnv's ``manual_seed`` reseeds only this process's copy of the
+      sampler: its ``sample()`` returns a batch its workers made before, from the old
+      seed, so that row raises ``NotMeasurable``.
+    * ``epoch``: one sampler; each run takes the first batch of a new ``epoch_iter()``
+      (``prepare`` closes the one before).  Over data that is not shared between
+      processes, both MultiprocessingSamplers start the epoch's workers there.
+    * ``start``: each run makes a new sampler (seeded with the run's number) and calls
+      ``sample()``, so it includes starting the workers (``prepare`` closes the one
+      before).
+    """
+    reason = not_measurable(name, trigger)
+    if reason is not None:
+        raise NotMeasurable(reason)
+    seeds = itertools.count(1)
+
+    def pause():
+        time.sleep(LATENCY_PAUSE_S)
+
+    if trigger == "reseed":
+        s = _sampler_object(name, rb, cfg)
+        try:
+            for _ in range(cfg.warmup):
+                touch(s.sample())
+        except BaseException:
+            _close(s)
+            raise
+
+        def first_batch():
+            s.manual_seed(next(seeds))
+            return s.sample()
+        return pause, first_batch, lambda: _close(s)
+
+    if trigger == "epoch":
+        s = _sampler_object(name, rb, cfg)
+        epochs = []
+
+        def end_epochs():
+            while epochs:
+                epochs.pop().close()
+
+        def prepare():
+            end_epochs()
+            pause()
+
+        def first_batch():
+            it = iter(s.epoch_iter())
+            epochs.append(it)
+            return next(it)
+
+        def close():
+            try:
+                end_epochs()
+            finally:
+                _close(s)
+        return prepare, first_batch, close
+
+    made = []
+
+    def close_made():
+        while made:
+            _close(made.pop())
+
+    def prepare_start():
+        close_made()
+        pause()
+
+    def first_sample():
+        made.append(_sampler_object(name, rb, cfg, seed=next(seeds)))
+        return made[-1].sample()
+    return prepare_start, first_sample, close_made
+
+
+def measure_latency(name: str, trigger: str, rb, cfg: Config,
+                    progress: Callable[[float], None] = lambda f: None) -> LatencyResult:
+    """Time ``trigger`` for implementation ``name`` (see ``latency_probe``) as often as
+    fits in ``cfg.seconds`` (at least ``cfg.min_batches`` runs, at most
+    ``cfg.max_batches``); each run's time covers asking for the batch and reading it."""
+    res = LatencyResult(name, LABELS.get(name, name), trigger)
+    res.skipped = not_measurable(name, trigger)
+    if res.skipped is not None:
+        return res
+    gc.collect()
+
+    def make():
+        prepare, first_batch, close = latency_probe(name, trigger, rb, cfg)
+        return (prepare, first_batch), close
+
+    def run(probe):
+        prepare, first_batch = probe
+        start = time.perf_counter()
+        elapsed = 0.0
+        while len(res.times) < cfg.max_batches and (
+                elapsed < cfg.seconds or len(res.times) < cfg.min_batches):
+            prepare()
+            t0 = time.perf_counter()
+            touch(first_batch())
+            res.times.append(time.perf_counter() - t0)
+            elapsed = time.perf_counter() - start
+            progress(min(1.0, elapsed / cfg.seconds))
+    return _guarded(res, make, run)

@@ -1,0 +1,344 @@
+"""The main job's workload cases (jpeg, online, latency, --case all), the worker sweep and
+the charts: what each produces, not how fast."""
+import collections
+import glob
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from unienv_mp import __main__ as main_mod
+from unienv_mp import compare
+
+SMALL = ["--transitions", "300", "--image-shape", "3x8x8", "--batch-size", "16",
+         "--workers", "2", "--buffers", "2", "--seconds", "0.3", "--no-progress"]
+TINY = dict(transitions=300, batch_size=16, image_shape=(3, 8, 8), workers=2, buffers=2,
+            seconds=0.3, warmup=2)
+needs_pillow = pytest.mark.skipif(
+    compare.case_missing("jpeg", compare.Config()) is not None, reason="Pillow is missing")
+
+
+def _json_run(capsys, argv):
+    rc = main_mod.main(argv + ["--json"])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+# --- online: staleness -------------------------------------------------------------------
+
+def test_staleness_is_the_newest_step_written_minus_the_newest_clock_in_the_batch():
+    assert compare.staleness(10, {"clock": torch.tensor([3, 9, 7])}) == 1
+    assert compare.staleness(10, {"clock": np.array([10, 2])}) == 0
+    assert compare.staleness(12, {"clock": torch.tensor([4])}) == 8
+
+
+def _delayed(next_batch, depth):
+    """A sampler that hands out each batch ``depth`` calls after it was read: a prefetch
+    queue ``depth`` deep."""
+    queue = collections.deque()
+
+    def sample():
+        while len(queue) <= depth:
+            queue.append(next_batch())
+        return queue.popleft()
+    return sample
+
+
+@pytest.mark.parametrize("depth", [0, 3])
+def test_online_loop_measures_how_many_steps_a_batch_was_read_before(depth):
+    cfg = compare.Config(**{**TINY, "seconds": 0.1})
+    assert compare.online_warmup(cfg) > depth     # the queue is full when measuring starts
+    rb = compare.build_online_buffer(cfg)
+    next_batch, close = compare.make_sampler("in_process", rb, cfg)
+    res = compare.run_online(_delayed(next_batch, depth), rb, cfg)
+    close()
+    assert res.batches >= cfg.min_batches and len(res.staleness) == res.batches
+    assert set(res.staleness) == {depth}
+    assert res.staleness_stats() == {"mean": depth, "p50": depth, "p99": depth, "max": depth}
+    # every step appended cfg.append rows and stamped the whole clock column
+    steps = compare.online_warmup(cfg) + res.batches
+    assert len(rb) == min(cfg.transitions, cfg.transitions // 2 + steps * cfg.append)
+    assert (rb.get_at(torch.arange(len(rb)))["clock"] == steps).all()
+
+
+def test_online_case_reports_ms_per_step_and_staleness(capsys):
+    rc, out = _json_run(capsys, SMALL + ["--case", "online"])
+    assert rc == 0 and out["case"] == "online"
+    rows = {r["name"]: r for r in out["results"]}
+    assert list(rows) == ["unienv_mp", "unienv", "in_process"]
+    for r in rows.values():
+        assert r["error"] is None and r["batches"] >= 5 and r["ms_per_step"] > 0
+        assert r["batch_bytes"] == 16 * (17 * 4 + 8)     # state, action, clock
+        assert r["staleness_steps"]["max"] >= r["staleness_steps"]["p50"] >= 0
+    assert rows["in_process"]["staleness_steps"]["max"] == 0
+    # in order, n_buffers (2) ahead, at most n_buffers per task: a batch is consumed at
+    # most 2 * 2 - 1 steps after the step that asked for it (plus one for the clock fill)
+    assert rows["unienv_mp"]["staleness_steps"]["max"] <= 4
+    assert rows["unienv_mp"]["workers"] == 2 and rows["in_process"]["workers"] is None
+
+
+def test_online_table():
+    cfg = compare.Config(**TINY)
+    points = [(2, compare.OnlineResult("unienv_mp", compare.LABELS["unienv_mp"], batches=100,
+                                       seconds=1.0, staleness=[2, 3, 3, 4])),
+              (2, compare.OnlineResult("unienv", compare.LABELS["unienv"], batches=10,
+                                       seconds=1.0, staleness=[8] * 4)),
+              (None, compare.OnlineResult("in_process", compare.LABELS["in_process"],
+                                          batches=50, seconds=1.0, staleness=[0] * 4))]
+    text = main_mod.online_table(points, cfg).format()
+    lines = {line.split("  ")[0]: line.split() for line in text.splitlines()}
+    mp_row = lines[compare.LABELS["unienv_mp"]][-8:]
+    assert mp_row == ["10.000", "100", "0.000", "3.0", "3", "4", "4", "-"]
+    assert lines[compare.LABELS["unienv"]][-3:] == ["8", "10.0x", "faster"]
+    assert lines[compare.LABELS["in_process"]][-6:] == ["0.0", "0", "0", "0", "2.0x", "faster"]
+    assert "newest step the batch could contain" in text
+
+
+# --- jpeg ----------------------------------------------------------------------------------
+
+@needs_pillow
+def test_jpeg_buffer_keeps_its_images_as_jpeg_files(tmp_path):
+    cfg = compare.Config(**{**TINY, "transitions": 40, "image_shape": (3, 16, 24)})
+    rb = compare.build_jpeg_buffer(cfg, tmp_path)
+    files = glob.glob(os.path.join(tmp_path, "**", "*.jpeg"), recursive=True)
+    assert len(files) == 40
+    with open(files[0], "rb") as f:
+        assert f.read(2) == b"\xff\xd8"          # a JPEG stream
+    batch = rb.get_at(torch.arange(5))
+    assert batch["image"].shape == (5, 16, 24, 3) and batch["image"].dtype == torch.uint8
+    assert batch["image"].float().std() > 10     # decoded pictures, not the zeros of a miss
+
+
+@needs_pillow
+def test_jpeg_case_runs_its_rows_and_decodes_in_the_workers(capsys):
+    rc, out = _json_run(capsys, SMALL + ["--case", "jpeg"])
+    assert rc == 0 and out["case"] == "jpeg"
+    names = [r["name"] for r in out["results"]]
+    assert names == ["unienv_mp", "unienv", "unienv_shm", "in_process", "dataloader"]
+    for r in out["results"]:
+        assert r["error"] is None and r["batches"] >= 5
+        assert r["batch_bytes"] == 16 * (17 * 4 + 8 * 8 * 3)
+    cfg = compare.Config(**TINY)
+    with compare.case_data("jpeg", cfg) as rb:
+        directory = rb.storage.storage_map["image"].cache_filename
+        assert os.path.isdir(directory)
+        next_batch, close = compare.make_sampler("unienv_mp", rb, cfg)
+        try:
+            # the worker calls the storage's get(), which decodes
+            assert next_batch.__self__.gather_path == "generic"
+            assert next_batch()["image"].shape == (16, 8, 8, 3)
+        finally:
+            close()
+    assert not os.path.exists(directory)
+
+
+def test_jpeg_case_needs_an_rgb_image_shape(capsys):
+    assert "RGB" in compare.case_missing("jpeg", compare.Config(image_shape=(1, 8, 8)))
+    assert main_mod.main(SMALL + ["--case", "jpeg", "--image-shape", "none"]) == 2
+    assert "skipping case jpeg: the jpeg case needs an RGB image shape" in (
+        capsys.readouterr().err)
+
+
+def test_without_pillow_all_cases_but_jpeg_run():
+    code = ("import sys; sys.modules['PIL'] = None\n"
+            "from unienv_mp import __main__ as m\n"
+            f"sys.exit(m.main({SMALL + ['--case', 'all', '--impl', 'in_process', '--json']!r}))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert ("skipping case jpeg: Pillow, which UniEnv's ImageStorage needs, is not "
+            "installed (pip install pillow)") in p.stderr
+    out = json.loads(p.stdout)
+    assert [c["case"] for c in out["cases"]] == ["image", "state", "online", "latency"]
+    for c in out["cases"]:
+        assert {r["name"] for r in c["results"]} == {"in_process"}
+
+
+# --- latency -------------------------------------------------------------------------------
+
+def test_latency_case_times_each_way_of_asking(capsys):
+    rc, out = _json_run(capsys, SMALL + ["--case", "latency"])
+    assert rc == 0 and out["case"] == "latency"
+    got = [(r["name"], r["trigger"]) for r in out["results"]]
+    assert got == [(n, t) for n in ("unienv_mp", "unienv", "in_process")
+                   for t in ("reseed", "epoch", "start")]
+    for r in out["results"]:
+        assert r["error"] is None
+        if (r["name"], r["trigger"]) == ("unienv", "reseed"):
+            assert r["runs"] == 0 and "manual_seed" in r["skipped"]
+            continue
+        assert r["skipped"] is None and r["runs"] >= 5 and len(r["times_s"]) == r["runs"]
+        assert 0 < r["p50_ms"] <= r["p99_ms"] <= 1e3 * max(r["times_s"])
+
+
+def _copy(batch):
+    return {k: v.clone() for k, v in batch.items()}
+
+
+def test_reseed_probe_returns_a_batch_of_the_new_seed():
+    """manual_seed(s) then sample(): the batch comes from seed s, so it was made after the
+    call, not taken from what was prefetched."""
+    cfg = compare.Config(**TINY)
+    rb = compare.build_buffer(cfg)
+    prepare, first_batch, close = compare.latency_probe("unienv_mp", "reseed", rb, cfg)
+    try:
+        got = []
+        for _ in range(2):
+            prepare()
+            got.append(_copy(first_batch()))
+    finally:
+        close()
+    for seed, batch in enumerate(got, start=1):
+        next_batch, close = compare.make_sampler("unienv_mp", rb, cfg, seed=seed)
+        try:
+            want = _copy(next_batch())
+        finally:
+            close()
+        assert all(torch.equal(batch[k], want[k]) for k in want), seed
+
+
+def test_latency_probes_close_what_they_start():
+    cfg = compare.Config(**TINY)
+    rb = compare.build_buffer(cfg)
+    for trigger in ("epoch", "start"):
+        prepare, first_batch, close = compare.latency_probe("unienv_mp", trigger, rb, cfg)
+        for _ in range(2):
+            prepare()
+            assert first_batch()["image"].shape == (16, 3, 8, 8)
+        close()
+        assert not mp.active_children()
+    with pytest.raises(compare.NotMeasurable, match="manual_seed"):
+        compare.latency_probe("unienv", "reseed", rb, cfg)
+    with pytest.raises(ValueError, match="trigger"):
+        compare.latency_probe("unienv_mp", "soon", rb, cfg)
+
+
+def test_latency_table_compares_by_p50_with_the_same_trigger():
+    cfg = compare.Config(**TINY)
+    r = compare.LatencyResult
+    points = [(2, r("unienv_mp", compare.LABELS["unienv_mp"], "epoch", [0.010, 0.020, 0.030])),
+              (2, r("unienv", compare.LABELS["unienv"], "epoch", [0.040, 0.040, 0.050])),
+              (2, r("unienv", compare.LABELS["unienv"], "reseed", skipped="no such call")),
+              (None, r("in_process", compare.LABELS["in_process"], "epoch", [0.005] * 3))]
+    text = main_mod.latency_table(points, cfg).format()
+    rows = [line for line in text.splitlines() if "first batch of a new epoch_iter()" in line]
+    assert rows[0].split()[-4:] == ["3", "20.00", "29.80", "-"]
+    assert rows[1].rstrip().endswith("2.0x faster")
+    assert rows[2].rstrip().endswith("4.0x slower")
+    assert "n/a (see below)" in text and "manual_seed(), then sample(): n/a: no such call" in text
+
+
+# --- the worker sweep, --case all, charts ----------------------------------------------------
+
+def test_workers_option_parses_a_list():
+    assert main_mod.parse_args(["--workers", "1,2,4,8"]).workers == [1, 2, 4, 8]
+    assert main_mod.parse_args(["--workers", "4"]).workers == [4]
+    assert main_mod.parse_args(["--workers", "2,1,2"]).workers == [2, 1]
+    cfg, _ = main_mod.make_config(main_mod.parse_args(["--workers", "3,5"]))
+    assert cfg.workers == 3
+
+
+@pytest.mark.parametrize("bad", ["0,2", "1,x", ""])
+def test_bad_worker_lists_are_refused(bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        main_mod.parse_args(["--workers", bad])
+    assert e.value.code == 2 and "--workers" in capsys.readouterr().err
+
+
+def test_sweep_times_worker_rows_at_every_count_and_the_others_once(capsys):
+    rc, out = _json_run(capsys, SMALL + ["--workers", "1,2", "--impl", "unienv_mp,in_process"])
+    assert rc == 0 and out["config"]["workers"] == [1, 2]
+    got = [(r["name"], r["workers"]) for r in out["results"]]
+    assert got == [("unienv_mp", 1), ("unienv_mp", 2), ("in_process", None)]
+    assert all(r["error"] is None and r["batches"] >= 5 for r in out["results"])
+    assert set(out["speedup_of_unienv_mp"]) == {"1", "2"}
+    assert set(out["speedup_of_unienv_mp"]["1"]) == {"in_process"}
+
+
+def test_sweep_table():
+    cfg = compare.Config(**TINY)
+    res = compare.Result
+    points = [(1, res("unienv_mp", compare.LABELS["unienv_mp"], 100, 1.0)),
+              (2, res("unienv_mp", compare.LABELS["unienv_mp"], 180, 1.0)),
+              (1, res("unienv", compare.LABELS["unienv"], error="boom")),
+              (None, res("in_process", compare.LABELS["in_process"], 150, 1.0))]
+    text = main_mod.sweep_table(points, cfg, "image").format()
+    lines = text.splitlines()
+    assert lines[1].split() == ["implementation", "1", "worker", "2", "workers", "no",
+                                "workers"]
+    assert lines[3].split()[-2:] == ["100", "180"]
+    assert lines[4].split()[-1] == "failed"
+    assert lines[5].split()[-1] == "150"
+    assert "failed: UniEnv MultiprocessingSampler (1 workers): boom" in text
+
+
+def _pyplot():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def test_sweep_chart_draws_a_line_per_implementation_and_in_process_flat():
+    plt = _pyplot()
+    res = compare.Result
+    points = [(w, res("unienv_mp", compare.LABELS["unienv_mp"], n, 1.0))
+              for w, n in ((1, 100), (2, 180), (4, 300))]
+    points += [(w, res("unienv", compare.LABELS["unienv"], n, 1.0))
+               for w, n in ((1, 50), (2, 60), (4, 70))]
+    points.append((None, res("in_process", compare.LABELS["in_process"], 150, 1.0)))
+    fig = main_mod.sweep_figure(plt, points, "image")
+    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+    mp_line = lines[compare.LABELS["unienv_mp"]]
+    assert list(mp_line.get_xdata()) == [1, 2, 4]
+    assert list(mp_line.get_ydata()) == [100, 180, 300]
+    flat = lines[compare.LABELS["in_process"]]
+    assert list(flat.get_ydata()) == [150, 150]
+    assert fig.axes[0].get_xlabel() == "workers"
+    plt.close(fig)
+
+
+def test_table_chart_has_a_panel_for_time_and_one_for_main_cpu():
+    plt = _pyplot()
+    res = compare.Result
+    results = [res("unienv_mp", compare.LABELS["unienv_mp"], 10, 0.02, main_cpu_s=0.001),
+               res("in_process", compare.LABELS["in_process"], 10, 0.05, main_cpu_s=0.05),
+               res("unienv", compare.LABELS["unienv"], error="boom")]
+    fig = main_mod.table_figure(plt, results, "image")
+    assert [ax.get_xlabel() for ax in fig.axes] == [
+        "ms per batch (lower is better)", "main CPU ms per batch (lower is better)"]
+    widths = [[round(p.get_width(), 6) for p in ax.patches] for ax in fig.axes]
+    assert widths == [[2.0, 5.0], [0.1, 5.0]]
+    plt.close(fig)
+
+
+def test_case_all_plots_one_file_per_case(tmp_path, capsys):
+    path = tmp_path / "chart.png"
+    argv = SMALL + ["--case", "all", "--impl", "in_process,unienv_mp", "--plot", str(path),
+                    "--seconds", "0.1"]
+    assert main_mod.main(argv) == 0
+    captured = capsys.readouterr()
+    for case in compare.CASES:
+        assert f"== {case} ==" in captured.out
+        png = tmp_path / f"chart-{case}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"plot saved to {png}" in captured.err
+    assert not path.exists()
+
+
+def test_impl_list_without_rows_of_a_case_says_so(capsys):
+    assert main_mod.main(SMALL + ["--case", "online", "--impl", "index_select"]) == 2
+    assert "--impl lists none of its rows (unienv_mp, unienv, in_process)" in (
+        capsys.readouterr().err)
+
+
+def test_ci_runs_every_case_quickly():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, ".ci", "run")) as f:
+        ci = [line.strip() for line in f]
+    assert "python -m unienv_mp --case all --quick" in ci
+    assert "python -m unienv_mp --quick" not in ci
