@@ -70,10 +70,7 @@ def main(argv=None):
         """Request n_buffers + 1 batches, then wait (collecting nothing) until every worker
         has published all of its results."""
         manager = s._manager
-        stream = s._streams["sample"]   # (as MultiprocessingSampler._sample requests)
-        k = stream.k
-        while len(stream.ready) + k * len(stream.tickets) <= s.n_buffers:
-            stream.tickets.append(manager.submit(("sample", None if k == 1 else k)))
+        s._streams["sample"].top_up(manager.submit, s.n_buffers)   # (as sample() does)
         lanes = manager._lanes
         deadline = time.monotonic() + 300
         while (sum(lane.worker.results_published for lane in lanes)

@@ -186,7 +186,8 @@ class DyingSampler(StepSampler):
 
 
 class CrashAtStart(BatchSampler):
-    """A sampler whose worker dies (exit code 7) as soon as it is seeded."""
+    """A sampler whose worker dies (exit code 7) as soon as it is seeded (a worker seeds
+    the sampler for every chunk of a ``sample*`` method)."""
 
     def __init__(self, inner):
         super().__init__(inner.single_space, None, inner.batch_size)

@@ -192,7 +192,7 @@ def test_direct_and_generic_give_identical_batches(config):
 @pytest.mark.parametrize("batches_per_task", [1, 5])
 @pytest.mark.parametrize("config", ["nested_dict_mixed_dtypes", "flattened_nan_casts"])
 def test_identical_one_batch_per_task_and_in_groups(config, batches_per_task):
-    """(By default these small batches go n_buffers=3 to a task.)"""
+    """(By default these small batches go 8 to a task.)"""
     rb = CONFIGS[config]()
     assert_same_both_ways(lambda: StepSampler(rb, 9, seed=5), rounds=7,
                           batches_per_task=batches_per_task)
@@ -209,7 +209,8 @@ def test_groups_are_planned_by_the_same_rule_on_both_paths():
                                     ctx="fork", direct_gather=direct) as m:
             m.sample()
             m.sample_index()
-            assert m._streams["sample"].k == 6   # (small rows: n_buffers to a task)
+            # (small rows: as many as fit in 256 KiB, at most 8, whatever n_buffers)
+            assert m._streams["sample"].k == 8
             assert m._streams["sample_index"].k == 1
 
 

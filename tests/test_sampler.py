@@ -162,17 +162,18 @@ def test_same_seed_same_batches_whatever_the_timing():
 
 
 @pytest.mark.parametrize("direct", [None, False])
-def test_a_task_of_k_batches_is_k_draws_of_one_worker(direct):
-    """With k batches per task, tasks dealt round-robin: worker i's j-th task is its RNG's
-    draws j*k .. j*k + k - 1, the workers seeded from the sampler as UniEnv seeds them."""
-    from unienv_mp._sampling import draw_worker_seeds
+def test_batch_j_is_draw_j_mod_k_of_the_sampler_seeded_for_chunk_j_div_k(direct):
+    """With k batches per task, batch j of the stream is what the wrapped sampler draws
+    ((j mod k) + 1)-th after manual_seed(chunk_seed(key, j // k)), key being the stream's
+    key for the sampler's base seed (see unienv_mp._streams)."""
+    from unienv_mp._streams import base_seed, chunk_seed, stream_key
     rb = replay_buffer(400)
-    seeds = draw_worker_seeds(StepSampler(rb, 5, seed=9), 2)
-    own = [StepSampler(rb, 5, seed=s) for s in seeds]
+    key = stream_key(base_seed(StepSampler(rb, 5, seed=9)), "sample")
     k = 3
     expected = []
-    for task in range(6):
-        expected += [own[task % 2].sample_index().tolist() for _ in range(k)]
+    for chunk in range(6):
+        own = StepSampler(rb, 5, seed=chunk_seed(key, chunk))
+        expected += [own.sample_index().tolist() for _ in range(k)]
     with MultiprocessingSampler(StepSampler(rb, 5, seed=9), n_workers=2, n_buffers=4,
                                 ctx="fork", batches_per_task=k, direct_gather=direct) as m:
         got = [indices_of(m.sample()) for _ in range(6 * k)]

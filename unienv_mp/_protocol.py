@@ -11,7 +11,7 @@ says where the bytes of the message are and what kind of message it is::
             AT_SPILL    the message is in a one-off segment the payload describes
 
     kind    queue entries:   ENC_BYTES, ENC_PICKLE, ENC_CODEC   (how it is encoded)
-            task entries:    OP_RUN, OP_STOP                    (what the worker does)
+            task entries:    ENC_PICKLE, ENC_CODEC (how the work info is encoded), OP_STOP
             result entries:  ST_OK, ST_ERROR, ST_FATAL           (how the task ended)
 
 **ShmQueue** (:mod:`unienv_mp.queue`): one segment holds a header (``QUEUE_HEADER``), the
@@ -27,9 +27,11 @@ owns one segment, created by the parent::
     RINGS_AT   task ring     parent -> worker   (single producer, single consumer)
     ...        result ring   worker -> parent   (single producer, single consumer)
 
-A task entry is ``(tag(OP_RUN, where), slot, ticket, payload)``: run the target on the work
-info, encoded with the slot codec inline or in a spill segment of the parent's (payload:
-``TASK_SPILL_DESC``), and write the result into the worker's slot number ``slot``.  A result
+A task entry is ``(tag(enc, where), slot, ticket, payload)``: run the target on the work
+info and write the result into the worker's slot number ``slot``.  The work info is a
+pickle (``ENC_PICKLE``, inline: the small immutable items of :func:`is_simple`, such as a
+sampler's ``(method, seed, k)``) or encoded with the slot codec (``ENC_CODEC``, arrays
+zero-copy), inline or in a spill segment of the parent's (payload: ``TASK_SPILL_DESC``).  A result
 entry is ``(tag(status, where), slot, ticket, payload)``: the encoded result inline, or
 ``SLOT_DESC``, the slot segment it was written into (the worker creates and grows its own
 slots; the parent maps each through ``/proc/<worker>/fd`` the first time it sees it).  With
@@ -75,14 +77,14 @@ ENC_CODEC = 3
 # -- manager and workers -------------------------------------------------------------------
 
 WORKER_MAGIC = 0x4B524F57  # b"WORK"
-WORKER_VERSION = 2
+WORKER_VERSION = 3
 WORKER_HEADER = struct.Struct("<IIQQQQQQ")  # magic, version, task_off, task_cap, task_entry,
 #                                             result_off, result_cap, result_entry
 RINGS_AT = 64
 
-# kinds of task entries
-OP_RUN = 1
-OP_STOP = 2
+# kinds of task entries: ENC_PICKLE and ENC_CODEC (run the target on the work info so
+# encoded), and
+OP_STOP = 16
 # kinds of result entries
 ST_OK = 1
 ST_ERROR = 2     # the target raised; the result is an error description
@@ -93,13 +95,13 @@ SLOT_DESC = struct.Struct("<IiQQQ")
 #: (pid, fd, inode, size, nbytes) of a parent's spill segment holding a task's work info
 TASK_SPILL_DESC = struct.Struct("<qiQQQ")
 
-#: The work items that both sides cache by value (see is_simple).
+#: The types of the work items that travel pickled (see is_simple).
 SIMPLE_TYPES = (str, int, bool, type(None))
 
 
 def is_simple(work):
-    """True for work items that are immutable and cheap to recognise (an item of
-    ``SIMPLE_TYPES``, or a tuple of them): the parent caches their encoding and the worker
-    their decoding."""
+    """True for work items that are small, immutable and cheap to recognise (an item of
+    ``SIMPLE_TYPES``, or a tuple of them): they travel as pickles, which cost less to make
+    and read than the slot codec's frame."""
     t = type(work)
     return t in SIMPLE_TYPES or (t is tuple and all(type(x) in SIMPLE_TYPES for x in work))

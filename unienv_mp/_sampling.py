@@ -2,33 +2,38 @@
 their workers run, and what they draw in the parent with the wrapped sampler's RNG (the
 workers' seeds, an epoch's permutation)."""
 import copy as _copy
+import sys
 
+from unienv_data.base import BatchSampler
 from unienv_interface.utils.seed_util import next_seed_rng
 
 from . import gather as _gather
 
-__all__ = ["NO_ARG", "RESEED", "SamplerTarget", "draw_worker_seeds", "epoch_batches"]
+__all__ = ["NO_ARG", "SamplerTarget", "draw_worker_seeds", "epoch_order", "epoch_batches",
+           "split_epoch"]
 
 #: The argument of a task for a method that takes none (``sample*``; ``get*_at`` methods
 #: take an index array).
 NO_ARG = None
-#: The method name of a task that reseeds the worker's sampler: ``(RESEED, seed)``.
-RESEED = "__unienv_mp_reseed__"
 
 
 class SamplerTarget:
-    """The work function the workers run: ``(method name, argument)`` -> result, calling
-    the wrapped sampler's method (or ``fn``, for a name of ``None``).  The argument is
-    ``NO_ARG`` for a method that takes none, a number ``k`` of batches for a ``sample*``
-    method (a tuple of ``k`` batches comes back), or the method's argument (e.g. the
-    indices of a ``get*_at`` method).  ``(RESEED, seed)`` reseeds the worker's sampler.
+    """The work function the workers run, calling the wrapped sampler's methods (or
+    ``fn``, for a method name of ``None``).  A work item is either
+
+    * ``(method, seed, k)``: a chunk of a ``sample*`` method's stream (see
+      :mod:`unienv_mp._streams`): the sampler's RNGs are seeded with ``seed``, as
+      ``manual_seed(seed)`` would seed them, then ``k`` batches are drawn one after the
+      other and come back as a tuple; or
+    * ``(method, argument)``: one call, ``method()`` for an argument of ``NO_ARG`` or
+      ``method(argument)`` (e.g. the indices of a ``get*_at`` method).
 
     With ``direct=True`` the methods a direct plan serves (see :mod:`unienv_mp.gather`)
     return a batch that the worker gathers straight into its slot; the plan is made in the
     worker, from the worker's own sampler, at the first such task.
 
     Picklable for spawn and forkserver: the sampler travels as a shallow copy without its
-    random number generators (their state is replaced in the worker by :meth:`reseed`).
+    random number generators (made again in the worker by :meth:`reseed`).
     """
     _RNG_ATTRS = ("rng", "data_rng")
 
@@ -38,12 +43,15 @@ class SamplerTarget:
         self.direct = direct
         self._gatherer = None
         self._stripped = ()
+        self._in_place = None   # reseed in place (see reseed): decided at the first call
 
     def __call__(self, work):
-        name, arg = work
-        if name == RESEED:
-            self.reseed(arg)
-            return None
+        if len(work) == 3:
+            name, seed, k = work
+            self.reseed(seed)
+            arg = k
+        else:
+            name, arg = work
         if self.direct:
             gatherer = self._gatherer
             if gatherer is None:
@@ -59,19 +67,48 @@ class SamplerTarget:
         fn = self.fn if name is None else getattr(self.sampler, name)
         if arg is NO_ARG:
             return fn()
-        if type(arg) is int and name is not None and name.startswith("sample"):
-            return tuple([fn() for _ in range(arg)])   # a group (see batches_per_task)
+        if len(work) == 3:
+            return tuple([fn() for _ in range(arg)])   # a chunk
         return fn(arg)
 
     def reseed(self, seed):
+        """Seed the worker's sampler as ``sampler.manual_seed(seed)`` does, putting back
+        the RNGs that were left behind when it was pickled.  A CPU ``torch.Generator`` is
+        reseeded in place (a new one costs several microseconds): the same state as the
+        new generator ``manual_seed`` would make, since ``Generator.manual_seed`` resets
+        all of it."""
         sampler = self.sampler
-        if not self._stripped:
+        if self._stripped:
+            for name in self._stripped:
+                device = sampler.device if name == "rng" else sampler.data.device
+                setattr(sampler, name,
+                        sampler.backend.random.random_number_generator(seed, device=device))
+            self._stripped = ()
+        in_place = self._in_place
+        if in_place is None:
+            in_place = self._in_place = self._can_reseed_in_place()
+        if not in_place:
             sampler.manual_seed(seed)
             return
-        for name in self._stripped:
-            device = sampler.device if name == "rng" else sampler.data.device
-            setattr(sampler, name,
-                    sampler.backend.random.random_number_generator(seed, device=device))
+        for name in self._RNG_ATTRS:
+            rng = getattr(sampler, name)
+            if rng is not None:
+                rng.manual_seed(seed)
+
+    def _can_reseed_in_place(self):
+        """True if the sampler's ``manual_seed`` is UniEnv's own and every RNG it has is a
+        CPU ``torch.Generator``."""
+        sampler = self.sampler
+        if getattr(type(sampler), "manual_seed", None) is not BatchSampler.manual_seed \
+                or "manual_seed" in getattr(sampler, "__dict__", {}):
+            return False
+        torch = sys.modules.get("torch")
+        for name in self._RNG_ATTRS:
+            rng = getattr(sampler, name, None)
+            if rng is not None and (torch is None or type(rng) is not torch.Generator
+                                    or rng.device.type != "cpu"):
+                return False
+        return True
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -104,10 +141,9 @@ def draw_worker_seeds(sampler, n):
     return seeds
 
 
-def epoch_batches(sampler):
+def epoch_order(sampler):
     """Draw one random permutation of ``sampler.data`` with the sampler's RNG (advancing
-    it, as ``BatchSampler.epoch_iter`` does) and split it into batches of
-    ``sampler.batch_size``, the last one partial."""
+    it, as ``BatchSampler.epoch_iter`` does)."""
     n = len(sampler.data)
     if sampler.data_rng is not None:
         sampler.data_rng, idx = sampler.backend.random.random_permutation(
@@ -115,5 +151,16 @@ def epoch_batches(sampler):
     else:
         sampler.rng, idx = sampler.backend.random.random_permutation(
             n, rng=sampler.rng, device=sampler.data.device)
-    bs = sampler.batch_size
-    return [idx[s:s + bs] for s in range(0, n, bs)]
+    return idx
+
+
+def epoch_batches(sampler):
+    """:func:`epoch_order` split into batches of ``sampler.batch_size``, the last one
+    partial."""
+    return split_epoch(epoch_order(sampler), sampler.batch_size)
+
+
+def split_epoch(order, batch_size):
+    """The batches of an epoch over the permutation ``order``: ``batch_size`` indices
+    each, the last one partial."""
+    return [order[s:s + batch_size] for s in range(0, len(order), batch_size)]

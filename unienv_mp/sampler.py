@@ -16,15 +16,20 @@ from typing import Any, Optional
 
 from unienv_data.base import BatchSampler
 
+from . import _process, _state
 from . import gather as _gather
-from ._sampling import NO_ARG, RESEED, SamplerTarget, draw_worker_seeds, epoch_batches
+from ._sampling import SamplerTarget, epoch_order, split_epoch
+from ._streams import EpochProgress, Stream, base_seed
 from ._validate import check_int, check_seconds
+from .errors import WorkerError
 from .manager import MultiProcessingSampleManager
 
 __all__ = ["MultiprocessingSampler"]
 
-#: Batches smaller than this are made several to a task (see ``batches_per_task``).
-_GROUP_BYTES = 256 * 1024
+#: Batches smaller than this are made several to a task (see ``batches_per_task``) ...
+_CHUNK_BYTES = 256 * 1024
+#: ... at most this many.
+_CHUNK_MAX = 8
 
 
 def _data_is_shared(sampler):
@@ -68,10 +73,11 @@ class MultiprocessingSampler(BatchSampler):
         daemon: passed to ``Process``.
         shared_memory: accepted for compatibility with UniEnv and ignored: batches always
             travel through shared memory here.
-        in_order: ``True`` (default): batches come back in the order they were requested
-            and tasks are dealt to workers round-robin, so the same seed and ``n_workers``
-            give the same sequence of batches whatever the workers' timing.  ``False``:
-            each call returns the first batch ready.
+        in_order: ``True`` (default): batches come back in the order of the stream (the
+            ``j``-th batch of a ``sample*`` method depends only on the seed and ``j``:
+            not on ``n_workers``, ``n_buffers``, the start method, ``direct_gather`` or
+            workers dying; see :mod:`unienv_mp._streams`).  ``False``: each call returns
+            the first batch ready; the same batches come, possibly in another order.
         copy: ``False`` (default): arrays of a batch are zero-copy views of a shared slot.
             They are safe to keep: the slot is reused only after every array of the batch
             (of every batch of its task, see ``batches_per_task``) is garbage collected
@@ -92,25 +98,28 @@ class MultiprocessingSampler(BatchSampler):
             apply.  ``False``: always run the wrapped sampler's methods.  Both paths give
             the same batches, bit for bit, for the same seed; :attr:`gather_path` says
             which one ``sample()`` and ``epoch_iter()`` take.
-        batches_per_task: how many batches of a ``sample*`` method one task makes (the
-            worker draws them one after the other, as that many calls would, and they
-            come back together in one slot).  ``None`` (default): for methods that can be
-            gathered directly, as many as fit in 256 KiB, at most ``n_buffers``; one for
-            every other method.  Small batches cost little to gather but a lot to hand
-            over one by one (a worker's wake-up, two ring operations and a decode each):
-            several to a task make that cost theirs together.  The stream of batches for
-            a seed depends on it, as it depends on ``n_workers`` (each worker draws from
-            its own RNG).  The direct and generic paths use the same number, so they give
+        batches_per_task: how many batches of a ``sample*`` method one task makes: a
+            chunk of the method's stream, which the worker draws one batch after the
+            other after seeding the wrapped sampler for that chunk.  ``None`` (default):
+            for methods that can be gathered directly, as many as fit in 256 KiB, at most
+            8; one for every other method.  Small batches cost little to gather but a
+            lot to hand over one by one (a worker's wake-up, two ring operations and a
+            decode each): several to a task make that cost theirs together.  The stream
+            of batches for a seed depends on it (the default depends only on the wrapped
+            sampler), and the direct and generic paths use the same number, so they give
             the same stream.
-            If the wrapped sampler raises, the call that needed the task's first batch
-            raises, and the rest of that task's batches are skipped.  On the generic path
-            a worker keeps the ``k`` results of the wrapped sampler until the task is
-            written: a sampler that reuses its output memory from one call to the next
-            needs ``batches_per_task=1``.  Batches of one task share one slot (see
-            ``copy``), and ``timeout`` is the wait for a whole task.
+            If the wrapped sampler raises while making a task, the call that needed the
+            task's first batch raises, and the rest of that task's batches are skipped.
+            On the generic path a worker keeps the ``k`` results of the wrapped sampler
+            until the task is written: a sampler that reuses its output memory from one
+            call to the next needs ``batches_per_task=1``.  Batches of one task share one
+            slot (see ``copy``), and ``timeout`` is the wait for a whole task.
 
-    A worker that raises does not end the sampler: the call that needed that batch raises
-    :class:`~unienv_mp.WorkerError` (with the worker's traceback) and later calls work.
+    :meth:`state_dict` and :meth:`load_state_dict` save and restore the position of every
+    stream and of an epoch in progress.  A call cut short (Ctrl-C, ``timeout``) does not
+    move the position.  A worker that raises does not end the sampler: the call that
+    needed that batch raises :class:`~unienv_mp.WorkerError` (with the worker's
+    traceback) and later calls work.
     After :meth:`close` every method raises ``RuntimeError``.  The sampler is not
     thread-safe: use it from one thread.
     """
@@ -183,7 +192,10 @@ class MultiprocessingSampler(BatchSampler):
         self.timeout = timeout
         self.respawn = bool(respawn)
         self.batches_per_task = batches_per_task
-        self._streams = {}
+        self._base = base_seed(sampler)
+        self._streams = {}          # method -> Stream
+        self._current_epoch = None  # the epoch being handed out: EpochProgress
+        self._resume = {}           # getter -> (order, cursor): epochs restored, to finish
         self._epoch_managers = set()
         # Every other sample* / get*_at method of the wrapped sampler runs in the workers
         # too (as UniEnv does): sample_x() directly, get_at_x as epoch_iter_x(), and
@@ -222,67 +234,75 @@ class MultiprocessingSampler(BatchSampler):
         if self._closed:
             raise RuntimeError("this MultiprocessingSampler is closed")
         if self._manager is None:
-            target = SamplerTarget(self.sampler, direct=self._direct)
+            # (no worker seeds: every task carries the seed of its chunk)
             self._manager = MultiProcessingSampleManager(
-                target, n_workers=self.n_workers, ctx=self.mp_ctx, doze_time=self.doze_time,
-                daemon=self.daemon, worker_init_fn=target.reseed,
-                worker_seeds=draw_worker_seeds(self.sampler, self.n_workers),
+                SamplerTarget(self.sampler, direct=self._direct), n_workers=self.n_workers,
+                ctx=self.mp_ctx, doze_time=self.doze_time, daemon=self.daemon,
                 in_order=self.in_order, copy=self.copy, timeout=self.timeout,
                 respawn=self.respawn)
         return self._manager
 
     def _sample(self, name):
         # Runs once per batch.  Every attribute read on this class goes through
-        # __getattribute__ and then its __getattr__ hook: each is read once here, and
-        # _collect is inlined.
+        # __getattribute__ and then its __getattr__ hook: each is read once here.
         manager = self._manager
         if manager is None or self._closed:
             manager = self._ensure_manager()
-        streams = self._streams
-        stream = streams.get(name)
+        stream = self._streams.get(name)
         if stream is None:
-            stream = streams[name] = _Stream(self._batches_per_task(name))
+            stream = self._streams[name] = Stream(name, self._chunk_size(name), self._base)
         ready = stream.ready
         tickets = stream.tickets
         k = stream.k
         # keep n_buffers batches requested ahead (k per task), as UniEnv keeps n_buffers:
-        # the rest of the group being handed out counts, and the next task goes out as
+        # the rest of the chunk being handed out counts, and the next task goes out as
         # soon as fewer are left, so between n_buffers and n_buffers + k - 1 after a call
         n_buffers = self.n_buffers
-        while len(ready) + k * len(tickets) <= n_buffers:
-            manager.submit((name, NO_ARG if k == 1 else k), record=tickets)
-        if ready:
+        if ready and len(ready) + k * len(tickets) > n_buffers:
             return ready.popleft()
-        # (_collect, inlined)
-        ticket = tickets[0] if self.in_order else manager.wait_any(tickets)
         try:
-            value = manager.result(ticket)
-        except BaseException:
-            # interrupted or timed out: nobody will ask for this ticket again
-            manager.cancel(ticket)
+            stream.top_up(manager.submit, n_buffers)
+            if ready:
+                return ready.popleft()
+            ticket = tickets[0] if self.in_order else manager.wait_any(tickets)
+            try:
+                value = manager.result(ticket)
+            except WorkerError:
+                # the chunk's batches are skipped; the other requests stand
+                tickets.remove(ticket)
+                stream.failed(ticket)
+                raise
             tickets.remove(ticket)
+            stream.arrived(ticket, value)
+            return ready.popleft()
+        except WorkerError:
             raise
-        tickets.remove(ticket)
-        if k == 1:
-            return value
-        ready.extend(value)
-        return ready.popleft()
+        except BaseException:
+            # Cut short (Ctrl-C, a timeout, a worker that died for good): what was
+            # requested is asked for again next time, the position stays where it is.
+            for t in tickets:
+                manager.cancel(t)
+            stream.reset()
+            raise
 
-    def _batches_per_task(self, name):
+    def _chunk_size(self, name):
+        """Batches per task of ``name``'s stream: ``batches_per_task``, or for methods
+        that can be gathered directly as many as fit in 256 KiB (at most 8), else 1.  A
+        function of the wrapped sampler and the options alone (not of ``n_workers`` or
+        ``n_buffers``): the stream of batches depends on it."""
         k = self.batches_per_task
         if k is not None:
             return k
         row = _gather.row_nbytes(self.sampler, name)
         if row is None:
             return 1
-        return max(1, min(self.n_buffers, _GROUP_BYTES // max(1, row * self.batch_size)))
+        return max(1, min(_CHUNK_MAX, _CHUNK_BYTES // max(1, row * self.batch_size)))
 
     @staticmethod
-    def _collect(manager, tickets):
-        """The result of the first of ``tickets`` (``in_order``) or of the first to arrive,
-        taken off ``tickets`` (a ticket leaves it once its result is delivered, or dropped:
-        a Ctrl-C anywhere leaves no ticket behind that is not pending)."""
-        ticket = tickets[0] if manager.in_order else manager.wait_any(tickets)
+    def _collect(manager, tickets, ticket):
+        """The result of ``ticket``, taken off ``tickets`` (a ticket leaves it once its
+        result is delivered, or dropped: a Ctrl-C anywhere leaves no ticket behind that is
+        not pending)."""
         try:
             value = manager.result(ticket)
         except BaseException:
@@ -296,8 +316,13 @@ class MultiprocessingSampler(BatchSampler):
     def _epoch(self, getter):
         if self._closed:
             raise RuntimeError("this MultiprocessingSampler is closed")
-        # The permutation first, as UniEnv draws it (before any worker seeds).
-        batches = epoch_batches(self.sampler)
+        progress = self._resume.pop(getter, None)   # (an epoch restored by load_state_dict)
+        if progress is None:
+            # The permutation first, as UniEnv draws it.
+            progress = EpochProgress(getter, epoch_order(self.sampler), self.batch_size)
+        batches = split_epoch(progress.order, progress.batch_size)
+        todo = progress.remaining()
+        self._current_epoch = progress
         if _data_is_shared(self.sampler):
             manager, own = self._ensure_manager(), False
         else:
@@ -310,21 +335,30 @@ class MultiprocessingSampler(BatchSampler):
                 respawn=self.respawn), True
             self._epoch_managers.add(manager)
         pending = collections.deque()
+        number = {}   # ticket -> batch number
         nxt = 0
         try:
-            while nxt < len(batches) or pending:
-                while nxt < len(batches) and len(pending) < self.n_buffers:
-                    manager.submit((getter, batches[nxt]), record=pending)
+            while nxt < len(todo) or pending:
+                while nxt < len(todo) and len(pending) < self.n_buffers:
+                    manager.submit((getter, batches[todo[nxt]]), record=pending)
+                    number[pending[-1]] = todo[nxt]
                     nxt += 1
-                yield self._collect(manager, pending)
+                ticket = pending[0] if self.in_order else manager.wait_any(pending)
+                value = self._collect(manager, pending, ticket)
+                progress.handed_out(number.pop(ticket))
+                yield value
         finally:
             # Also on an early break (generator closed) or an error: drop what is in flight.
+            # (The epoch is over: the next one draws a new permutation.)
+            if self._current_epoch is progress:
+                self._current_epoch = None
             if own:
-                self._epoch_managers.discard(manager)
                 manager.close()
+                self._epoch_managers.discard(manager)
             elif self._manager is manager and not manager.closed:
-                for t in pending:
-                    manager.cancel(t)
+                with _process.interrupts_deferred():
+                    for t in pending:
+                        manager.cancel(t)
 
     @property
     def gather_path(self):
@@ -384,22 +418,72 @@ class MultiprocessingSampler(BatchSampler):
     # -- what stays in this process -----------------------------------------------------------
 
     def manual_seed(self, seed):
-        """Seed the wrapped sampler.  If the workers are running, batches already requested
-        are dropped and the workers are reseeded from it, so that what follows is the same
-        as from a fresh sampler seeded with ``seed``."""
-        self.sampler.manual_seed(seed)
+        """Seed the wrapped sampler.  Batches already requested are dropped, so that what
+        follows is the same as from a fresh sampler seeded with ``seed``: the ``sample*``
+        streams start again from their first batch, and the next epoch draws its
+        permutation from the new seed."""
+        with _process.interrupts_deferred():   # (one step: a Ctrl-C cannot cut it in two)
+            self.sampler.manual_seed(seed)
+            self._drop_streams()
+            self._base = base_seed(self.sampler)
+            self._resume = {}
+
+    def _drop_streams(self):
+        """Cancel what every stream requested and forget the streams (the batches of a
+        chunk not handed out yet go with them)."""
         manager = self._manager
-        if manager is None or self._closed:
-            return
-        for stream in self._streams.values():
-            for t in stream.tickets:
-                manager.cancel(t)
-        self._streams.clear()   # (and the batches of groups not handed out yet)
-        seeds = draw_worker_seeds(self.sampler, self.n_workers)
-        if seeds is not None:
-            for i, s in enumerate(seeds):
-                manager.cancel(manager.submit((RESEED, s), worker=i))
-        manager.reset_order()
+        streams, self._streams = self._streams, {}
+        if manager is not None and not manager.closed:
+            for stream in streams.values():
+                for t in stream.tickets:
+                    manager.cancel(t)
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def state_dict(self):
+        """Everything needed to go on from here, as a small picklable dict: the seed of
+        the ``sample*`` streams and how far each was handed out, the wrapped sampler's
+        RNGs (from which the next epochs' permutations are drawn), and an epoch being
+        iterated (its permutation and which of its batches were handed out).  Batches
+        requested ahead but not handed out yet are not part of it.  See
+        :meth:`load_state_dict`."""
+        return {
+            "format": _state.FORMAT, "version": _state.VERSION,
+            "configuration": self._configuration(self._streams),
+            "base_seed": self._base,
+            "rngs": _state.capture_rngs(self.sampler),
+            "streams": {name: st.position() for name, st in self._streams.items()},
+            "epochs": [p.position() for p in (self._current_epoch, *self._resume.values())
+                       if p is not None],
+        }
+
+    def load_state_dict(self, state):
+        """Go on from ``state`` (from :meth:`state_dict` of a sampler built the same way:
+        the same kind of wrapped sampler, batch size, data length, batch structure and
+        ``batches_per_task``; ``n_workers``, ``n_buffers``, the start method and
+        ``direct_gather`` may differ, in this process or another).  The next batches of
+        each ``sample*`` method are those the original sampler would have handed out
+        next.  If an epoch was being iterated, the next epoch iterator of the same kind
+        yields exactly the rest of it, and the one after starts a new epoch as the
+        original's would have.  Raises ``ValueError`` (saying what differs) for a state
+        of another configuration."""
+        _state.check(state, self._configuration(state.get("streams", {})))
+        epochs = [EpochProgress.from_position(p) for p in state["epochs"]]
+        for p in epochs:
+            if len(p.order) != len(self.sampler.data) or p.batch_size != self.batch_size:
+                raise ValueError("the state's epoch does not fit this sampler's data")
+        streams = {name: Stream.from_position(name, int(state["base_seed"]), pos)
+                   for name, pos in state["streams"].items()}
+        with _process.interrupts_deferred():   # (one step: a Ctrl-C cannot cut it in two)
+            self._drop_streams()
+            self._base = int(state["base_seed"])
+            _state.restore_rngs(self.sampler, state["rngs"])
+            self._streams = streams
+            self._current_epoch = None
+            self._resume = {p.getter: p for p in epochs}
+
+    def _configuration(self, methods):
+        return _state.configuration(self.sampler, {m: self._chunk_size(m) for m in methods})
 
     @property
     def sampled_space(self):
@@ -428,8 +512,9 @@ class MultiprocessingSampler(BatchSampler):
 
     @property
     def rng(self):
-        """The wrapped sampler's RNG in this process (workers have their own, seeded from
-        it when they start)."""
+        """The wrapped sampler's RNG in this process.  The ``sample*`` streams' seed is
+        read from its state when this sampler is made and by :meth:`manual_seed`; setting
+        it does not change the streams."""
         return self.sampler.rng
 
     @rng.setter
@@ -438,8 +523,9 @@ class MultiprocessingSampler(BatchSampler):
 
     @property
     def data_rng(self):
-        """The wrapped sampler's data RNG in this process (epoch permutations are drawn
-        from it; workers are seeded from it when they start)."""
+        """The wrapped sampler's data RNG in this process: epoch permutations are drawn
+        from it.  The ``sample*`` streams' seed is read from its state when this sampler
+        is made and by :meth:`manual_seed`; setting it does not change the streams."""
         return self.sampler.data_rng
 
     @data_rng.setter
@@ -476,12 +562,13 @@ class MultiprocessingSampler(BatchSampler):
                 and not getattr(self, "_epoch_managers", None)):
             return
         self._closed = True
-        manager, self._manager = self._manager, None
-        if manager is not None:
-            manager.close()
-        epoch_managers, self._epoch_managers = getattr(self, "_epoch_managers", ()), set()
-        for epoch_manager in list(epoch_managers):
+        # (each manager is dropped once closed: a close() cut short is finished by the next)
+        if self._manager is not None:
+            self._manager.close()
+            self._manager = None
+        for epoch_manager in list(getattr(self, "_epoch_managers", ())):
             epoch_manager.close()
+            self._epoch_managers.discard(epoch_manager)
         self._streams = {}
 
     def __enter__(self):

@@ -194,19 +194,17 @@ def worker_main(index, target_fn, seg, doorbell_seg, parent_pid, init_fn, seed, 
             doorbell.notify()
             return
     slots = _Slots(index)
-    small = {}   # encoded -> decoded, for the small immutable work items sent repeatedly
     try:
         while True:
             t, slot, ticket, payload = tasks.pop_tagged(check=check)
-            op, where = P.untag(t)
-            if op == P.OP_STOP:
+            enc, where = P.untag(t)
+            if enc == P.OP_STOP:
                 break
             try:
-                work = small.get(payload) if where == P.AT_INLINE else None
-                if work is None:
+                if enc == P.ENC_PICKLE:
+                    work = pickle.loads(payload)
+                else:
                     work = _read_work(where, payload, parent_pid)
-                    if P.is_simple(work) and len(small) < 1024:
-                        small[payload] = work
                 value, status = target_fn(work), P.ST_OK
             except Exception as e:
                 value, status = error_payload(e), P.ST_ERROR

@@ -1,0 +1,322 @@
+"""The stream of batches is a function of the seed and the batch's number alone, whatever the
+workers do, and a sampler's position can be saved and loaded (state_dict)."""
+import collections
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from unienv_data.samplers import StepSampler
+
+import _data
+from _data import indices_of, replay_buffer
+from conftest import wait_until
+from unienv_mp import MultiprocessingSampler, WorkerError
+from unienv_mp._streams import base_seed, chunk_seed, stream_key
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def take(m, n, method="sample"):
+    """The row indices of the next ``n`` batches of ``method`` (the rows' other values are
+    random: a buffer made in another process holds other ones)."""
+    fn = getattr(m, method)
+    return [indices_of(fn()) for _ in range(n)]
+
+
+# -- the seeds --------------------------------------------------------------------------
+
+def test_chunk_seeds_are_splitmix64_outputs():
+    # SplitMix64's published outputs from state 1234567, cut to 63 bits
+    reference = [6457827717110365317, 3203168211198807973, 9817491932198370423,
+                 4593380528125082431, 16408922859458223821]
+    assert [chunk_seed(1234567, c) for c in range(5)] == [x >> 1 for x in reference]
+    keys = {stream_key(base, m) for base in (0, 1, 2**64 - 1) for m in ("sample", "sample_flat")}
+    assert len(keys) == 6
+
+
+def test_the_base_seed_reads_the_rng_without_drawing_from_it():
+    rb = replay_buffer(50)
+    a, b, c = (StepSampler(rb, 4, seed=s) for s in (3, 3, 4))
+    state = a.data_rng.get_state().clone()
+    assert base_seed(a) == base_seed(b) != base_seed(c)
+    assert torch.equal(a.data_rng.get_state(), state)
+    c.manual_seed(3)
+    assert base_seed(c) == base_seed(a)
+    b.sample_index()
+    assert base_seed(b) != base_seed(a)
+
+
+# -- the same stream whatever the workers -------------------------------------------------
+
+STREAM_CONFIGS = [dict(n_workers=2, n_buffers=3), dict(n_workers=4, n_buffers=8),
+                  dict(n_workers=4, n_buffers=1, direct_gather=False),
+                  dict(n_workers=2, n_buffers=8, direct_gather=False)]
+
+
+def test_the_stream_is_the_same_for_any_workers_buffers_and_path():
+    rb = replay_buffer(300)
+
+    def stream(**kwargs):
+        with MultiprocessingSampler(StepSampler(rb, 6, seed=11), ctx="fork", **kwargs) as m:
+            return take(m, 100), take(m, 100, "sample_flat")
+
+    reference = stream(n_workers=1)
+    assert len({tuple(b) for b in reference[0]}) == 100   # (distinct batches)
+    for config in STREAM_CONFIGS:
+        assert stream(**config) == reference, config
+
+
+def test_the_stream_is_the_same_under_every_start_method(ctx):
+    rb = replay_buffer(120)
+    got = []
+    for c in ("fork", ctx):
+        with MultiprocessingSampler(StepSampler(rb, 6, seed=2), n_workers=2, ctx=c) as m:
+            got.append((take(m, 20), take(m, 20, "sample_flat")))
+    assert got[0] == got[1]
+
+
+def test_streams_of_different_methods_do_not_depend_on_their_interleaving():
+    rb = replay_buffer(200)
+    with MultiprocessingSampler(StepSampler(rb, 5, seed=1), n_workers=2, ctx="fork") as m:
+        alone = take(m, 30)
+    with MultiprocessingSampler(StepSampler(rb, 5, seed=1), n_workers=3, ctx="fork") as m:
+        mixed = []
+        for i in range(30):
+            mixed += take(m, 1)
+            if i % 3 == 0:
+                m.sample_flat()
+                m.sample_index()
+    assert mixed == alone
+
+
+def test_a_worker_sigkilled_mid_stream_changes_nothing():
+    rb = replay_buffer(300)
+    with MultiprocessingSampler(StepSampler(rb, 4, seed=5), n_workers=3, n_buffers=6,
+                                ctx="fork", batches_per_task=2) as m:
+        undisturbed = take(m, 60)
+    with MultiprocessingSampler(StepSampler(rb, 4, seed=5), n_workers=3, n_buffers=6,
+                                ctx="fork", batches_per_task=2) as m:
+        got = take(m, 20)
+        killed = []
+        for victim in (1, 0):   # with work in flight on it
+            proc = m._manager.workers[victim]
+            killed.append(proc.pid)
+            os.kill(proc.pid, signal.SIGKILL)
+            assert wait_until(lambda: not proc.is_alive())
+            got += take(m, 20)
+        assert not set(killed) & {p.pid for p in m._manager.workers}   # replaced
+    assert got == undisturbed
+
+
+def test_in_order_false_hands_out_the_same_batches():
+    """Out of order, the batches handed out are those of the chunks the position says were
+    handed out (the first ``n`` of a partial one)."""
+    rb = replay_buffer(200)
+    k = 3
+    reference = {}
+    with MultiprocessingSampler(StepSampler(rb, 5, seed=8), n_workers=1, ctx="fork",
+                                batches_per_task=k) as m:
+        stream = take(m, 60)
+        for c in range(20):
+            reference[c] = stream[c * k:(c + 1) * k]
+    with MultiprocessingSampler(_VariablyLate(rb, 5, seed=8), n_workers=3, ctx="fork",
+                                batches_per_task=k, in_order=False) as m:
+        got = take(m, 31)
+        pos = m.state_dict()["streams"]["sample"]
+    handed = [c for c in range(pos["low"])] + pos["done"]
+    expected = [b for c in handed for b in reference[c]]
+    for c, n in pos["partial"].items():
+        expected += reference[c][:n]
+    assert sorted(got) == sorted(expected)
+    assert got != expected   # (they did come out of order)
+
+
+class _VariablyLate(StepSampler):
+    """Each batch takes 0 to 20 ms, by its first index."""
+
+    def sample_index(self):
+        import time
+        idx = super().sample_index()
+        time.sleep(int(idx[0]) % 5 * 0.005)
+        return idx
+
+
+# -- positions that survive interruptions --------------------------------------------------
+
+class _SlowOnce(StepSampler):
+    """Its 4th sample_index() takes 2 s (a worker that is late once)."""
+
+    def __init__(self, data, batch_size, seed=None):
+        super().__init__(data, batch_size, seed=seed)
+        self.calls = 0
+
+    def sample_index(self):
+        self.calls += 1
+        if self.calls == 4:
+            import time
+            time.sleep(2)
+        return super().sample_index()
+
+
+def test_a_timeout_does_not_move_the_position():
+    rb = replay_buffer(100)
+    with MultiprocessingSampler(StepSampler(rb, 4, seed=3), n_workers=1, ctx="fork",
+                                batches_per_task=1) as m:
+        undisturbed = take(m, 8)
+    with MultiprocessingSampler(_SlowOnce(rb, 4, seed=3), n_workers=1, n_buffers=1,
+                                ctx="fork", batches_per_task=1, timeout=0.5,
+                                direct_gather=False) as m:
+        got = []
+        while len(got) < 8:
+            try:
+                got += take(m, 1)
+            except TimeoutError:
+                pass
+    assert got == undisturbed
+
+
+class _FailsOnSmallRows(StepSampler):
+    """Raises when a batch holds a row below 10 (a function of its indices alone)."""
+
+    def sample_index(self):
+        idx = super().sample_index()
+        if int(idx.min()) < 10:
+            raise KeyError(f"row {int(idx.min())}")
+        return idx
+
+
+def test_a_chunk_that_raises_is_skipped_and_the_stream_goes_on():
+    rb = replay_buffer(60)
+    k = 3
+    base = base_seed(StepSampler(rb, 5, seed=4))
+    expected = []
+    for c in range(12):
+        own = StepSampler(rb, 5, seed=chunk_seed(stream_key(base, "sample"), c))
+        chunk = [own.sample_index().tolist() for _ in range(k)]
+        if any(min(b) < 10 for b in chunk):
+            expected.append("error")         # one error, the rest of the chunk skipped
+        else:
+            expected += chunk
+    assert "error" in expected
+    with MultiprocessingSampler(_FailsOnSmallRows(rb, 5, seed=4), n_workers=2, ctx="fork",
+                                batches_per_task=k) as m:
+        got = []
+        while len(got) < len(expected):
+            try:
+                got += take(m, 1)
+            except WorkerError:
+                got.append("error")
+    assert got == expected
+
+
+# -- state_dict / load_state_dict -----------------------------------------------------------
+
+_RESUME = textwrap.dedent("""
+    import pickle, sys
+    sys.path.insert(0, {here!r})
+    from unienv_data.samplers import StepSampler
+    from _data import indices_of, replay_buffer
+    from test_reproducible import take
+    from unienv_mp import MultiprocessingSampler
+
+    with open({path!r}, "rb") as f:
+        state = pickle.load(f)
+    rb = replay_buffer(300)
+    out = {{}}
+    with MultiprocessingSampler(StepSampler(rb, 6, seed=999), n_workers=3, n_buffers=5,
+                                ctx="fork", direct_gather=False) as m:
+        m.load_state_dict(state)
+        {body}
+    with open({path!r} + ".out", "wb") as f:
+        pickle.dump(out, f)
+""")
+
+
+def _in_another_process(tmp_path, state, body):
+    path = str(tmp_path / "state.pkl")
+    with open(path, "wb") as f:
+        pickle.dump(state, f)
+    script = _RESUME.format(here=HERE, path=path, body=body)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120, cwd=HERE)
+    with open(path + ".out", "rb") as f:
+        return pickle.load(f)
+
+
+def test_a_state_loaded_in_another_process_goes_on_with_the_same_batches(tmp_path):
+    rb = replay_buffer(300)
+    with MultiprocessingSampler(StepSampler(rb, 6, seed=21), n_workers=2, ctx="fork") as m:
+        take(m, 37)
+        take(m, 5, "sample_flat")
+        state = m.state_dict()
+        assert len(pickle.dumps(state)) < 20_000   # small: positions, seeds, RNG states
+        expected = (take(m, 50), take(m, 50, "sample_flat"))
+    got = _in_another_process(
+        tmp_path, state,
+        'out["sample"] = take(m, 50); out["sample_flat"] = take(m, 50, "sample_flat")')
+    assert (got["sample"], got["sample_flat"]) == expected
+
+
+def test_a_state_taken_mid_epoch_resumes_the_rest_of_that_epoch(tmp_path):
+    rb = replay_buffer(300)   # 50 batches of 6
+    with MultiprocessingSampler(StepSampler(rb, 6, seed=21), n_workers=2, ctx="fork") as m:
+        take(m, 10)
+        epoch = m.epoch_iter()
+        first = [indices_of(next(epoch)) for _ in range(7)]
+        state = m.state_dict()
+        rest = [indices_of(b) for b in epoch]
+        following = [indices_of(b) for b in m.epoch_iter()]
+        after = take(m, 10)
+    assert sorted(i for b in first + rest for i in b) == list(range(300))
+    got = _in_another_process(
+        tmp_path, state,
+        'out["rest"] = [indices_of(b) for b in m.epoch_iter()]\n'
+        '    out["following"] = [indices_of(b) for b in m.epoch_iter()]\n'
+        '    out["after"] = take(m, 10)')
+    assert got["rest"] == rest
+    assert got["following"] == following
+    assert got["after"] == after
+
+
+def test_a_state_keeps_every_stream_position_across_manual_seed_and_partial_chunks():
+    rb = replay_buffer(200)
+    with MultiprocessingSampler(StepSampler(rb, 5, seed=1), n_workers=2, ctx="fork") as m:
+        m.manual_seed(77)
+        take(m, 13)                      # a partial chunk (8 to a task by default)
+        state = m.state_dict()
+        expected = take(m, 20)
+    assert state["streams"]["sample"]["partial"] == {1: 5}
+    with MultiprocessingSampler(StepSampler(rb, 5, seed=3), n_workers=4, ctx="fork",
+                                n_buffers=2) as m:
+        take(m, 4)                       # requested ahead and handed out: both replaced
+        m.load_state_dict(state)
+        assert take(m, 20) == expected
+
+
+def test_a_state_of_another_configuration_is_refused():
+    rb = replay_buffer(100)
+    with MultiprocessingSampler(StepSampler(rb, 5, seed=1), n_workers=1, ctx="fork") as m:
+        take(m, 3)
+        state = m.state_dict()
+
+    def refused(sampler, match, **kwargs):
+        with MultiprocessingSampler(sampler, n_workers=1, ctx="fork", **kwargs) as other:
+            with pytest.raises(ValueError, match=match):
+                other.load_state_dict(state)
+
+    refused(StepSampler(rb, 6, seed=1), "batch_size is 5 in the state, 6 here")
+    refused(StepSampler(replay_buffer(90), 5, seed=1), "data_length is 100 in the state, 90")
+    refused(StepSampler(replay_buffer(100, img=(1, 2, 2)), 5, seed=1), "structure")
+    refused(StepSampler(rb, 5, seed=1), "8 batches per task in the state, 2 here",
+            batches_per_task=2)
+    refused(_data.SlowSampler(rb, 5, seed=1), "sampler is")
+    with MultiprocessingSampler(StepSampler(rb, 5), n_workers=1, ctx="fork") as other:
+        with pytest.raises(ValueError, match="not a state_dict"):
+            other.load_state_dict({"streams": {}})
+        with pytest.raises(ValueError, match="version"):
+            other.load_state_dict({**state, "version": 99})
+        other.load_state_dict(state)     # and the matching one loads

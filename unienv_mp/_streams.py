@@ -1,0 +1,239 @@
+"""Where the caller is in each stream of batches: the stream of a ``sample*`` method (its
+chunks, their seeds, what is requested from the workers) and an epoch.
+
+**Chunks.** A method's stream is cut into chunks of ``k`` batches: chunk ``c`` holds the
+stream's batches ``c*k`` to ``c*k + k - 1``.  One task makes one chunk: the worker seeds
+the wrapped sampler's random number generators with the chunk's seed, as
+``manual_seed(seed)`` would, then draws the chunk's ``k`` batches one after the other, as
+``k`` calls would.  So batch ``j`` of a stream is a function of the stream's base seed,
+the method and ``j`` alone: not of which worker made it, how many workers there are,
+whether one died and its chunk was made again, how many batches are requested ahead, or
+which path (direct or generic) made it.
+
+**Seeds.** The base is taken from the wrapped sampler's RNG state without drawing from it
+(:func:`base_seed`), so a sampler's epochs, drawn from that RNG in the parent, stay
+UniEnv's.  A stream's key is ``mix(mix(base) ^ crc32(method))`` and chunk ``c``'s seed is
+SplitMix64's output ``c`` from that key (:func:`chunk_seed`): a counter-based generator
+whose outputs for neighbouring counters, and for different keys, are decorrelated by its
+finaliser ``mix`` (Steele, Lea and Flood, "Fast splittable pseudorandom number
+generators", OOPSLA 2014).
+
+**Position.** What the caller has been handed is a set of whole chunks and a part of one:
+every chunk below ``low``, the chunks in ``done`` (above ``low``: handed out out of order,
+with ``in_order=False``), and the first ``k - len(ready)`` batches of ``ready_chunk``.
+Chunks whose task raised count as handed out (their batches are skipped).  Batches
+requested ahead are not part of the position: :meth:`Stream.position` and
+:meth:`Stream.from_position` save and restore it, and :meth:`Stream.reset` forgets what
+was requested, to be asked for again.
+"""
+import collections
+import hashlib
+import pickle
+import sys
+import zlib
+
+__all__ = ["Stream", "EpochProgress", "base_seed", "stream_key", "chunk_seed"]
+
+_MASK = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _mix(z):
+    """SplitMix64's finaliser (a bijection of 64-bit integers)."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def stream_key(base, method):
+    """The key of ``method``'s stream for base seed ``base``."""
+    return _mix(_mix(base & _MASK) ^ zlib.crc32(method.encode()))
+
+
+def chunk_seed(key, chunk):
+    """The seed of chunk ``chunk`` of the stream with key ``key``: SplitMix64's output
+    number ``chunk`` (from 0) from state ``key``, cut to 63 bits (every backend takes it)."""
+    return _mix((key + (chunk + 1) * _GOLDEN) & _MASK) >> 1
+
+
+def _state_bytes(rng):
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(rng, torch.Generator):
+        return bytes(rng.get_state().numpy())
+    bit_generator = getattr(rng, "bit_generator", None)   # numpy.random.Generator
+    if bit_generator is not None:
+        return pickle.dumps(bit_generator.state, protocol=4)
+    return pickle.dumps(rng, protocol=4)
+
+
+def base_seed(sampler):
+    """A 64-bit number that stands for the current state of ``sampler``'s random number
+    generators (``data_rng`` and ``rng``), read without drawing from them: two samplers
+    seeded alike (``seed=s``, or ``manual_seed(s)``) give the same number.  0 for a sampler
+    without one."""
+    h = hashlib.blake2b(digest_size=8)
+    for name in ("data_rng", "rng"):
+        rng = getattr(sampler, name, None)
+        h.update(name.encode())
+        if rng is not None:
+            h.update(_state_bytes(rng))
+    if getattr(sampler, "data_rng", None) is None and getattr(sampler, "rng", None) is None:
+        return 0
+    return int.from_bytes(h.digest(), "little")
+
+
+class Stream:
+    """The chunks of ``method``'s stream (``k`` batches each) for base seed ``base``: what
+    was requested (``tickets``, in the order of their chunks, and ``chunk_of``; see
+    :meth:`top_up`), the batches of the chunk being handed out (``ready``, from
+    ``ready_chunk``), and the position (see the module's docstring).
+
+    Cut short anywhere by a Ctrl-C, the requests may be out of step with ``tickets``: the
+    caller then cancels ``tickets`` and calls :meth:`reset`.  The position is safe at
+    every step: it is read from ``low``, ``done`` and what is left in ``ready``."""
+    __slots__ = ("method", "k", "key", "tickets", "chunk_of", "ready", "ready_chunk", "low",
+                 "done", "next_new", "retry", "skip")
+
+    def __init__(self, method, k, base):
+        self.method = method
+        self.k = k
+        self.key = stream_key(base, method)
+        self.tickets = collections.deque()   # of the tasks requested, chunks in order
+        self.chunk_of = {}                   # ticket -> chunk
+        self.ready = collections.deque()     # batches of ready_chunk not handed out yet
+        self.ready_chunk = None
+        self.low = 0           # every chunk below is handed out
+        self.done = set()      # chunks above low handed out
+        self.next_new = 0      # chunks from here on were never requested
+        self.retry = []        # chunks below next_new to request (again), ascending
+        self.skip = {}         # chunk -> batches of it handed out before (a restored position)
+
+    # -- requesting ---------------------------------------------------------------------
+
+    def top_up(self, submit, n_buffers):
+        """Request chunks, lowest first, until more than ``n_buffers`` batches are
+        requested ahead: ``submit(work, record=tickets)`` submits the task of one (a
+        manager's ``submit``, which appends the ticket to ``tickets``)."""
+        tickets = self.tickets
+        k = self.k
+        ready = self.ready
+        while len(ready) + k * len(tickets) <= n_buffers:
+            retry = self.retry
+            chunk = retry[0] if retry else self.next_new
+            submit((self.method, chunk_seed(self.key, chunk), k), record=tickets)
+            self.chunk_of[tickets[-1]] = chunk
+            if retry:
+                del retry[0]
+            else:
+                self.next_new = chunk + 1
+
+    # -- handing out ----------------------------------------------------------------------
+
+    def arrived(self, ticket, batches):
+        """The task of ``ticket`` came back with ``batches`` (a tuple of ``k``): they are
+        handed out next (the ones a restored position says were handed out are dropped).
+        The ticket must already be off ``tickets``."""
+        chunk = self.chunk_of.pop(ticket)
+        self.finish_ready()   # (the caller collects a chunk once the last one is out)
+        skip = self.skip.pop(chunk, 0)
+        self.ready.extend(batches[skip:] if skip else batches)
+        self.ready_chunk = chunk
+        if not self.ready:
+            self.finish_ready()
+
+    def failed(self, ticket):
+        """The task of ``ticket`` raised: its chunk counts as handed out."""
+        chunk = self.chunk_of.pop(ticket, None)
+        if chunk is not None:
+            self.skip.pop(chunk, None)
+            self._handed_out(chunk)
+
+    def finish_ready(self):
+        """If every batch of ``ready_chunk`` is handed out, it joins the handed-out chunks."""
+        if self.ready_chunk is not None and not self.ready:
+            chunk, self.ready_chunk = self.ready_chunk, None
+            self._handed_out(chunk)
+
+    def _handed_out(self, chunk):
+        if chunk == self.low:
+            low = chunk + 1
+            done = self.done
+            while low in done:
+                done.discard(low)
+                low += 1
+            self.low = low
+        elif chunk > self.low:
+            self.done.add(chunk)
+
+    # -- position ---------------------------------------------------------------------------
+
+    def reset(self):
+        """Forget every request (the caller cancels ``tickets`` first): the chunks not
+        handed out are requested again, from the lowest."""
+        self.tickets.clear()
+        self.chunk_of.clear()
+        self.finish_ready()
+        missing = [c for c in range(self.low, self.next_new)
+                   if c not in self.done and c != self.ready_chunk]
+        self.retry = missing
+
+    def position(self):
+        """The position as plain data (see :meth:`from_position`)."""
+        self.finish_ready()
+        partial = dict(self.skip)
+        if self.ready_chunk is not None:
+            partial[self.ready_chunk] = self.k - len(self.ready)
+        return {"k": self.k, "low": self.low, "done": sorted(self.done), "partial": partial}
+
+    @classmethod
+    def from_position(cls, method, base, position):
+        """A stream of ``method`` for ``base`` whose caller has been handed what
+        ``position`` (from :meth:`position`) says; nothing requested yet."""
+        s = cls(method, position["k"], base)
+        s.low = position["low"]
+        s.done = set(position["done"])
+        s.skip = {int(c): int(n) for c, n in position["partial"].items()}
+        top = max([s.low - 1, *s.done, *s.skip], default=-1)
+        s.next_new = top + 1
+        s.retry = [c for c in range(s.low, s.next_new) if c not in s.done]
+        return s
+
+
+class EpochProgress:
+    """Where the caller is in an epoch over the permutation ``order``, in ``batch_size``
+    batches: every batch below ``low`` and those in ``done`` are handed out (``done`` is
+    empty unless batches come back out of order)."""
+    __slots__ = ("getter", "order", "batch_size", "low", "done")
+
+    def __init__(self, getter, order, batch_size, low=0, done=()):
+        self.getter = getter
+        self.order = order
+        self.batch_size = batch_size
+        self.low = low
+        self.done = set(done)
+
+    def n_batches(self):
+        return -(-len(self.order) // self.batch_size)
+
+    def remaining(self):
+        """The numbers of the batches not handed out yet, in order."""
+        return [i for i in range(self.low, self.n_batches()) if i not in self.done]
+
+    def handed_out(self, i):
+        if i == self.low:
+            low = i + 1
+            while low in self.done:
+                self.done.discard(low)
+                low += 1
+            self.low = low
+        elif i > self.low:
+            self.done.add(i)
+
+    def position(self):
+        return {"getter": self.getter, "order": self.order, "batch_size": self.batch_size,
+                "low": self.low, "done": sorted(self.done)}
+
+    @classmethod
+    def from_position(cls, position):
+        return cls(position["getter"], position["order"], position["batch_size"],
+                   position["low"], position["done"])
