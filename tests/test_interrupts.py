@@ -5,19 +5,24 @@ is used by two results at once, and the manager and sampler go on working.
 The interrupter delivers a real SIGINT before the n-th bytecode executed in the package's
 modules, for every n of a round of work in turn.  CPython 3.11 and later act on a signal
 only at some bytecodes (after a call returns, at a loop's backward jump, on entering a
-function); 3.10 at nearly all.  This tries every bytecode but three kinds, where no
-version delivers one: the NOP where a ``try`` block begins, and the PUSH_EXC_INFO and
-POP_EXCEPT that enter and leave an ``except`` block (raised there from a trace function,
-an exception would leave the one being handled in place for good).  A step that holds SIGINT back
+function); 3.10 at nearly all.  This tries every bytecode but those where no version
+delivers one: the NOP where a ``try`` block begins, the first bytecode of an exception
+handler (where the exception table sends an exception) and the POP_EXCEPT that leaves an
+``except`` block (raised there from a trace function, an exception would leave the one
+being handled in place for good).  A step that holds SIGINT back
 (``_process.interrupts_deferred``) holds these back too.
 """
 import collections
 import dis
+import gc
+import inspect
 import os
 import signal
 import sys
+import time
 
 import numpy as np
+import pytest
 import torch
 from conftest import wait_until
 
@@ -26,6 +31,18 @@ import _data
 from unienv_mp import _process, _work_encoder, _worker_handle, manager as M
 
 _NEVER_INTERRUPTED = {dis.opmap[name] for name in ("NOP", "PUSH_EXC_INFO", "POP_EXCEPT")}
+_handlers = {}   # code object -> offsets where its exception handlers start
+
+
+def never_interrupted(code, offset):
+    """True at a bytecode where no Python version acts on a signal (see above)."""
+    if code.co_code[offset] in _NEVER_INTERRUPTED:
+        return True
+    targets = _handlers.get(code)
+    if targets is None:
+        entries = getattr(dis.Bytecode(code), "exception_entries", ())   # (3.11+)
+        targets = _handlers[code] = {e.target for e in entries}
+    return offset in targets
 PACKAGE_FILES = {M.__file__, _worker_handle.__file__, _work_encoder.__file__,
                  _process.__file__}
 
@@ -69,7 +86,7 @@ class Interrupter:
 
     def _opcode(self, frame, event, arg):
         if (event == "opcode" and self.left > 0
-                and frame.f_code.co_code[frame.f_lasti] not in _NEVER_INTERRUPTED):
+                and not never_interrupted(frame.f_code, frame.f_lasti)):
             self.left -= 1
             if self.left == 0:
                 self.fired = True
@@ -142,7 +159,9 @@ class Caller:
 
 
 def check_slots(mgr):
-    """No slot number is free twice, or free while a pending task holds it."""
+    """No slot number is free twice, or free while a pending task holds it; a ticket in
+    flight is pending, unless its result entry, taken off the ring, is still to be
+    recorded (a recording cut short: the next one takes it out of flight)."""
     for lane in mgr._lanes:
         w = lane.worker
         free = w.free_slots
@@ -152,8 +171,10 @@ def check_slots(mgr):
                  and t.incarnation == w.incarnation}
         assert not taken & set(free), f"worker {w.index}: slots {taken & set(free)} are " \
                                       f"free and held by a pending task"
+        unrecorded = {entry[2] for entry in w._popped}
         for ticket in lane.inflight:
-            assert ticket in mgr._tasks, f"ticket {ticket} in flight but unknown"
+            assert ticket in mgr._tasks or ticket in unrecorded, (
+                f"ticket {ticket} in flight but unknown")
 
 
 def interrupt_everywhere(interrupter, run_once, recover, limit=20000):
@@ -245,38 +266,319 @@ def check_batch(batch):
     return idx.tolist()
 
 
-def test_a_ctrl_c_anywhere_in_sample_loses_nothing():
+@pytest.mark.parametrize("in_order", [True, False])
+def test_a_ctrl_c_anywhere_in_sample_loses_nothing(in_order):
+    """Each round: manual_seed(0), then 7 batches.  Every batch handed out is the stream's
+    batch at some position, each position once a round (in order with ``in_order``): a
+    Ctrl-C drops at most the batch of the call it cuts short."""
     from unienv_data.samplers import StepSampler
     from unienv_mp import MultiprocessingSampler
-    from unienv_mp import sampler as S
+    from unienv_mp import _streams, sampler as S
     rb = _data.replay_buffer(100)
-    sampler = MultiprocessingSampler(StepSampler(rb, 8, seed=0), n_workers=2, n_buffers=4,
-                                     ctx="fork", batches_per_task=3)
+
+    def make(in_order):
+        return MultiprocessingSampler(StepSampler(rb, 8, seed=0), n_workers=2, n_buffers=4,
+                                      ctx="fork", batches_per_task=3, in_order=in_order)
+
+    with make(True) as reference:
+        reference.manual_seed(0)
+        position = {tuple(check_batch(reference.sample())): j for j in range(60)}
+    sampler = make(in_order)
     held = collections.deque(maxlen=8)
 
     def sample_round():
-        for _ in range(7):
-            batch = sampler.sample()
-            held.append((batch, check_batch(batch)))
+        sampler.manual_seed(0)
+        seen = []
+        try:
+            for _ in range(7):
+                batch = sampler.sample()
+                idx = check_batch(batch)
+                held.append((batch, idx))
+                seen.append(position[tuple(idx)])
+        finally:
+            assert len(set(seen)) == len(seen), f"a batch came twice: {seen}"
+            if in_order:
+                assert seen == sorted(seen), f"out of order: {seen}"
 
     def recover():
         for batch, idx in held:
             assert check_batch(batch) == idx, "a batch kept by the caller changed"
         mgr = sampler._manager
-        stream = sampler._streams["sample"]
+        stream = sampler._streams.get("sample")
+        tickets = () if stream is None else stream.tickets
         # what the sampler asked for and no longer holds was cancelled, nothing more
         for ticket, task in mgr._tasks.items():
-            assert ticket in stream.tickets or task.cancelled, f"orphan ticket {ticket}"
+            assert ticket in tickets or task.cancelled, f"orphan ticket {ticket}"
+        if stream is None:
+            return
         for ticket in stream.tickets:
             assert ticket in mgr._tasks and not mgr._tasks[ticket].cancelled
+            assert ticket in stream.chunk_of
         assert len(stream.ready) + 3 * len(stream.tickets) <= 4 + 3
         check_slots(mgr)
 
     with sampler:
         sample_round()
-        interrupter = Interrupter(PACKAGE_FILES | {S.__file__})
+        interrupter = Interrupter(PACKAGE_FILES | {S.__file__, _streams.__file__})
         runs = interrupt_everywhere(interrupter, sample_round, recover)
         assert runs > 300
         for _ in range(3):
             sample_round()
         recover()
+
+
+# -- a Ctrl-C at one chosen line, then the caller going on as a user would -----------------
+
+def line_of(func, marker, after=0, nth=1):
+    """The line number ``after`` lines below the ``nth`` line of ``func`` containing
+    ``marker``."""
+    lines, start = inspect.getsourcelines(func)
+    hits = [i for i, text in enumerate(lines) if marker in text]
+    return start + hits[nth - 1] + after
+
+
+class interrupt_at:
+    """Within the block, a real SIGINT just before line ``lineno`` of ``func`` runs for the
+    first time (a KeyboardInterrupt there, unless SIGINT is held back)."""
+
+    def __init__(self, func, lineno):
+        self.code = func.__code__
+        self.lineno = lineno
+        self.fired = False
+        self.pid = os.getpid()
+
+    def _call(self, frame, event, arg):
+        if os.getpid() != self.pid:
+            sys.settrace(None)
+            return None
+        return self._line if frame.f_code is self.code else None
+
+    def _line(self, frame, event, arg):
+        if event == "line" and frame.f_lineno == self.lineno and not self.fired:
+            self.fired = True
+            sys.settrace(None)
+            frame.f_trace = None
+            signal.raise_signal(signal.SIGINT)
+        return self._line
+
+    def __enter__(self):
+        sys.settrace(self._call)
+        return self
+
+    def __exit__(self, *exc):
+        sys.settrace(None)
+        return False
+
+
+def interrupted(call, *args, **kwargs):
+    try:
+        call(*args, **kwargs)
+    except KeyboardInterrupt:
+        return True
+    return False
+
+
+Manager = M.MultiProcessingSampleManager
+DELIVERED = line_of(Manager._deliver, "self._tasks.pop(task.ticket, None)", nth=2)
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_a_result_asked_for_again_after_a_ctrl_c_in_its_delivery(copy):
+    mgr = Manager(Fill(), n_workers=1, ctx="fork", copy=copy)
+    try:
+        t1 = mgr.submit(1)
+        with interrupt_at(Manager._deliver, DELIVERED) as i:
+            assert interrupted(mgr.result, t1)
+        assert i.fired
+        gc.collect()
+        t2 = mgr.submit(2)
+        assert wait_until(lambda: mgr.ready(t2))
+        v1 = mgr.result(t1)                    # asked for again: still there, intact
+        assert (v1 == 1).all()
+        for w in range(3, 8):                  # slots reused meanwhile
+            assert (mgr.result(mgr.submit(w)) == w).all()
+        assert (mgr.result(t2) == 2).all()
+        assert (v1 == 1).all(), f"the result of work 1 became {np.unique(v1)}"
+        check_slots(mgr)
+    finally:
+        mgr.close()
+
+
+def test_a_fetch_again_after_a_ctrl_c_in_its_delivery():
+    mgr = Manager(Fill(), n_workers=1, ctx="fork")
+    try:
+        mgr.add_work(1)
+        with interrupt_at(Manager._deliver, DELIVERED) as i:
+            assert interrupted(mgr.fetch)
+        assert i.fired
+        assert mgr.remaining_work == 1
+        v1 = mgr.fetch()
+        mgr.add_work(2)
+        assert (mgr.fetch() == 2).all() and (v1 == 1).all()
+        assert mgr.remaining_work == 0
+    finally:
+        mgr.close()
+
+
+class Fetcher:
+    """Uses add_work/fetch as UniEnv's users do, fetching on after a Ctrl-C: a result cut
+    off by it may be missing; none may come twice, out of order (``in_order``), or change
+    later."""
+
+    def __init__(self, mgr, in_order):
+        self.mgr = mgr
+        self.in_order = in_order
+        self.next_work = 0
+        self.delivered = []
+        self.held = collections.deque(maxlen=6)
+
+    def take(self, value):
+        w = int(value[0])
+        assert value.shape == (2048,) and (value == w).all(), f"a torn result {np.unique(value)}"
+        assert w not in self.delivered, f"work {w} came back twice"
+        if self.in_order and self.delivered:
+            assert w > self.delivered[-1], f"work {w} after {self.delivered[-1]}"
+        self.delivered.append(w)
+        self.held.append((w, value))
+
+    def round(self, n_tasks=3):
+        for _ in range(n_tasks):
+            self.next_work += 1
+            self.mgr.add_work(self.next_work)
+        while self.mgr.remaining_work:
+            self.take(self.mgr.fetch(timeout=20))
+
+    def recover(self):
+        self.round(0)
+        for w, value in self.held:
+            assert (value == w).all(), f"a result kept changed: {w} -> {np.unique(value)}"
+        check_slots(self.mgr)
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_a_ctrl_c_anywhere_in_add_work_and_fetch_loses_nothing(in_order):
+    mgr = Manager(Fill(), n_workers=2, ctx="fork", max_leases=4, in_order=in_order)
+    try:
+        f = Fetcher(mgr, in_order)
+        f.round()
+        runs = interrupt_everywhere(Interrupter(PACKAGE_FILES), f.round, f.recover)
+        assert runs > 300
+    finally:
+        mgr.close()
+
+
+def test_wait_any_on_cancelled_tickets_refuses_to_wait():
+    mgr = Manager(Fill(), n_workers=1, ctx="fork")
+    try:
+        t = mgr.submit(1)
+        mgr.cancel(t)
+        with pytest.raises(KeyError):          # as result(t) and ready(t) do
+            mgr.wait_any([t], timeout=3)
+    finally:
+        mgr.close()
+
+
+class Sleep:
+    def __call__(self, seconds):
+        time.sleep(seconds)
+        return seconds
+
+
+def test_close_cut_short_still_ends_the_workers():
+    mgr = Manager(Sleep(), n_workers=1, ctx="fork")
+    procs = list(mgr.workers)
+    try:
+        mgr.submit(3.0)        # the worker is busy for 3 s: close() waits for it
+        time.sleep(0.3)
+        joining = line_of(_process.stop_processes, '_call(p, "join", max(0.0,')
+        with interrupt_at(_process.stop_processes, joining) as i:
+            assert interrupted(mgr.close)
+        assert i.fired
+        assert not [p for p in procs if p.is_alive()], "workers left running"
+        mgr.close()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def pidfds():
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]":
+                out.add(int(fd))
+        except OSError:
+            pass
+    return out
+
+
+def test_a_ctrl_c_as_a_worker_starts_leaves_no_descriptor():
+    before = pidfds()
+    kept = line_of(_process.open_pidfd, "setattr(proc, _PIDFD, fd)")
+    with interrupt_at(_process.open_pidfd, kept) as i:
+        assert interrupted(Manager, Fill(), n_workers=1, ctx="fork")
+    assert i.fired
+    gc.collect()
+    assert pidfds() <= before, f"pidfds left open: {pidfds() - before}"
+
+
+def _sampler(**kwargs):
+    from unienv_data.samplers import StepSampler
+    from unienv_mp import MultiprocessingSampler
+    rb = _data.replay_buffer(100, multiprocessing=kwargs.pop("shared", False))
+    return MultiprocessingSampler(StepSampler(rb, 8, seed=0), n_workers=2, n_buffers=4,
+                                  ctx="fork", batches_per_task=1, **kwargs)
+
+
+def no_orphans(s):
+    """Every task the manager holds is one a stream waits for, or cancelled."""
+    mgr = s._manager
+    waited = {t for st in s._streams.values() for t in st.tickets}
+    orphans = [t for t, task in mgr._tasks.items() if t not in waited and not task.cancelled]
+    assert not orphans, f"tasks nobody will collect or cancel: {orphans}"
+    stale = [t for t in waited if t not in mgr._tasks or mgr._tasks[t].cancelled]
+    assert not stale, f"the streams wait for tickets {stale} of dropped tasks"
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_sampling_goes_on_after_a_ctrl_c_in_manual_seed(in_order):
+    from unienv_mp import MultiprocessingSampler as MS
+    with _sampler(in_order=in_order, timeout=20) as s:
+        s.sample()
+        with interrupt_at(MS.manual_seed, line_of(MS.manual_seed, "self._drop_streams()")) as i:
+            assert interrupted(s.manual_seed, 1)
+        assert i.fired
+        for _ in range(6):
+            s.sample()
+        no_orphans(s)
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_sampling_goes_on_after_ctrl_cs_right_after_results_arrived(in_order):
+    from unienv_mp import MultiprocessingSampler as MS
+    taken = line_of(MS._sample, "tickets.remove(ticket)", nth=2)
+    with _sampler(in_order=in_order, timeout=20) as s:
+        s.sample()
+        fired = 0
+        for _ in range(8):
+            with interrupt_at(MS._sample, taken) as i:
+                interrupted(s.sample)
+            fired += i.fired
+        assert fired
+        for _ in range(6):
+            s.sample()
+        no_orphans(s)
+
+
+def test_an_epoch_closed_by_a_ctrl_c_leaves_no_task_behind():
+    from unienv_mp import MultiprocessingSampler as MS
+    with _sampler(shared=True) as s:
+        s.sample()
+        it = s.epoch_iter()
+        next(it)
+        with interrupt_at(MS._epoch, line_of(MS._epoch, "manager.cancel(t)")) as i:
+            assert interrupted(it.close)
+        assert i.fired
+        no_orphans(s)

@@ -121,7 +121,8 @@ def _call(proc, method, *args):
 def stop_processes(procs, join_timeout):
     """Wait up to ``join_timeout`` seconds for ``procs`` to end, then terminate (and then
     kill) those still running; collect their exit status and close their pidfds.
-    Tolerates Process objects never started or already closed."""
+    Tolerates Process objects never started or already closed.  Cut short (a Ctrl-C while
+    it waits), it kills those still running before it raises."""
     started = [p for p in procs if _call(p, "is_alive") is not None]
     try:
         deadline = time.monotonic() + join_timeout
@@ -147,6 +148,12 @@ def stop_processes(procs, join_timeout):
                 _mp_process._children.discard(p)
             else:
                 _call(p, "close")
+    except BaseException:
+        for p in started:
+            send_signal(p, signal.SIGKILL)
+        for p in started:
+            _call(p, "join", 0.1)
+        raise
     finally:
         for p in procs:
             _close_pidfd(p)

@@ -188,15 +188,16 @@ class WorkerHandle:
                 daemon=launch.daemon, name=f"unienv_mp-worker-{self.index}")
             try:
                 proc.start()
-                _process.open_pidfd(proc)
             except (pickle.PicklingError, TypeError, AttributeError) as e:
                 raise TypeError(
                     f"cannot start workers with the {launch.ctx.get_start_method()!r} start "
                     f"method: the work function (and everything it refers to, e.g. the "
                     f"wrapped sampler) must be picklable, but pickling failed with "
                     f"{type(e).__name__}: {e}") from e
-            # The handle takes the process in one step that a Ctrl-C cannot cut in two.
+            # The handle takes the process (and a pidfd of it) in one step that a Ctrl-C
+            # cannot cut in two.
             with _process.interrupts_deferred():
+                _process.open_pidfd(proc)
                 self.incarnation += 1
                 self._seg, self._tasks, self._results = seg, tasks, results
                 self._rings = (tasks, results)

@@ -56,7 +56,9 @@ ResultT = TypeVar("ResultT")
 #   has arrived: _bury skips arrived tasks).
 # * A slot number is given back only through _give_back_slot, which clears ``task.slot``
 #   first: an interruption can at worst leak a slot number (the worker makes another
-#   slot), never give one back twice (two tasks writing into one slot).
+#   slot), never give one back twice (two tasks writing into one slot).  A delivered
+#   result's slot goes back once the task has left ``_tasks`` and no lease on it is alive
+#   (``task.leases``): a delivery cut short can be asked for again, from the same slot.
 # * submit() hands its ticket over through ``record`` (the caller's list), appended as
 #   the last step; if it raises before, the task is abandoned (_abandon).
 # * The rare multi-step changes (replacing a worker's process) hold SIGINT back until
@@ -99,6 +101,7 @@ class _Task:
     slot = None
     spill = None        # parent segment carrying large work info
     cancelled = False
+    leases = 0          # zero-copy results of it alive (see _deliver)
     # Its result, set by _accept; ``arrived`` is set last.
     arrived = False
     status = None       # _ST_OK, or _ST_ERROR: the target raised, the value describes it
@@ -145,6 +148,7 @@ class _Resources:
                     self.done_event.set()
                 except Exception:
                     pass
+            # (cut short, this kills the workers: a second close() does nothing)
             _process.stop_processes([w.proc for w in self.workers if w.proc is not None],
                                     join_timeout)
         finally:
@@ -293,7 +297,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
     @property
     def remaining_work(self):
         """Work added with :meth:`add_work` and not fetched yet."""
-        return len(self._order)
+        tasks = self._tasks
+        return sum(1 for t in self._order if t in tasks)
 
     # -- replacing dead workers -----------------------------------------------------------
 
@@ -574,7 +579,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 inflight.remove(task.ticket)   # (a recording cut short left it there)
             except ValueError:
                 pass
-        if task.slot is not None and (task.arrived or task.ticket not in inflight):
+        if task.slot is not None and not task.leases and (
+                task.arrived or task.ticket not in inflight):
             self._give_back_slot(task)
 
     def _give_back_slot(self, task):
@@ -587,15 +593,16 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             self._lanes[task.worker].worker.give_back_slot(slot, task.incarnation)
 
     def _give_back_released_slots(self):
-        """Slots whose last view was garbage collected go back to their worker (taken
-        off ``_released`` first: cut short in between, a slot number is lost, never given
-        back twice)."""
+        """The leases garbage collected since (their tasks, on ``_released``) are gone;
+        a delivered task whose last lease this was gives its slot back."""
         released = self._released
-        lanes = self._lanes
+        tasks = self._tasks
         while released:
-            index, incarnation, slot = released.popleft()
+            task = released.popleft()
             self._leases -= 1
-            lanes[index].worker.give_back_slot(slot, incarnation)
+            task.leases -= 1
+            if not task.leases and task.ticket not in tasks:
+                self._give_back_slot(task)
 
     def _wait(self, task, timeout):
         """Block until ``task`` has a result (or raise)."""
@@ -620,34 +627,33 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
 
     def _deliver(self, task):
         """Turn an arrived result into the value returned to the caller.  The task leaves
-        ``_tasks`` once its slot is given back or leased (cut short before, a later
-        cancel() finds it, and its slot, in a consistent state)."""
-        if task.error is not None:
-            self._give_back_slot(task)
-            self._tasks.pop(task.ticket, None)
-            raise task.error
+        ``_tasks`` once the value is made: cut short before, it can be delivered again
+        (from the slot, which it still holds) or cancelled.  Its slot goes back then, or
+        once the last lease on it is garbage collected (see _give_back_released_slots)."""
         status = task.status
         seg = task.seg
-        if seg is None:
-            self._give_back_slot(task)
-            self._tasks.pop(task.ticket, None)
-            value = _decode(task.inline, True)   # (copy)
-        elif self.copy or self._leases >= self.max_leases or status != _ST_OK:
-            try:
+        try:
+            if task.error is not None:
+                raise task.error
+            if seg is None:
+                value = _decode(task.inline, True)   # (copy)
+            elif self.copy or self._leases >= self.max_leases or status != _ST_OK:
                 with memoryview(seg) as mv:
                     value = _decode(mv[:task.nbytes], True)   # (copy)
-            finally:
+            else:
+                task.leases += 1
+                self._leases += 1
+                lease = _SlotLease(seg, 0, task.nbytes, self._released.append, task)
+                value = _decode(lease)
+                del lease
+        except Exception:
+            self._tasks.pop(task.ticket, None)   # (the caller hears why instead)
+            if not task.leases:
                 self._give_back_slot(task)
-                self._tasks.pop(task.ticket, None)
-        else:
-            slot = task.slot   # the lease takes it over (as in _give_back_slot: once)
-            task.slot = None
-            self._leases += 1
-            lease = _SlotLease(seg, 0, task.nbytes, self._released.append,
-                               (task.worker, task.incarnation, slot))
-            self._tasks.pop(task.ticket, None)
-            value = _decode(lease)
-            del lease
+            raise
+        self._tasks.pop(task.ticket, None)
+        if not task.leases:
+            self._give_back_slot(task)
         if status == _ST_ERROR:
             raise self._worker_error(value, task.worker)
         return value
@@ -695,8 +701,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         waiting for one if none has.  Raises ``TimeoutError`` after ``timeout`` (default:
         the manager's ``timeout``) seconds, ``KeyError`` if no ticket is pending."""
         self._ensure_open()
-        tasks = self._tasks
-        if not any(t in tasks for t in tickets):
+        if not self._any_pending(tickets):
             raise KeyError(f"none of the tickets {list(tickets)!r} is pending")
         limit = self.timeout if timeout is None else timeout
         ticket = self._first_ready(tickets, True, limit)
@@ -780,6 +785,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 task = self._tasks.get(t)
                 if task is not None and task.arrived:
                     return (t,)
+            if not self._any_pending(tickets):   # (all cancelled meanwhile)
+                raise KeyError(f"none of the tickets {list(tickets)!r} is pending")
             return None
 
         found = find()
@@ -790,6 +797,16 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             found = self._doorbell.wait_until(find, limit, self.doze_time,
                                               check=self._check_all_alive)
         return None if found is None else found[0]
+
+    def _any_pending(self, tickets):
+        """True if one of ``tickets`` will have a result to collect (neither collected nor
+        cancelled)."""
+        tasks = self._tasks
+        for t in tickets:
+            task = tasks.get(t)
+            if task is not None and not task.cancelled:
+                return True
+        return False
 
     def _check_all_alive(self):
         for lane in self._lanes:
