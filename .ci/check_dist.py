@@ -121,7 +121,7 @@ def check_wheel(path, files, version):
             fail(f"wheel {name}: platform tag {plat} is not manylinux for {arch}")
     dist_info = f"{PACKAGE}-{version}.dist-info/"
     with zipfile.ZipFile(path) as z:
-        names = set(z.namelist())
+        names = {n for n in z.namelist() if not n.endswith("/")}
         wheel_file = z.read(dist_info + "WHEEL").decode()
         metadata = z.read(dist_info + "METADATA").decode()
         license_text = z.read(dist_info + "licenses/LICENSE").decode() \
