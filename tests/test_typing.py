@@ -6,7 +6,7 @@
   with their definitions in the .pyx sources;
 - the docstrings of the stubs (what IDEs show) are those of the modules (what ``help()``
   shows);
-- ``mypy --strict`` type-checks tests/typing/usage.py, a user's code with the types it
+- ``mypy --strict`` type-checks tests/typecheck/usage.py, a user's code with the types it
   expects, and the file runs.
 """
 import ast
@@ -23,7 +23,7 @@ import unienv_mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "unienv_mp")
-TYPING = os.path.join(ROOT, "tests", "typing")
+TYPING = os.path.join(ROOT, "tests", "typecheck")
 COMPILED = sorted(os.path.basename(p)[:-4] for p in glob.glob(os.path.join(PACKAGE, "*.pyx")))
 
 
