@@ -4,12 +4,23 @@ drop-in, faster MultiprocessingSampler for UniEnv.
     from unienv_mp import MultiprocessingSampler   # was: from unienv_data.samplers import ...
 
 The sampler names (which import UniEnv) are loaded on first use, so that the transport
-(``RingBuffer``, ``ShmQueue``) can be used without importing UniEnv.
+(``RingBuffer``, ``ShmQueue``) can be used without importing UniEnv.  Type checkers and
+IDEs see them as ordinary imports.
 """
+from typing import TYPE_CHECKING
+
 from ._ring import RingBuffer, Segment
 from .errors import CodecError, PeerGoneError, RingClosed, WorkerDiedError, WorkerError
 from .queue import ShmQueue
 
+if TYPE_CHECKING:
+    from .compat import worker_loop as worker_loop
+    from .compat import wrap_epoch_iter_function as wrap_epoch_iter_function
+    from .compat import wrap_sample_function as wrap_sample_function
+    from .manager import MultiProcessingSampleManager as MultiProcessingSampleManager
+    from .sampler import MultiprocessingSampler as MultiprocessingSampler
+
+#: The package's version, and the only place it is written (pyproject.toml reads it).
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -24,7 +35,7 @@ __all__ = ["RingBuffer", "Segment", "ShmQueue", "RingClosed", "CodecError", "Pee
            "WorkerError", "WorkerDiedError", *_LAZY]
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'unienv_mp' has no attribute {name!r}")
@@ -34,5 +45,5 @@ def __getattr__(name):
     return value
 
 
-def __dir__():
+def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))

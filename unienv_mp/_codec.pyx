@@ -36,7 +36,7 @@ from libc.string cimport memcmp, memcpy, memset
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.ref cimport Py_INCREF
-from cpython.object cimport PyObject
+from cpython.object cimport PyObject, PyTypeObject
 
 cimport numpy as cnp
 
@@ -55,10 +55,14 @@ __all__ = ["MAGIC", "VERSION", "HEADER_SIZE", "ALIGN", "Prepared", "prepare", "e
            "plan_cache_size"]
 
 cdef extern from "numpy/arrayobject.h":
+    ctypedef struct _Descr "PyArray_Descr":
+        pass
+    ctypedef struct _ArrayObject "PyArrayObject":
+        pass
     object PyArray_NewFromDescr_raw "PyArray_NewFromDescr" (
-        PyObject *subtype, PyObject *descr, int nd, cnp.npy_intp *dims,
+        PyTypeObject *subtype, _Descr *descr, int nd, cnp.npy_intp *dims,
         cnp.npy_intp *strides, void *data, int flags, PyObject *obj)
-    int PyArray_SetBaseObject_raw "PyArray_SetBaseObject" (PyObject *arr,
+    int PyArray_SetBaseObject_raw "PyArray_SetBaseObject" (_ArrayObject *arr,
                                                             PyObject *obj) except -1
 
 DEF C_HEADER = 64
@@ -757,18 +761,18 @@ cdef object _make_array(tuple node, char *base, bint readonly, object owner, bin
     if copy:
         # An array of its own, filled straight from the slot: C-contiguous, aligned and
         # writeable, as ndarray.copy() of a view would be, without making the view.
-        arr = PyArray_NewFromDescr_raw(<PyObject *>cnp.ndarray, <PyObject *>descr, nd, dims,
+        arr = PyArray_NewFromDescr_raw(<PyTypeObject *>cnp.ndarray, <_Descr *>descr, nd, dims,
                                        NULL, NULL, 0, NULL)
         nbytes = node[5]
         _copy(<char *>cnp.PyArray_DATA(<cnp.ndarray>arr), base + off, nbytes)
     else:
-        arr = PyArray_NewFromDescr_raw(<PyObject *>cnp.ndarray, <PyObject *>descr, nd, dims,
+        arr = PyArray_NewFromDescr_raw(<PyTypeObject *>cnp.ndarray, <_Descr *>descr, nd, dims,
                                        NULL, base + off,
                                        0 if readonly else cnp.NPY_ARRAY_WRITEABLE, NULL)
         # let numpy work out contiguity and alignment from the pointer and the shape
         cnp.PyArray_UpdateFlags(<cnp.ndarray>arr, cnp.NPY_ARRAY_UPDATE_ALL)
         Py_INCREF(owner)  # PyArray_SetBaseObject steals a reference to the base
-        PyArray_SetBaseObject_raw(<PyObject *>arr, <PyObject *>owner)
+        PyArray_SetBaseObject_raw(<_ArrayObject *>arr, <PyObject *>owner)
     if node[1] == KIND_TORCH:
         # (_parse_node initialised torch, _torch_from_numpy included, to make this node)
         if readonly and not copy:

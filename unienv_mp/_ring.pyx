@@ -572,7 +572,7 @@ cdef class RingBuffer:
 
     def full(self):
         """True if every cell is taken (a snapshot: others may pop meanwhile)."""
-        return len(self) >= self.r.capacity
+        return <uint64_t>len(self) >= self.r.capacity
 
     cdef int _ensure_open(self) except -1:
         if self.segment is None or self.segment.addr == NULL or self.segment._closing:

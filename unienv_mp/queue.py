@@ -25,6 +25,8 @@ import time
 import warnings
 import weakref
 from multiprocessing import util as _mputil
+from multiprocessing.context import BaseContext
+from typing import Any
 
 import numpy as np
 
@@ -89,9 +91,10 @@ class ShmQueue:
     until its buffered data reaches the pipe; ``cancel_join_thread`` turns that off.
     """
 
-    def __init__(self, maxsize=0, *, ctx=None, slot_size=1 << 20, n_slots=None,
-                 inline_size=256, copy=False, poll_interval=DEFAULT_POLL_INTERVAL,
-                 spin=DEFAULT_SPIN):
+    def __init__(self, maxsize: int = 0, *, ctx: BaseContext | None = None,
+                 slot_size: int = 1 << 20, n_slots: int | None = None, inline_size: int = 256,
+                 copy: bool = False, poll_interval: float = DEFAULT_POLL_INTERVAL,
+                 spin: float = DEFAULT_SPIN) -> None:
         maxsize = check_int(maxsize, "maxsize", 0)
         slot_size = check_int(slot_size, "slot_size", 1)
         inline_size = check_int(inline_size, "inline_size", 0)
@@ -173,7 +176,7 @@ class ShmQueue:
 
     # -- put -------------------------------------------------------------------------------
 
-    def put(self, obj, block=True, timeout=None):
+    def put(self, obj: object, block: bool = True, timeout: float | None = None) -> None:
         """Put ``obj`` (any picklable object) on the queue.  If the queue is bounded and
         full, block (at most ``timeout`` seconds) until there is room, else raise
         :class:`queue.Full`.  Raises ``ValueError`` after :meth:`close`."""
@@ -207,7 +210,7 @@ class ShmQueue:
                 self._start_thread()
             self._cond.notify()
 
-    def put_nowait(self, obj):
+    def put_nowait(self, obj: object) -> None:
         """``put(obj, block=False)``."""
         return self.put(obj, False)
 
@@ -255,7 +258,7 @@ class ShmQueue:
 
     # -- get -------------------------------------------------------------------------------
 
-    def get(self, block=True, timeout=None):
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
         """Remove and return the oldest message, blocking (at most ``timeout`` seconds)
         until there is one, else raise :class:`queue.Empty`.  Raises ``ValueError`` after
         :meth:`close`."""
@@ -275,7 +278,7 @@ class ShmQueue:
                 warnings.warn("a ShmQueue message was lost: the process that put it exited "
                               "before it could be read", RuntimeWarning, stacklevel=2)
 
-    def get_nowait(self):
+    def get_nowait(self) -> Any:
         """``get(block=False)``."""
         return self.get(False)
 
@@ -311,7 +314,7 @@ class ShmQueue:
 
     # -- size and lifecycle ---------------------------------------------------------------
 
-    def qsize(self):
+    def qsize(self) -> int:
         """Approximate number of messages in the queue (those in shared memory, plus those
         this process buffered locally)."""
         buffered = len(self._buffer)
@@ -319,20 +322,20 @@ class ShmQueue:
             buffered -= 1
         return len(self._msgs) + buffered
 
-    def empty(self):
+    def empty(self) -> bool:
         """True if the queue looks empty (approximate, as for multiprocessing.Queue)."""
         return self.qsize() == 0
 
-    def full(self):
+    def full(self) -> bool:
         """True if a bounded queue looks full (approximate)."""
         return self._maxsize > 0 and len(self._msgs) >= self._maxsize
 
     @property
-    def maxsize(self):
+    def maxsize(self) -> int:
         """The ``maxsize`` the queue was made with (0: unbounded)."""
         return self._maxsize
 
-    def close(self):
+    def close(self) -> None:
         """Indicate that this process will put no more data: buffered messages are still
         sent by the feeder thread, which then ends.  ``get`` and ``put`` raise
         ``ValueError`` afterwards in this process.  Other processes are unaffected."""
@@ -346,7 +349,7 @@ class ShmQueue:
         # The shared memory stays mapped (qsize() keeps working) until the queue is
         # garbage collected or the process ends.
 
-    def join_thread(self):
+    def join_thread(self) -> None:
         """Wait for the feeder thread (and for receivers to map any spilled message) after
         :meth:`close`, as :meth:`multiprocessing.Queue.join_thread`."""
         # AssertionError, as multiprocessing.Queue.join_thread raises
@@ -356,21 +359,21 @@ class ShmQueue:
         if not self._joincancelled:
             _wait_for_spills(self._sender.policy)
 
-    def cancel_join_thread(self):
+    def cancel_join_thread(self) -> None:
         """Do not wait for buffered or spilled messages when this process exits."""
         self._joincancelled = True
         self._sender.policy.cancelled = True
         if self._jointhread is not None:
             self._jointhread.cancel()
 
-    def shutdown(self):
+    def shutdown(self) -> None:
         """Mark the queue closed for *every* process: blocked ``get`` calls everywhere raise
         :class:`~unienv_mp.RingClosed` once it is drained, and ``put`` raises it.  Messages
         a feeder thread still buffered (``maxsize=0``) are dropped."""
         self._msgs.shutdown()
         self._free.shutdown()
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._msgs)} messages"
         return f"<ShmQueue maxsize={self._maxsize} {state}>"
 

@@ -1,0 +1,63 @@
+"""The package's metadata: one version, the license, what the wheel carries.  (CI builds
+the sdist and the wheel and checks them file by file: .ci/check_dist.py.)"""
+import importlib.metadata
+import os
+import sys
+
+import unienv_mp
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _pyproject():
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)
+
+
+def test_the_version_is_written_once_and_is_the_installed_one():
+    project = _pyproject()
+    assert "version" not in project["project"]
+    assert "version" in project["project"]["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {
+        "attr": "unienv_mp.__version__"}
+    assert unienv_mp.__version__ == importlib.metadata.version("unienv_mp")
+    parts = unienv_mp.__version__.split(".")
+    assert len(parts) == 3 and all(p.isdigit() for p in parts), unienv_mp.__version__
+
+
+def test_the_license_is_mit_as_an_spdx_string_with_its_file():
+    project = _pyproject()["project"]
+    assert project["license"] == "MIT"
+    assert project["license-files"] == ["LICENSE"]
+    assert not any(c.startswith("License ::") for c in project["classifiers"])
+    with open(os.path.join(ROOT, "LICENSE")) as f:
+        text = f.read()
+    assert text.startswith("MIT License\n\nCopyright (c) 2026 the unienv_mp developers\n")
+    assert 'THE SOFTWARE IS PROVIDED "AS IS", WITHOUT WARRANTY OF ANY KIND' in text
+
+
+def test_the_wheel_carries_the_stubs_and_every_subpackage():
+    setuptools = _pyproject()["tool"]["setuptools"]
+    # every unienv_mp.* package, not a fixed list, so a new subpackage is shipped
+    assert setuptools["packages"]["find"]["include"] == ["unienv_mp", "unienv_mp.*"]
+    data = setuptools["package-data"]["*"]
+    assert {"py.typed", "*.pyi"} <= set(data)
+    assert setuptools["exclude-package-data"]["*"] == ["*.c"]
+
+
+def test_classifiers_say_linux_cpython_and_cython():
+    project = _pyproject()["project"]
+    classifiers = set(project["classifiers"])
+    assert {"Operating System :: POSIX :: Linux",
+            "Programming Language :: Python :: Implementation :: CPython",
+            "Programming Language :: Cython", "Typing :: Typed"} <= classifiers
+    low = project["requires-python"].removeprefix(">=")
+    versions = sorted(c.rsplit(" ", 1)[1] for c in classifiers
+                      if c.startswith("Programming Language :: Python :: 3.")
+                      and c.count("::") == 2)
+    assert versions[0] == low and project["keywords"]

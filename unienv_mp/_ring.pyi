@@ -1,0 +1,234 @@
+"""Cython binding of csrc/: shared-memory segments, the lock-free ring, futex events.
+
+Everything that can block releases the GIL and comes back to Python at least every
+``poll_interval`` seconds (and on every signal) so that Ctrl-C, a ``check`` callable and a
+closed ring are all noticed.
+"""
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar, Final, Protocol, TypeVar, type_check_only
+
+from _typeshed import ReadableBuffer
+from typing_extensions import Self, disjoint_base
+
+__all__ = ["Segment", "RingBuffer", "Event", "DEFAULT_POLL_INTERVAL", "DEFAULT_SPIN",
+           "now_ns"]
+
+_T = TypeVar("_T")
+_T_contra = TypeVar("_T_contra", contravariant=True)
+
+@type_check_only
+class _Appendable(Protocol[_T_contra]):
+    def append(self, item: _T_contra, /) -> object: ...
+
+#: Default longest sleep before a blocked call re-checks liveness and the closed flag.
+DEFAULT_POLL_INTERVAL: Final[float]
+#: Default time a blocked call spins (polls the ring without sleeping) before it sleeps.
+DEFAULT_SPIN: Final[float]
+
+def now_ns() -> int:
+    """CLOCK_MONOTONIC in nanoseconds (the clock every deadline here is measured on)."""
+
+def _segment_from_peer(pid: int, fd: int, ino: int, size: int, name: str) -> Segment:
+    """Unpickle a Segment described by a live process as (pid, fd, inode)."""
+
+@disjoint_base
+class Segment:
+    """A block of shared memory that other processes can map: an anonymous ``memfd``.
+
+    Lifecycle, as for :class:`multiprocessing.shared_memory.SharedMemory`:
+    ``Segment.create(size)`` makes one; pickling it (as a Process argument, or through a
+    queue while this process lives) lets another process attach; :meth:`close` releases it
+    in this process; :meth:`unlink` stops new processes from attaching.  Nothing is ever
+    created under ``/dev/shm``: the memory is returned to the system when the last process
+    that maps it is gone, however it ended (normal exit, exception or SIGKILL).
+
+    The segment exports the buffer protocol.  While a ``memoryview`` (or an array built on
+    one) is alive, :meth:`close` only marks the segment closed and the memory stays mapped
+    until the last view is released, so a view can never outlive its memory.
+    """
+
+    @property
+    def fd(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def ino(self) -> int: ...
+    @property
+    def name(self) -> str: ...
+    @staticmethod
+    def create(size: int, tag: str = "segment") -> Segment:
+        """Create a new zero-filled segment of ``size`` bytes named ``unienv_mp_<tag>_...``."""
+    @property
+    def address(self) -> int:
+        """Address of the mapping in this process (0 once unmapped)."""
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called in this process."""
+    def close(self) -> None:
+        """Release the segment in this process: close its descriptor and unmap it (at once,
+        or when the last view of it is released).  Idempotent."""
+    def unlink(self) -> None:
+        """Close this process's descriptor: the segment can no longer be handed to new
+        processes from here.  The mapping, and every process attached, is unaffected."""
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def __release_buffer__(self, buffer: memoryview, /) -> None: ...
+    def __enter__(self) -> Self: ...
+    def __exit__(self, *exc: object) -> None: ...
+    def __reduce__(self) -> tuple[Any, ...]: ...
+
+@disjoint_base
+class Event:
+    """A futex-backed wake-up signal at a 64-byte line of a :class:`Segment`.
+
+    Waiters call :meth:`wait_until` with a condition; notifiers call :meth:`notify` after
+    making the condition true.  Used as the "any result is ready" doorbell of the manager.
+    """
+
+    SIZE: ClassVar[int]
+    def __new__(cls, segment: Segment, offset: int, init: bool = False) -> Self: ...
+    @property
+    def segment(self) -> Segment: ...
+    @property
+    def offset(self) -> int: ...
+    def notify(self) -> None:
+        """Wake every waiter (one fence and one load when there is none)."""
+    def notify_all(self) -> None: ...
+    def wait_until(self, condition: Callable[[], _T], timeout: float | None = None,
+                   poll_interval: float = 0.1,
+                   check: Callable[[], object] | None = None) -> _T | None:
+        """Call ``condition()`` until it returns something true and return that.  Between
+        tries sleep until notified, at most ``poll_interval`` seconds at a time (then
+        ``check()`` runs, if given).  Returns ``None`` when ``timeout`` expires."""
+
+@disjoint_base
+class RingBuffer:
+    """A bounded FIFO of byte strings in shared memory, for any number of producer and
+    consumer processes.
+
+    ``RingBuffer(capacity, entry_size)`` creates a ring holding up to ``capacity`` entries
+    of at most ``entry_size`` bytes each.  A forked child inherits it; pickling it (as a
+    ``Process`` argument under spawn or forkserver, or through a queue while this process
+    lives) attaches the receiving process to the same ring.
+
+    Pushing copies the bytes into a cell and publishes it with one atomic store; popping
+    copies them out.  Blocking calls spin for ``spin`` seconds, then sleep on a futex
+    without the GIL; they wake when the other side acts, and at least every
+    ``poll_interval`` seconds to run ``check`` (if given) and to notice signals.
+
+    :meth:`shutdown` marks the ring closed for every process: further pushes raise
+    :class:`~unienv_mp.RingClosed`; pops return what is left, then raise it.  :meth:`close`
+    detaches only this process; :meth:`unlink` stops new processes attaching through this
+    one.  Used as a context manager, the ring is closed (detached) on exit.
+    """
+
+    def __init__(self, capacity: int, entry_size: int, *, poll_interval: float = 0.1,
+                 spin: float = 20e-6) -> None: ...
+    @staticmethod
+    def footprint(capacity: int, entry_size: int) -> int:
+        """Bytes of shared memory a ring of this geometry occupies (a multiple of 64)."""
+    @staticmethod
+    def _create_in(segment: Segment, offset: int, capacity: int, entry_size: int,
+                   poll_interval: float = 0.1, spin: float = 20e-6) -> RingBuffer:
+        """Lay out a new ring at ``offset`` of an existing segment."""
+    @staticmethod
+    def _attach(segment: Segment, offset: int, poll_interval: float = 0.1,
+                spin: float = 20e-6) -> RingBuffer:
+        """Attach to the ring that already lies at ``offset`` of ``segment``."""
+    @property
+    def segment(self) -> Segment: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def capacity(self) -> int:
+        """Most entries the ring holds."""
+    @property
+    def entry_size(self) -> int:
+        """Most bytes one entry holds."""
+    @property
+    def poll_interval(self) -> float:
+        """Longest sleep, in seconds, before a blocked call re-checks ``check`` and signals."""
+    @property
+    def is_shutdown(self) -> bool:
+        """True once any process called :meth:`shutdown`."""
+    @property
+    def closed(self) -> bool:
+        """True once this process called :meth:`close`."""
+    def __len__(self) -> int: ...
+    def empty(self) -> bool:
+        """True if the ring holds no entry (a snapshot: others may push meanwhile)."""
+    def full(self) -> bool:
+        """True if every cell is taken (a snapshot: others may pop meanwhile)."""
+    def push(self, data: ReadableBuffer, block: bool = True, timeout: float | None = None,
+             *, check: Callable[[], object] | None = None) -> None:
+        """Append ``data`` (any bytes-like object of at most ``entry_size`` bytes).
+
+        Blocks while the ring is full (``block=False``: raises :class:`queue.Full` at once;
+        ``timeout``: raises :class:`queue.Full` after that many seconds).  Raises
+        :class:`RingClosed` if the ring was shut down, ``ValueError`` if ``data`` is longer
+        than ``entry_size``.  ``check``, if given, is called every ``poll_interval``
+        seconds while blocked; an exception from it ends the wait.
+        """
+    def push_nowait(self, data: ReadableBuffer) -> None:
+        """``push(data, block=False)``."""
+    def push_many(self, items: Iterable[ReadableBuffer], block: bool = True,
+                  timeout: float | None = None, *,
+                  check: Callable[[], object] | None = None) -> int:
+        """Append every bytes-like object of the sequence ``items`` in order, claiming as
+        many cells as are free with one atomic operation.  Returns how many were pushed:
+        all of them when ``block`` (raising :class:`queue.Full` if ``timeout`` expires
+        first), possibly fewer (even 0) when not.  If it raises part-way (timeout, shutdown,
+        an exception from ``check``), the items before the failure were pushed: the
+        exception's ``pushed`` attribute says how many."""
+    def pop(self, block: bool = True, timeout: float | None = None, *,
+            check: Callable[[], object] | None = None) -> bytes:
+        """Remove and return the oldest entry as ``bytes``.
+
+        Blocks while the ring is empty (``block=False``: raises :class:`queue.Empty` at
+        once; ``timeout``: after that many seconds).  Raises :class:`RingClosed` once the
+        ring is shut down and empty.  ``check`` as for :meth:`push`.
+        """
+    def pop_nowait(self) -> bytes:
+        """``pop(block=False)``."""
+    def pop_many(self, max_items: int, block: bool = True, timeout: float | None = None,
+                 *, check: Callable[[], object] | None = None) -> list[bytes]:
+        """Remove up to ``max_items`` of the oldest entries with one atomic claim and return
+        them as a list of ``bytes``.  When ``block``, waits until at least one is there
+        (raising :class:`queue.Empty` if ``timeout`` expires); otherwise the list may be
+        empty.  Raises :class:`RingClosed` once the ring is shut down and empty."""
+    def push_tagged(self, tag: int, aux: int, value: int, payload: ReadableBuffer = b"",
+                    block: bool = True, timeout: float | None = None, *,
+                    check: Callable[[], object] | None = None,
+                    record: _Appendable[int] | None = None) -> None:
+        """Push one entry made of a 16-byte header (``tag``, ``aux``, ``value``) followed by
+        ``payload`` (bytes-like, at most ``entry_size - 16`` bytes).  Same blocking rules
+        as :meth:`push`.  The queue and the sampler describe messages this way: what kind,
+        which slot, how many bytes, and small payloads inline.
+
+        ``record``: if given (a list or deque), ``record.append(value)`` runs inside this
+        call once the entry is in the ring, and only then.  A Python caller can be
+        interrupted (a Ctrl-C's ``KeyboardInterrupt``) right after any call returns, so
+        it cannot tell from the return alone whether the push happened; ``record`` can."""
+    def pop_tagged(self, block: bool = True, timeout: float | None = None, *,
+                   check: Callable[[], object] | None = None,
+                   into: _Appendable[tuple[int, int, int, bytes]] | None = None,
+                   ) -> tuple[int, int, int, bytes]:
+        """Pop one entry pushed by :meth:`push_tagged`; returns ``(tag, aux, value,
+        payload)`` with ``payload`` as ``bytes``.
+
+        ``into``: if given (a list or deque), the entry is also appended to it inside this
+        call, so that an entry taken off the ring is never lost to a ``KeyboardInterrupt``
+        landing right after the call returns (see ``record`` of :meth:`push_tagged`)."""
+    def _give_back(self, data: ReadableBuffer) -> None:
+        """Non-blocking push that works as long as the memory is mapped in this process,
+        even after :meth:`close` (how slots held past a close are returned)."""
+    def shutdown(self) -> None:
+        """Mark the ring closed for every process and wake every blocked caller."""
+    def close(self) -> None:
+        """Detach this process from the ring (the ring lives on in other processes).  If
+        this process created the ring and no other process attached, its memory is freed."""
+    def unlink(self) -> None:
+        """Stop new processes from attaching through this process (see
+        :meth:`Segment.unlink`)."""
+    def __enter__(self) -> Self: ...
+    def __exit__(self, *exc: object) -> None: ...
+    def __reduce__(self) -> tuple[Any, ...]: ...
