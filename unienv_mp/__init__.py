@@ -10,8 +10,10 @@ IDEs see them as ordinary imports.
 from typing import TYPE_CHECKING
 
 from ._ring import RingBuffer, Segment
-from .errors import CodecError, PeerGoneError, RingClosed, WorkerDiedError, WorkerError
+from .errors import (CodecError, PeerGoneError, RingClosed, WorkerDiedError, WorkerError,
+                     WorkerStalledError)
 from .queue import ShmQueue
+from .stats import SamplerStats, WorkerStats
 
 if TYPE_CHECKING:
     from .compat import worker_loop as worker_loop
@@ -32,7 +34,8 @@ _LAZY = {
 }
 
 __all__ = ["RingBuffer", "Segment", "ShmQueue", "RingClosed", "CodecError", "PeerGoneError",
-           "WorkerError", "WorkerDiedError", *_LAZY]
+           "WorkerError", "WorkerStalledError", "WorkerDiedError", "SamplerStats",
+           "WorkerStats", *_LAZY]
 
 
 def __getattr__(name: str) -> object:

@@ -266,7 +266,25 @@ def throughput_table(results, cfg, case="image"):
              f"({compare.describe(case, cfg)}), {_setup(cfg)}; {_TOUCH}")
     notes = ["ms/batch: wall-clock time per batch in a loop that only reads batches.  "
              + _MAIN_CPU]
-    return Table(title, head, rows, notes)
+    return Table(title, head, rows, notes + where_time_went(results))
+
+
+def where_time_went(results):
+    """Lines saying where unienv_mp's time went in the measured batches (from its
+    ``stats()``): the workers' busy and CPU time, the caller's waiting, the bottleneck and
+    one line of advice."""
+    out = []
+    for r in results:
+        st = r.stats
+        if st is None or r.error or not st.workers:
+            continue
+        cpu = [w.cpu_fraction for w in st.workers if w.cpu_fraction is not None]
+        cpu_text = f" (on a CPU {100 * sum(cpu) / len(cpu):.0f} %)" if cpu else ""
+        out.append(f"Where {r.label}'s time went: workers busy "
+                   f"{100 * st.busy_fraction:.0f} % of the time{cpu_text}, the caller "
+                   f"waiting {100 * st.wait_fraction:.0f} %; bottleneck: {st.bottleneck}.  "
+                   f"{st.advice()[0].upper()}{st.advice()[1:]}.")
+    return out
 
 
 def render_table(results, cfg, case="image"):

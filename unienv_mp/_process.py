@@ -9,7 +9,8 @@ it cannot reach another process that reused the pid.  Where pidfds are not avail
 everything here falls back to the ``Process`` object's own methods and sentinel.
 
 A worker calls :func:`exit_with_parent` first thing, so that it never outlives the parent,
-however the parent ends.
+however the parent ends.  A :class:`PipeEnd` hands a child one end of a pipe (the manager
+reads a stalled worker's stacks through one).
 """
 import contextlib
 import ctypes
@@ -18,15 +19,82 @@ import select
 import signal
 import threading
 import time
+from multiprocessing import context as _mp_context
 from multiprocessing import process as _mp_process
+from multiprocessing import reduction as _mp_reduction
 from multiprocessing.connection import wait as _wait_ready
 
 __all__ = ["open_pidfd", "has_exited", "exit_code", "describe_exit", "send_signal",
-           "stop_processes", "stop_half_started", "exit_with_parent", "interrupts_deferred"]
+           "stop_processes", "stop_half_started", "exit_with_parent", "interrupts_deferred",
+           "PipeEnd", "read_available", "cpu_seconds", "machine_cpu_ticks"]
 
 # The pidfd of a started process, kept on its Process object: an int >= 0, -1 once it is
 # closed or when the process was already gone when started, None where there are none.
 _PIDFD = "_unienv_mp_pidfd"
+
+
+class PipeEnd:
+    """One end of a pipe (descriptor ``fd``), given to a child process in its ``Process``
+    arguments: inherited as it is under fork, handed over by multiprocessing under spawn
+    and forkserver (as a Segment's descriptor is)."""
+
+    def __init__(self, fd):
+        self.fd = fd
+
+    def __reduce__(self):
+        if _mp_context.get_spawning_popen() is None:
+            raise ValueError("a PipeEnd can only be sent to a process being started")
+        return (_pipe_end_from_dupfd, (_mp_reduction.DupFd(self.fd),))
+
+
+def _pipe_end_from_dupfd(dupfd):
+    return PipeEnd(dupfd.detach())
+
+
+def read_available(fd, timeout, quiet=0.05):
+    """What can be read from the non-blocking descriptor ``fd``: waits up to ``timeout``
+    seconds for the first bytes, then reads until none come for ``quiet`` seconds."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    out = []
+    wait = timeout
+    while True:
+        if not poller.poll(max(0, int(wait * 1000))):
+            break
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            continue
+        if not chunk:
+            break
+        out.append(chunk)
+        wait = quiet
+    return b"".join(out)
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid):
+    """CPU time (user and system) that process ``pid`` has used, from ``/proc``; None if it
+    cannot be read (gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TICK   # utime, stime
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def machine_cpu_ticks():
+    """``(idle, total)`` CPU time of the whole machine since boot, in clock ticks, from
+    ``/proc/stat`` (idle counts iowait too); None if it cannot be read."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        return fields[3] + fields[4], sum(fields[:8])   # idle + iowait; up to steal
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _poll_pidfd(fd, timeout_ms):

@@ -24,6 +24,7 @@ and the data from ``QUEUE_SPILL_DATA`` on.
 owns one segment, created by the parent::
 
     0          header (WORKER_HEADER)
+    STATS_AT   the worker's counters (unienv_mp.stats: written by the worker alone)
     RINGS_AT   task ring     parent -> worker   (single producer, single consumer)
     ...        result ring   worker -> parent   (single producer, single consumer)
 
@@ -77,10 +78,11 @@ ENC_CODEC = 3
 # -- manager and workers -------------------------------------------------------------------
 
 WORKER_MAGIC = 0x4B524F57  # b"WORK"
-WORKER_VERSION = 3
+WORKER_VERSION = 4
 WORKER_HEADER = struct.Struct("<IIQQQQQQ")  # magic, version, task_off, task_cap, task_entry,
 #                                             result_off, result_cap, result_entry
-RINGS_AT = 64
+STATS_AT = 64
+RINGS_AT = 1024   # (the counter block, stats.COUNTERS 8-byte words, ends before)
 
 # kinds of task entries: ENC_PICKLE and ENC_CODEC (run the target on the work info so
 # encoded), and

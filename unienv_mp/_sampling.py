@@ -71,6 +71,12 @@ class SamplerTarget:
             return tuple([fn() for _ in range(arg)])   # a chunk
         return fn(arg)
 
+    @staticmethod
+    def batches_in(work):
+        """How many batches the task of ``work`` makes (a chunk's ``k``; 1 otherwise), for
+        the manager's statistics."""
+        return work[2] if len(work) == 3 else 1
+
     def reseed(self, seed):
         """Seed the worker's sampler as ``sampler.manual_seed(seed)`` does, putting back
         the RNGs that were left behind when it was pickled.  A CPU ``torch.Generator`` is

@@ -15,16 +15,19 @@ import collections
 import os
 import pickle
 import queue as _queue
+import signal
 import threading
+import time
 
 from . import _process
 from . import _protocol as P
+from . import stats as _stats
 from ._ring import RingBuffer, Segment, _segment_from_peer
 from .errors import PeerGoneError
 from .worker import worker_main
 
-__all__ = ["WorkerHandle", "WorkerDied", "Launch", "TASK_CAPACITY", "TASK_INLINE",
-           "RESULT_INLINE"]
+__all__ = ["WorkerHandle", "WorkerDied", "WorkerStalled", "Launch", "TASK_CAPACITY",
+           "TASK_INLINE", "RESULT_INLINE"]
 
 #: Tasks a worker can have queued (its task ring); the manager keeps at most that many in
 #: flight on one worker.
@@ -45,11 +48,22 @@ class WorkerDied(Exception):
         self.handle = handle
 
 
+class WorkerStalled(WorkerDied):
+    """The process of worker ``handle`` has been on one task (``ticket``) for ``seconds``,
+    longer than the manager's ``stall_timeout``: it is to be killed and replaced."""
+
+    def __init__(self, handle, ticket, seconds):
+        super().__init__(handle)
+        self.ticket = ticket
+        self.seconds = seconds
+
+
 class Launch:
-    """What every process of a manager's workers is started with."""
+    """What every process of a manager's workers is started with (``stall_timeout``:
+    seconds, or None)."""
 
     def __init__(self, target_fn, init_fn, ctx, daemon, doorbell_seg, done_event,
-                 poll_interval, spin):
+                 poll_interval, spin, stall_timeout=None):
         self.target_fn = target_fn
         self.init_fn = init_fn
         self.ctx = ctx
@@ -58,15 +72,18 @@ class Launch:
         self.done_event = done_event
         self.poll_interval = poll_interval
         self.spin = spin
+        self.stall_ns = None if stall_timeout is None else int(stall_timeout * 1e9)
 
 
 class _LivenessCheck:
     """Called while waiting on a worker's rings: raises WorkerDied if its process ended,
-    RuntimeError if the handle was shut down (the manager was closed)."""
-    __slots__ = ("handle",)
+    WorkerStalled if it has been on one task longer than the stall timeout, RuntimeError
+    if the handle was shut down (the manager was closed)."""
+    __slots__ = ("handle", "stall_ns")
 
-    def __init__(self, handle):
+    def __init__(self, handle, stall_ns):
         self.handle = handle
+        self.stall_ns = stall_ns
 
     def __call__(self):
         handle = self.handle
@@ -75,32 +92,37 @@ class _LivenessCheck:
             raise WorkerDied(handle)
         if handle.shut_down:
             raise RuntimeError("manager was closed while waiting")
+        if self.stall_ns is not None:
+            handle.check_stall(self.stall_ns)
 
 
 class _Detached:
     """A process taken off its handle, and its memory: :meth:`stop` ends it and releases
     the memory."""
 
-    def __init__(self, proc, rings, seg):
+    def __init__(self, proc, memory):
         self.proc = proc
-        self.rings = rings
-        self.seg = seg
+        self.memory = memory
 
     def stop(self, join_timeout):
         try:
-            for ring in self.rings:
+            for ring in self.memory[0]:
                 ring.shutdown()   # should the process not be dead after all: it stops
             _process.stop_processes([self.proc] if self.proc is not None else [],
                                     join_timeout)
         finally:
-            _close_memory(self.rings, self.seg)
+            _close_memory(*self.memory)
 
 
-def _close_memory(rings, seg):
+def _close_memory(rings, seg, counters, stack_fd):
     for ring in rings:
         ring.close()
+    if counters is not None:
+        counters.release()
     if seg is not None:
         seg.close()
+    if stack_fd is not None:
+        os.close(stack_fd)
 
 
 class WorkerHandle:
@@ -118,11 +140,13 @@ class WorkerHandle:
         self.pid = None             # of proc (no Python code to run to read it)
         self.shut_down = False
         self._launch = launch
-        self._check = _LivenessCheck(self)
+        self._check = _LivenessCheck(self, launch.stall_ns)
         self._seg = None
         self._tasks = None
         self._results = None
         self._rings = ()
+        self._counters = None       # memoryview of the process's counter block (stats)
+        self._stack_fd = None       # read end of the pipe its stacks come through
         self._slot_maps = {}        # slot -> (generation, Segment mapped here)
         # (a deque: a list taken down to empty and refilled, as a slot goes out and comes
         # back once per batch, is reallocated each time)
@@ -165,9 +189,13 @@ class WorkerHandle:
         r_bytes = RingBuffer.footprint(r_cap, result_entry)
         t_off, r_off = P.RINGS_AT, P.RINGS_AT + t_bytes
         seg = Segment.create(r_off + r_bytes, f"worker{self.index}")
-        tasks = results = proc = None
+        tasks = results = proc = counters = None
+        stack_r = stack_w = None
         adopted = False
         try:
+            counters = memoryview(seg)[P.STATS_AT:P.STATS_AT + 8 * _stats.COUNTERS].cast("Q")
+            stack_r, stack_w = os.pipe()
+            os.set_blocking(stack_r, False)
             with memoryview(seg) as mv:
                 P.WORKER_HEADER.pack_into(mv, 0, P.WORKER_MAGIC, P.WORKER_VERSION, t_off,
                                           TASK_CAPACITY, task_entry, r_off, r_cap,
@@ -180,7 +208,7 @@ class WorkerHandle:
                        # PR_SET_PDEATHSIG fires when the *thread* that started the worker
                        # ends: only worth it from the main thread (a watchdog covers the rest)
                        "pdeathsig": threading.current_thread() is threading.main_thread(),
-                       "spin": launch.spin}
+                       "spin": launch.spin, "stack_pipe": _process.PipeEnd(stack_w)}
             proc = launch.ctx.Process(
                 target=worker_main,
                 args=(self.index, launch.target_fn, seg, launch.doorbell_seg, os.getpid(),
@@ -197,10 +225,13 @@ class WorkerHandle:
             # The handle takes the process (and a pidfd of it) in one step that a Ctrl-C
             # cannot cut in two.
             with _process.interrupts_deferred():
+                os.close(stack_w)   # (the process has its own now)
+                stack_w = None
                 _process.open_pidfd(proc)
                 self.incarnation += 1
                 self._seg, self._tasks, self._results = seg, tasks, results
                 self._rings = (tasks, results)
+                self._counters, self._stack_fd = counters, stack_r
                 self.proc, self.pid = proc, proc.pid
                 self._popped = collections.deque()
                 self._slot_maps = {}
@@ -215,21 +246,28 @@ class WorkerHandle:
                 for ring in (tasks, results):
                     if ring is not None:
                         ring.shutdown()
-                seg.close()
+                if stack_w is not None:
+                    os.close(stack_w)
+                _close_memory((), seg, counters, stack_r)
             raise
 
     def detach(self):
         """Take the process (which died) and its memory off the handle, and return them,
         to be stopped and released with ``.stop(join_timeout)``.  Result entries not
-        recorded and slots mapped are dropped with them.  Runs no Python code of other modules, so
-        that the caller can make it part of one step that a Ctrl-C cannot cut in two."""
-        detached = _Detached(self.proc, self._rings, self._seg)
+        recorded and slots mapped are dropped with them.  Runs no Python code of other
+        modules, so that the caller can make it part of one step that a Ctrl-C cannot cut
+        in two."""
+        detached = _Detached(self.proc, self._take_memory())
         self.proc = self.pid = None
-        self._tasks = self._results = self._seg = None
-        self._rings = ()
-        self._slot_maps = {}
         self._popped = collections.deque()
         return detached
+
+    def _take_memory(self):
+        memory = (self._rings, self._seg, self._counters, self._stack_fd)
+        self._tasks = self._results = self._seg = self._counters = self._stack_fd = None
+        self._rings = ()
+        self._slot_maps = {}
+        return memory
 
     def shut_down_rings(self):
         """Tell the process to stop: shut both rings down (a worker waiting for a task
@@ -244,11 +282,39 @@ class WorkerHandle:
 
     def release_memory(self):
         """Unmap the rings, the segment and the slots (the process must have ended)."""
-        rings, seg = self._rings, self._seg
-        self._tasks = self._results = self._seg = None
-        self._rings = ()
-        self._slot_maps = {}
-        _close_memory(rings, seg)
+        _close_memory(*self._take_memory())
+
+    # -- counters and stacks --------------------------------------------------------------
+
+    def counters(self):
+        """A copy of the process's counter block (see :mod:`unienv_mp.stats`), or None
+        without a process."""
+        counters = self._counters
+        return None if counters is None else _stats.read(counters)
+
+    def check_stall(self, stall_ns):
+        """Raise WorkerStalled if the process has been on its task in hand for longer than
+        ``stall_ns`` nanoseconds."""
+        counters = self._counters
+        if counters is None:
+            return
+        since = counters[_stats.TASK_SINCE]
+        if since:
+            elapsed = time.monotonic_ns() - since
+            if elapsed > stall_ns:
+                raise WorkerStalled(self, counters[_stats.TICKET], elapsed / 1e9)
+
+    def stacks(self, timeout=2.0):
+        """The process's Python stacks, all threads, as text (faulthandler's format), or a
+        line saying why there are none.  The process is signalled (SIGUSR1) and writes them
+        itself, from the signal handler: a thread stuck in C code has them too."""
+        fd, proc = self._stack_fd, self.proc
+        if fd is None or proc is None:
+            return "(no process)"
+        _process.read_available(fd, 0)   # (anything left from an earlier request)
+        _process.send_signal(proc, signal.SIGUSR1)
+        text = _process.read_available(fd, timeout).decode("utf-8", "replace")
+        return text or f"(no stack came within {timeout} s)"
 
     # -- rings ----------------------------------------------------------------------------
 

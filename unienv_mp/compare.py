@@ -38,6 +38,7 @@ Each measurement returns a result object (``Result``, ``OnlineResult``,
 ``LatencyResult``); the main job turns each case's results into one table.
 """
 import contextlib
+import dataclasses
 import gc
 import importlib.util
 import itertools
@@ -178,6 +179,7 @@ class Result:
     startup_s: float = 0.0
     error: Optional[str] = None
     extra: Dict[str, float] = field(default_factory=dict)
+    stats: Optional[object] = None   # unienv_mp's SamplerStats of the measured batches
 
     @property
     def ms_per_batch(self):
@@ -203,7 +205,8 @@ class Result:
                 "batches_per_s": self.batches_per_s, "mb_per_s": self.mb_per_s,
                 "batch_bytes": self.batch_bytes, "startup_s": self.startup_s,
                 "main_cpu_ms_per_batch": self.main_cpu_ms_per_batch,
-                "error": self.error}
+                "error": self.error,
+                "stats": None if self.stats is None else dataclasses.asdict(self.stats)}
 
 
 def available():
@@ -601,8 +604,19 @@ def measure(name: str, rb, cfg: Config, progress: Callable[[float], None] = lamb
             res.batch_bytes = batch_nbytes(b)
             del b
         res.startup_s = time.perf_counter() - t0
+        owner = getattr(next_batch, "__self__", None)
+        stats = owner.stats if _is_unienv_mp_sampler(owner) else None
+        if stats is not None:
+            stats(reset=True)          # (the measured batches only)
         _time_steps(res, lambda: touch(next_batch()), cfg, progress)
+        if stats is not None:
+            res.stats = stats()
     return _guarded(res, lambda: make_sampler(name, rb, cfg), run)
+
+
+def _is_unienv_mp_sampler(obj):
+    from .sampler import MultiprocessingSampler
+    return isinstance(obj, MultiprocessingSampler)
 
 
 def _guarded(res, make, run):

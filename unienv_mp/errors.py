@@ -3,7 +3,8 @@ layer can use it."""
 
 import pickle
 
-__all__ = ["RingClosed", "CodecError", "WorkerError", "WorkerDiedError", "PeerGoneError"]
+__all__ = ["RingClosed", "CodecError", "WorkerError", "WorkerStalledError", "WorkerDiedError",
+           "PeerGoneError"]
 
 
 def _dumps_or_none(obj):
@@ -74,6 +75,31 @@ class WorkerError(RuntimeError):
         return (_rebuild_worker_error,
                 (type(self), self.exc_type, self.exc_message, self.worker_traceback,
                  _dumps_or_none(self.original), self.worker))
+
+
+class WorkerStalledError(WorkerError):
+    """A worker spent longer than ``stall_timeout`` on one task, was killed and replaced,
+    and that task is given up (see the manager's ``stall_timeout``).  A
+    :class:`WorkerError` whose ``exc_type`` is ``"unienv_mp.WorkerStalledError"``.
+
+    Attributes:
+        worker: index of the worker.
+        worker_stack: the worker's Python stacks (all its threads, faulthandler's format)
+            when it was found stalled.
+        seconds: how long it had been on the task.
+    """
+
+    def __init__(self, message, worker_stack, worker=None, seconds=None):
+        self.worker_stack = worker_stack
+        self.seconds = seconds
+        super().__init__("unienv_mp.WorkerStalledError", message, worker_stack, None, worker)
+        self.args = (message,)
+
+    def __str__(self):
+        return self.args[0]
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.worker_stack, self.worker, self.seconds))
 
 
 class WorkerDiedError(RuntimeError):

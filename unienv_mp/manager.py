@@ -19,7 +19,9 @@ import multiprocessing as mp
 import numbers
 import os
 import queue as _queue
+import signal
 import time
+import warnings
 from multiprocessing import util as _mputil
 from typing import Callable, Generic, Optional, Sequence, TypeVar
 
@@ -28,13 +30,15 @@ import numpy as np
 from . import _codec
 from . import _process
 from . import _protocol as P
+from . import stats as _stats
 from ._ring import DEFAULT_SPIN as _DEFAULT_SPIN
 from ._ring import Event, Segment
 from ._validate import check_int, check_seconds
 from ._work_encoder import WorkEncoder, spill_entry
 from ._worker_handle import (RESULT_INLINE, TASK_CAPACITY, TASK_INLINE, Launch, WorkerDied,
-                             WorkerHandle)
-from .errors import RingClosed, WorkerDiedError, WorkerError, _loads_or_none
+                             WorkerHandle, WorkerStalled)
+from .errors import (RingClosed, WorkerDiedError, WorkerError, WorkerStalledError,
+                     _loads_or_none)
 
 __all__ = ["MultiProcessingSampleManager", "TaskInfoT", "ResultT", "TASK_CAPACITY",
            "TASK_INLINE", "RESULT_INLINE"]
@@ -113,15 +117,16 @@ class _Task:
 
 class _Lane:
     """What the manager keeps for one worker: its handle, the tickets in flight on its
-    process (in the order given), the tasks waiting for a (new) process, and how many of
-    its processes died since one last produced a result."""
-    __slots__ = ("worker", "inflight", "waiting", "deaths_in_a_row")
+    process (in the order given), the tasks waiting for a (new) process, how many of its
+    processes died since one last produced a result, and its counters' record."""
+    __slots__ = ("worker", "inflight", "waiting", "deaths_in_a_row", "record")
 
     def __init__(self, worker):
         self.worker = worker
         self.inflight = collections.deque()
         self.waiting = []
         self.deaths_in_a_row = 0
+        self.record = _stats.WorkerRecord(time.monotonic_ns())
 
 
 class _Resources:
@@ -192,11 +197,25 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
       Default: 20 µs where this process may run on more CPUs than there are workers;
       otherwise 0, since polling would take a CPU from a process that has work to do.
     * ``respawn=True``: a worker that dies is replaced (with a fresh seed) and its
-      unfinished work re-issued; after ``max_respawns`` deaths of one worker without a
-      result in between, :class:`~unienv_mp.WorkerDiedError` is raised.  ``False``: raise
-      it at the first death.
+      unfinished work re-issued; after ``max_respawns`` replacements of one worker without
+      a result in between, its next death raises :class:`~unienv_mp.WorkerDiedError`.
+      ``False``: raise it at the first death.
+    * ``stall_timeout``: seconds a worker may spend on one task (default: no limit).  When
+      a caller waiting on a worker finds it on one task for longer, the worker's Python
+      stacks are taken (faulthandler, from a signal handler: a worker stuck in C code has
+      them too), and the worker is killed and replaced.  With ``respawn=True`` a
+      ``RuntimeWarning`` carrying the stacks is issued and the task is given to the
+      replacement; the task's result is :class:`~unienv_mp.WorkerStalledError` (raised
+      by the call that collects it) if it stalls ``max_respawns + 1`` times in a row, or
+      at once with ``respawn=False``.  The other tasks of that worker go to the
+      replacement either way.
 
-    The work function must be picklable under the spawn and forkserver start methods.
+    :meth:`stats` says where the time goes (see :class:`~unienv_mp.SamplerStats`): the
+    workers count their work in their shared segments, with no message per task.
+
+    The work function must be picklable under the spawn and forkserver start methods.  If
+    it has a ``batches_in(work)`` method, :meth:`stats` counts that many batches for each
+    task (the sampler's chunks); otherwise one.
     """
 
     def __init__(
@@ -217,6 +236,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         max_respawns: int = 3,
         max_leases: Optional[int] = None,
         spin: Optional[float] = None,
+        stall_timeout: Optional[float] = None,
     ):
         # First, so that close() (also run at garbage collection) works on a half-built one.
         self._resources = _Resources()
@@ -243,6 +263,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         self.in_order = bool(in_order)
         self.copy = bool(copy)
         self.timeout = check_seconds(timeout, "timeout")
+        self.stall_timeout = check_seconds(stall_timeout, "stall_timeout")
         self.respawn = bool(respawn)
         self.max_respawns = max_respawns
         if spin is None:
@@ -269,8 +290,13 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         resources.doorbell_seg = Segment.create(64, "doorbell")
         self._doorbell = Event(resources.doorbell_seg, 0, True)
         self._finalizer = _mputil.Finalize(self, resources.close, exitpriority=100)
+        self._batches_in = getattr(target_fn, "batches_in", None)
+        self._delivered = 0       # batches handed out (see stats)
+        self._wait_ns = 0         # time callers spent waiting for them
+        self._since_ns = None     # monotonic ns of the first request (since the last reset)
+        self._machine_since = None   # the machine's CPU ticks then (_process.machine_cpu_ticks)
         launch = Launch(target_fn, worker_init_fn, ctx, daemon, resources.doorbell_seg,
-                        done_event, doze_time, self.spin)
+                        done_event, doze_time, self.spin, self.stall_timeout)
         self.closed = False
         try:
             for i in range(n_workers):
@@ -302,12 +328,18 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
 
     # -- replacing dead workers -----------------------------------------------------------
 
-    def _bury(self, lane):
-        """The process of ``lane``'s worker died: keep what it published, stop and release
-        it, and queue its unfinished work for the next process (see _restart).  Raises
-        WorkerDiedError if the worker must not (respawn=False) or should not (it keeps
-        dying) be replaced."""
+    def _bury(self, lane, cause=None):
+        """The process of ``lane``'s worker died (``cause``: the WorkerDied noticed), or
+        stalled (a WorkerStalled: it is killed here): keep what it published, stop and
+        release it, and queue its unfinished work for the next process (see _restart).
+        Raises WorkerDiedError if a dead worker must not (respawn=False) or should not
+        (it keeps dying) be replaced.  A stalled one is always replaced; its task in hand
+        fails with WorkerStalledError unless it may be tried again (see stall_timeout)."""
         w = lane.worker
+        stalled = cause if isinstance(cause, WorkerStalled) else None
+        if stalled is not None:
+            stacks = w.stacks()
+            _process.send_signal(w.proc, signal.SIGKILL)
         code = _process.exit_code(w.proc, 1.0) if w.proc is not None else None
         pid = w.pid
         if w.has_process:
@@ -318,11 +350,26 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 pass
         how = _process.describe_exit(code)
         deaths = lane.deaths_in_a_row + 1
-        if not self.respawn:
+        failed = None   # a stalled task whose result is its stall
+        if stalled is not None:
+            message = (f"worker {w.index} (pid {pid}) was on one task for "
+                       f"{stalled.seconds:.1f} s, longer than stall_timeout="
+                       f"{self.stall_timeout} s; it was killed and replaced.  Its stacks:\n"
+                       f"{stacks}")
+            if not self.respawn or deaths > self.max_respawns:
+                failed = self._tasks.get(stalled.ticket)
+                if failed is not None and (failed.arrived or failed.worker != w.index):
+                    failed = None
+                deaths = 0   # (the task that kept stalling is given up)
+                error = WorkerStalledError(message, stacks, w.index, stalled.seconds)
+            else:
+                warnings.warn(f"{message}\nIts task is given to the replacement.",
+                              RuntimeWarning, stacklevel=4)
+        elif not self.respawn:
             lane.deaths_in_a_row = deaths
             raise WorkerDiedError(f"worker {w.index} (pid {pid}) {how}; respawn=False",
                                   worker=w.index, exitcode=code)
-        if deaths > self.max_respawns:
+        elif deaths > self.max_respawns:
             lane.deaths_in_a_row = deaths
             raise WorkerDiedError(
                 f"worker {w.index} {how}; it died {deaths} times in a row "
@@ -338,6 +385,10 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         try:
             with _process.interrupts_deferred():
                 lane.deaths_in_a_row = deaths
+                lane.record.process_ended(w.counters(), time.monotonic_ns())
+                if failed is not None:
+                    failed.error = error
+                    self._arrived(lane, failed)
                 unfinished = []
                 tasks = self._tasks
                 for t in lane.inflight:
@@ -366,6 +417,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                     seed = (None if self._seeds is None
                             else int(self._seed_rng.integers(2 ** 31)))
                     w.start(seed)
+                    if w.incarnation > 1:
+                        lane.record.respawns += 1
                 waiting = lane.waiting
                 while waiting:
                     task = waiting[0]
@@ -375,8 +428,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                         self._push_task(task, lane)
                     del waiting[0]
                 return
-            except WorkerDied:
-                self._bury(lane)
+            except WorkerDied as e:
+                self._bury(lane, e)
 
     # -- submitting -----------------------------------------------------------------------
 
@@ -402,6 +455,9 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             self._ensure_open()   # raises
         if self._released:
             self._give_back_released_slots()
+        if self._since_ns is None:
+            self._since_ns = time.monotonic_ns()
+            self._machine_since = _process.machine_cpu_ticks()
         lanes = self._lanes
         if worker is not None:
             if isinstance(worker, bool) or not isinstance(worker, numbers.Integral) \
@@ -429,8 +485,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                     if len(lane.inflight) >= TASK_CAPACITY:
                         self._make_room(lane)
                     self._push_task(task, lane)
-                except WorkerDied:
-                    self._bury(lane)
+                except WorkerDied as e:
+                    self._bury(lane, e)
                     lane.waiting.append(task)
                     self._restart(lane)
             if record is not None:
@@ -605,7 +661,14 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 self._give_back_slot(task)
 
     def _wait(self, task, timeout):
-        """Block until ``task`` has a result (or raise)."""
+        """Block until ``task`` has a result (or raise); the time goes to ``_wait_ns``."""
+        t0 = time.monotonic_ns()
+        try:
+            self._wait_for(task, timeout)
+        finally:
+            self._wait_ns += time.monotonic_ns() - t0
+
+    def _wait_for(self, task, timeout):
         deadline = None if timeout is None else time.monotonic() + timeout
         lane = self._lanes[task.worker]
         w = lane.worker
@@ -621,8 +684,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             except _queue.Empty:
                 raise TimeoutError(
                     f"no result from worker {w.index} within {timeout} s") from None
-            except WorkerDied:
-                self._bury(lane)
+            except WorkerDied as e:
+                self._bury(lane, e)
                 self._restart(lane)
 
     def _deliver(self, task):
@@ -656,6 +719,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             self._give_back_slot(task)
         if status == _ST_ERROR:
             raise self._worker_error(value, task.worker)
+        self._delivered += 1 if self._batches_in is None else self._batches_in(task.work)
         return value
 
     @staticmethod
@@ -724,8 +788,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 if check_alive and w.has_exited():
                     self._bury(lane)
                     self._restart(lane)
-            except WorkerDied:
-                self._bury(lane)
+            except WorkerDied as e:
+                self._bury(lane, e)
                 self._restart(lane)
 
     def fetch(self, block: bool = True, timeout: Optional[float] = None) -> Optional[ResultT]:
@@ -794,8 +858,12 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             self._check_all_alive()
             found = find()
         if found is None and block:
-            found = self._doorbell.wait_until(find, limit, self.doze_time,
-                                              check=self._check_all_alive)
+            t0 = time.monotonic_ns()
+            try:
+                found = self._doorbell.wait_until(find, limit, self.doze_time,
+                                                  check=self._check_all_alive)
+            finally:
+                self._wait_ns += time.monotonic_ns() - t0
         return None if found is None else found[0]
 
     def _any_pending(self, tickets):
@@ -809,6 +877,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         return False
 
     def _check_all_alive(self):
+        stall_ns = None if self.stall_timeout is None else int(self.stall_timeout * 1e9)
         for lane in self._lanes:
             w = lane.worker
             if w.proc is None:          # replaced, but its replacement could not start yet
@@ -816,6 +885,57 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             elif w.has_exited():
                 self._bury(lane)
                 self._restart(lane)
+            elif stall_ns is not None:
+                try:
+                    w.check_stall(stall_ns)
+                except WorkerStalled as e:
+                    self._bury(lane, e)
+                    self._restart(lane)
+
+    # -- where the time goes --------------------------------------------------------------
+
+    def stats(self, reset: bool = False) -> _stats.SamplerStats:
+        """Where the time went since the first request (or the last ``stats(reset=True)``):
+        see :class:`~unienv_mp.SamplerStats`.  ``reset=True``: the counters start again
+        from zero once this is read.  A result counts as ``batches_in(work)`` batches if
+        the work function has that method, else one."""
+        now = time.monotonic_ns()
+        since = self._since_ns
+        wall = 0.0 if since is None else (now - since) / 1e9
+        wait = self._wait_ns / 1e9
+        count = (lambda work: 1) if self._batches_in is None else self._batches_in
+        ready = 0
+        for task in self._tasks.values():
+            if task.arrived and not task.cancelled:
+                ready += count(task.work)
+        workers = []
+        for lane in self._lanes:
+            w = lane.worker
+            counters = w.counters()
+            if w.has_process:   # published, not yet taken off the ring: in flight order
+                for ticket in list(lane.inflight)[:w.results_published]:
+                    task = self._tasks.get(ticket)
+                    if task is not None and not task.arrived and not task.cancelled:
+                        ready += count(task.work)
+            cpu = None if w.pid is None else _process.cpu_seconds(w.pid)
+            workers.append(lane.record.report(w.index, w.pid, counters, now, cpu))
+            if reset:
+                lane.record.reset(counters, now, cpu)
+        batches = self._delivered
+        wait_fraction = min(1.0, wait / wall) if wall > 0 else 0.0
+        busy = sum(x.busy_fraction for x in workers) / len(workers) if workers else 0.0
+        machine = _process.machine_cpu_ticks()
+        out = _stats.SamplerStats(
+            batches=batches, wait_seconds=wait, wall_seconds=wall,
+            wait_fraction=wait_fraction, ready=ready, workers=workers,
+            bottleneck=_stats.bottleneck(wait_fraction, busy, batches),
+            machine_idle_fraction=_stats.idle_between(self._machine_since, machine))
+        if reset:
+            self._delivered = 0
+            self._wait_ns = 0
+            self._since_ns = now
+            self._machine_since = machine
+        return out
 
     # -- lifecycle ------------------------------------------------------------------------
 

@@ -12,12 +12,14 @@ back through shared-memory slots as zero-copy views (see
 """
 import collections
 import multiprocessing as mp
+import time
 from typing import Any, Optional
 
 from unienv_data.base import BatchSampler
 
 from . import _process, _state
 from . import gather as _gather
+from . import stats as _stats
 from ._sampling import SamplerTarget, epoch_order, split_epoch
 from ._streams import EpochProgress, Stream, base_seed
 from ._validate import check_int, check_seconds
@@ -114,8 +116,15 @@ class MultiprocessingSampler(BatchSampler):
             until the task is written: a sampler that reuses its output memory from one
             call to the next needs ``batches_per_task=1``.  Batches of one task share one
             slot (see ``copy``), and ``timeout`` is the wait for a whole task.
+        stall_timeout: seconds a worker may spend on one task (default: no limit).  A
+            worker found on one task for longer is killed and replaced, after its Python
+            stacks are taken; with ``respawn`` a ``RuntimeWarning`` carries them and the
+            task is made again (given up, with :class:`~unienv_mp.WorkerStalledError`,
+            after ``max_respawns + 1`` stalls in a row), without, the call raises
+            ``WorkerStalledError`` (see the manager's ``stall_timeout``).
 
-    :meth:`state_dict` and :meth:`load_state_dict` save and restore the position of every
+    :meth:`stats` says where the time goes.  :meth:`state_dict` and
+    :meth:`load_state_dict` save and restore the position of every
     stream and of an epoch in progress.  A call cut short (Ctrl-C, ``timeout``) does not
     move the position.  A worker that raises does not end the sampler: the call that
     needed that batch raises :class:`~unienv_mp.WorkerError` (with the worker's
@@ -140,6 +149,7 @@ class MultiprocessingSampler(BatchSampler):
         respawn: bool = True,
         direct_gather: Optional[bool] = None,
         batches_per_task: Optional[int] = None,
+        stall_timeout: Optional[float] = None,
     ):
         self._closed = True   # first: __del__ -> close() must work on a half-built sampler
         self._manager = None
@@ -150,6 +160,7 @@ class MultiprocessingSampler(BatchSampler):
         n_buffers = check_int(n_buffers, "n_buffers")
         check_seconds(doze_time, "doze_time", allow_none=False)
         check_seconds(timeout, "timeout")
+        check_seconds(stall_timeout, "stall_timeout")
         if isinstance(ctx, str):
             ctx = mp.get_context(ctx)
         elif ctx is not None and not hasattr(ctx, "Process"):
@@ -192,6 +203,11 @@ class MultiprocessingSampler(BatchSampler):
         self.timeout = timeout
         self.respawn = bool(respawn)
         self.batches_per_task = batches_per_task
+        self.stall_timeout = stall_timeout
+        self._handed = 0            # batches handed out (see stats)
+        self._since_ns = None       # monotonic ns of the first request (or the last reset)
+        self._machine_since = None  # the machine's CPU ticks then
+        self._ended_wait_ns = 0     # the waits of epoch managers closed since
         self._base = base_seed(sampler)
         self._streams = {}          # method -> Stream
         self._current_epoch = None  # the epoch being handed out: EpochProgress
@@ -235,12 +251,18 @@ class MultiprocessingSampler(BatchSampler):
             raise RuntimeError("this MultiprocessingSampler is closed")
         if self._manager is None:
             # (no worker seeds: every task carries the seed of its chunk)
-            self._manager = MultiProcessingSampleManager(
-                SamplerTarget(self.sampler, direct=self._direct), n_workers=self.n_workers,
-                ctx=self.mp_ctx, doze_time=self.doze_time, daemon=self.daemon,
-                in_order=self.in_order, copy=self.copy, timeout=self.timeout,
-                respawn=self.respawn)
+            self._manager = self._new_manager()
         return self._manager
+
+    def _new_manager(self):
+        if self._since_ns is None:
+            self._since_ns = time.monotonic_ns()
+            self._machine_since = _process.machine_cpu_ticks()
+        return MultiProcessingSampleManager(
+            SamplerTarget(self.sampler, direct=self._direct), n_workers=self.n_workers,
+            ctx=self.mp_ctx, doze_time=self.doze_time, daemon=self.daemon,
+            in_order=self.in_order, copy=self.copy, timeout=self.timeout,
+            respawn=self.respawn, stall_timeout=self.stall_timeout)
 
     def _sample(self, name):
         # Runs once per batch.  Every attribute read on this class goes through
@@ -259,10 +281,12 @@ class MultiprocessingSampler(BatchSampler):
         # soon as fewer are left, so between n_buffers and n_buffers + k - 1 after a call
         n_buffers = self.n_buffers
         if ready and len(ready) + k * len(tickets) > n_buffers:
+            self._handed += 1
             return ready.popleft()
         try:
             stream.top_up(manager.submit, n_buffers)
             if ready:
+                self._handed += 1
                 return ready.popleft()
             ticket = tickets[0] if self.in_order else manager.wait_any(tickets)
             try:
@@ -274,6 +298,7 @@ class MultiprocessingSampler(BatchSampler):
                 raise
             tickets.remove(ticket)
             stream.arrived(ticket, value)
+            self._handed += 1
             return ready.popleft()
         except WorkerError:
             raise
@@ -327,12 +352,8 @@ class MultiprocessingSampler(BatchSampler):
             manager, own = self._ensure_manager(), False
         else:
             # Workers hold a copy of unshared data as it was when they started: this epoch
-            # needs workers started now (its get*_at draw nothing random: no seeds).
-            manager, own = MultiProcessingSampleManager(
-                SamplerTarget(self.sampler, direct=self._direct), n_workers=self.n_workers,
-                ctx=self.mp_ctx, doze_time=self.doze_time, daemon=self.daemon,
-                in_order=self.in_order, copy=self.copy, timeout=self.timeout,
-                respawn=self.respawn), True
+            # needs workers started now.
+            manager, own = self._new_manager(), True
             self._epoch_managers.add(manager)
         pending = collections.deque()
         number = {}   # ticket -> batch number
@@ -346,6 +367,7 @@ class MultiprocessingSampler(BatchSampler):
                 ticket = pending[0] if self.in_order else manager.wait_any(pending)
                 value = self._collect(manager, pending, ticket)
                 progress.handed_out(number.pop(ticket))
+                self._handed += 1
                 yield value
         finally:
             # Also on an early break (generator closed) or an error: drop what is in flight.
@@ -353,12 +375,52 @@ class MultiprocessingSampler(BatchSampler):
             if self._current_epoch is progress:
                 self._current_epoch = None
             if own:
+                self._ended_wait_ns += int(manager.stats().wait_seconds * 1e9)
                 manager.close()
                 self._epoch_managers.discard(manager)
             elif self._manager is manager and not manager.closed:
                 with _process.interrupts_deferred():
                     for t in pending:
                         manager.cancel(t)
+
+    def stats(self, reset: bool = False):
+        """Where the time went since the first request (or the last ``stats(reset=True)``),
+        as a :class:`~unienv_mp.SamplerStats`: batches handed out, the time spent waiting
+        for them, the batches ready, each worker's counters, and the bottleneck.  The
+        workers are the ``sample*`` workers (or, before there are any, those of the epoch
+        being iterated).  ``reset=True``: the counters start again from zero once this is
+        read."""
+        now = time.monotonic_ns()
+        wait_ns = self._ended_wait_ns
+        ready = sum(len(st.ready) for st in self._streams.values())
+        workers = None
+        for manager in (self._manager, *self._epoch_managers):
+            if manager is None or manager.closed:
+                continue
+            part = manager.stats(reset=reset)
+            wait_ns += int(part.wait_seconds * 1e9)
+            ready += part.ready
+            if workers is None:
+                workers = part.workers
+        workers = workers or []
+        since = self._since_ns
+        wall = 0.0 if since is None else (now - since) / 1e9
+        wait = wait_ns / 1e9
+        wait_fraction = min(1.0, wait / wall) if wall > 0 else 0.0
+        busy = sum(w.busy_fraction for w in workers) / len(workers) if workers else 0.0
+        machine = _process.machine_cpu_ticks()
+        out = _stats.SamplerStats(
+            batches=self._handed, wait_seconds=wait, wall_seconds=wall,
+            wait_fraction=wait_fraction, ready=ready, workers=workers,
+            gather_path=self.gather_path,
+            bottleneck=_stats.bottleneck(wait_fraction, busy, self._handed),
+            machine_idle_fraction=_stats.idle_between(self._machine_since, machine))
+        if reset:
+            self._handed = 0
+            self._ended_wait_ns = 0
+            self._since_ns = now
+            self._machine_since = machine
+        return out
 
     @property
     def gather_path(self):

@@ -1,18 +1,22 @@
 """The worker process: take tasks from its ring, run the target, write results into its own
 slots, announce them on its result ring.  Started by the manager, through a
 :class:`~unienv_mp._worker_handle.WorkerHandle`."""
+import faulthandler
 import os
 import pickle
 import signal
 import sys
+import time
 import traceback
 
 from . import _codec
 from . import _process
 from . import _protocol as P
+from . import stats as _stats
 from ._ring import Event, RingBuffer, Segment, _segment_from_peer
 from .errors import RingClosed
 
+_ST_OK = P.ST_OK
 _PAGE = 4096
 _MIN_SLOT = 64 * 1024
 _MAX_TRACEBACK = 20_000
@@ -137,12 +141,26 @@ def worker_main(index, target_fn, seg, doorbell_seg, parent_pid, init_fn, seed, 
     results = RingBuffer._attach(seg, r_off, poll, spin)
     doorbell = Event(doorbell_seg, 0)
     inline_max = results.entry_size - P.ENTRY_HEADER
+    stack_pipe = options.get("stack_pipe")
+    if stack_pipe is not None:
+        # The parent asks for this process's Python stacks with SIGUSR1 (a stalled task,
+        # see MultiProcessingSampleManager's stall_timeout): faulthandler writes them from
+        # the signal handler itself, so they come even from a thread stuck in C code.
+        faulthandler.register(signal.SIGUSR1, file=stack_pipe.fd, all_threads=True)
+    counters = _stats.WorkerCounters(
+        memoryview(seg)[P.STATS_AT:P.STATS_AT + 8 * _stats.COUNTERS].cast("Q"),
+        time.monotonic_ns())
+    batches_in = getattr(target_fn, "batches_in", None)
+    clock = time.monotonic_ns
+    begin, end = counters.begin, counters.end
 
     def check():
         if done_event is not None and done_event.is_set():
             raise _Stop
 
     def send(status, slot, ticket, value):
+        """Publish the result; returns its status (a result that cannot be written is an
+        error)."""
         if isinstance(value, SlotWriter):
             try:
                 where, payload = write(slot, value)
@@ -151,7 +169,7 @@ def worker_main(index, target_fn, seg, doorbell_seg, parent_pid, init_fn, seed, 
             else:
                 results.push_tagged(P.tag(status, where), slot, ticket, payload, check=check)
                 doorbell.notify()
-                return
+                return status
         try:
             p = _codec.prepare(value)
         except Exception as e:   # e.g. a CUDA tensor, an unpicklable leaf
@@ -166,12 +184,14 @@ def worker_main(index, target_fn, seg, doorbell_seg, parent_pid, init_fn, seed, 
                     _codec.write(p, mv)
                 desc = P.SLOT_DESC.pack(gen, sseg.fd, sseg.ino, sseg.size, p.nbytes)
             except Exception as e:   # e.g. out of memory or descriptors for a slot
-                results.push_tagged(P.tag(P.ST_ERROR, P.AT_INLINE), slot, ticket,
+                status = P.ST_ERROR
+                results.push_tagged(P.tag(status, P.AT_INLINE), slot, ticket,
                                     _fatal_payload(e, inline_max), check=check)
             else:
                 results.push_tagged(P.tag(status, P.AT_SLOT), slot, ticket, desc,
                                     check=check)
         doorbell.notify()
+        return status
 
     def write(slot, writer):
         """Let ``writer`` write its result (inline if it is small, as encoded results
@@ -200,6 +220,9 @@ def worker_main(index, target_fn, seg, doorbell_seg, parent_pid, init_fn, seed, 
             enc, where = P.untag(t)
             if enc == P.OP_STOP:
                 break
+            t0 = clock()
+            begin(ticket, t0)
+            work = None
             try:
                 if enc == P.ENC_PICKLE:
                     work = pickle.loads(payload)
@@ -208,7 +231,9 @@ def worker_main(index, target_fn, seg, doorbell_seg, parent_pid, init_fn, seed, 
                 value, status = target_fn(work), P.ST_OK
             except Exception as e:
                 value, status = error_payload(e), P.ST_ERROR
-            send(status, slot, ticket, value)
+            status = send(status, slot, ticket, value)
+            end(1 if batches_in is None or work is None else batches_in(work),
+                status != _ST_OK, clock() - t0)
             del work, value
     except (RingClosed, _Stop):
         pass

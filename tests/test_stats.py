@@ -1,0 +1,306 @@
+"""stats(): counts that agree with what was sampled, fractions that move the right way, the
+histogram, reset; the stall watchdog: a stuck worker reported with its stack, replaced,
+and a task that keeps stalling given up."""
+import time
+import warnings
+
+import pytest
+from unienv_data.samplers import StepSampler
+
+import _data
+from _data import replay_buffer
+from conftest import wait_until
+from unienv_mp import (MultiProcessingSampleManager, MultiprocessingSampler, SamplerStats,
+                       WorkerError, WorkerStalledError, stats as S)
+from unienv_mp._streams import base_seed, chunk_seed, stream_key
+
+
+# -- the counters ----------------------------------------------------------------------------
+
+def test_histogram_buckets_cover_every_time_once():
+    assert S.bucket_of(0) == 0 and S.bucket_of(1023) == 0
+    for i in range(S.N_BUCKETS):
+        lo, hi = S.bucket_edge(i), S.bucket_edge(i + 1)
+        assert S.bucket_of(lo) == i and S.bucket_of(hi - 1) == i
+        assert hi / lo <= 1.25
+    assert S.bucket_of(10 ** 12) == S.N_BUCKETS - 1       # 1000 s: the last bucket
+
+
+def test_quantiles_from_the_histogram_are_within_their_bucket():
+    counters = [0] * S.COUNTERS
+    for ns, n in ((50_000, 98), (2_000_000, 1), (9_000_000, 1)):   # 50 µs, 2 ms, 9 ms
+        counters[S.HIST + S.bucket_of(ns)] += n
+    assert S.quantile(counters, 0.5) == pytest.approx(50e-6, rel=0.12)
+    assert S.quantile(counters, 0.99) == pytest.approx(2e-3, rel=0.12)
+    assert S.quantile(counters, 1.0) == pytest.approx(9e-3, rel=0.12)
+    assert S.quantile([0] * S.COUNTERS, 0.99) is None
+
+
+def test_the_bottleneck_rule():
+    assert S.bottleneck(0.9, 0.9, 10) == "workers"
+    assert S.bottleneck(0.05, 0.2, 10) == "consumer"
+    assert S.bottleneck(0.3, 0.6, 10) == "balanced"
+    assert S.bottleneck(0.9, 0.3, 10) == "balanced"     # waits, but the workers idle
+    assert S.bottleneck(0.0, 0.0, 0) is None
+
+
+# -- stats() of a sampler --------------------------------------------------------------------
+
+def test_counts_agree_with_what_was_sampled():
+    rb = replay_buffer(200)
+    with MultiprocessingSampler(StepSampler(rb, 5, seed=0), n_workers=2, n_buffers=4,
+                                ctx="fork", batches_per_task=3) as m:
+        assert m.stats().batches == 0 and m.stats().bottleneck is None
+        for _ in range(20):
+            m.sample()
+        for _ in range(4):
+            m.sample_index()
+        epoch = sum(1 for _ in m.epoch_iter())    # 40 batches, own workers
+        assert epoch == 40
+        st = m.stats()
+        assert isinstance(st, SamplerStats)
+        assert st.batches == 20 + 4 + 40
+        assert st.gather_path == "direct" and len(st.workers) == 2
+        # once the workers are done, everything requested ahead is ready: the rest of a
+        # chunk being handed out, and the chunks asked for (3 batches, or 1, each)
+        ahead = sum(len(x.ready) + x.k * len(x.tickets) for x in m._streams.values())
+        assert wait_until(lambda: m.stats().ready == ahead), (m.stats().ready, ahead)
+        assert wait_until(lambda: sum(w.batches for w in m.stats().workers) == 20 + 4 + ahead)
+        st = m.stats()
+        for w in st.workers:
+            assert w.pid is not None and w.respawns == 0 and w.errors == 0
+            assert w.tasks > 0 and w.batches >= w.tasks
+            assert 0 < w.busy_fraction <= 1
+            assert 0 < w.seconds_per_batch_mean <= w.seconds_per_batch_p99 * 1.25 + 1e-3
+            assert w.task_seconds is None or w.task_seconds >= 0
+        assert 0 <= st.wait_fraction <= 1 and st.wall_seconds > 0
+
+
+def test_errors_and_respawns_are_counted(tmp_path):
+    rb = replay_buffer(100)
+    s = _data.FailingSampler(rb, 4, seed=0, fail_every=2)
+    with MultiprocessingSampler(s, n_workers=1, n_buffers=2, ctx="fork",
+                                batches_per_task=1) as m:
+        errors = 0
+        for _ in range(10):
+            try:
+                m.sample()
+            except WorkerError:
+                errors += 1
+        st = m.stats()
+        assert errors >= 4 and st.batches == 10 - errors
+        # (a worker counts a task once it has published its result: a moment later)
+        assert wait_until(lambda: m.stats().workers[0].errors >= errors)
+    s = _data.DyingSampler(rb, 4, seed=0, marker=str(tmp_path / "d"), deaths=2, every=2)
+    with MultiprocessingSampler(s, n_workers=1, n_buffers=1, ctx="fork", doze_time=0.01,
+                                batches_per_task=1) as m:
+        for _ in range(8):
+            m.sample()
+        st = m.stats()
+        assert st.workers[0].respawns == 2 and st.batches == 8
+        # the dead processes' batches are kept: at least the 8 handed out were made
+        assert wait_until(lambda: m.stats().workers[0].batches >= 8)
+
+
+def test_a_slow_sampler_makes_the_workers_the_bottleneck():
+    rb = replay_buffer(100)
+    s = _data.SlowSampler(rb, 4, seed=0, delay=0.03)   # sleeps: busy, but off the CPU
+    with MultiprocessingSampler(s, n_workers=2, n_buffers=2, ctx="fork") as m:
+        for _ in range(4):
+            m.sample()
+        m.stats(reset=True)          # (from here on: the workers started long ago)
+        for _ in range(20):
+            m.sample()
+        st = m.stats()
+    assert st.wait_fraction > 0.6
+    assert all(w.busy_fraction > 0.6 for w in st.workers)
+    assert all(w.cpu_fraction is not None and w.cpu_fraction < 0.5 for w in st.workers)
+    assert all(w.seconds_per_batch_p99 >= 0.03 / 1.25 for w in st.workers)
+    assert st.bottleneck == "workers"
+    assert st.advice().startswith("workers are the bottleneck")
+
+
+def _stats(wait, busy, cpu, idle, n=2):
+    workers = [S.WorkerStats(i, 1, 10, 10, busy, 1e-3, 1e-3, 0, 0, None, cpu)
+               for i in range(n)]
+    return SamplerStats(100, wait, 1.0, wait, 0, workers, None,
+                        S.bottleneck(wait, busy, 100), idle)
+
+
+def test_the_advice():
+    # waiting 75 %: 4x the workers would keep up; the idle CPUs can run that many
+    assert _stats(0.75, 0.9, 0.1, 0.9).advice(cpus=8) == \
+        "workers are the bottleneck: try n_workers=8"
+    # ... but with 1 of 2 CPUs idle, only 2 more workers of 0.5 CPU each
+    assert _stats(0.75, 0.9, 0.5, 0.5).advice(cpus=2) == \
+        "workers are the bottleneck: try n_workers=4"
+    assert "the machine's CPUs are busy (5 % idle): more workers would not help" in \
+        _stats(0.75, 0.9, 0.9, 0.05).advice(cpus=2)
+    assert "more workers will not help" in _stats(0.02, 0.1, 0.1, 0.5).advice()
+    assert _stats(0.3, 0.6, 0.5, 0.5).advice().startswith("balanced")
+
+
+def test_a_slow_caller_makes_the_caller_the_bottleneck():
+    rb = replay_buffer(100)
+    with MultiprocessingSampler(StepSampler(rb, 4, seed=0), n_workers=2, n_buffers=2,
+                                ctx="fork") as m:
+        m.sample()
+        time.sleep(0.2)
+        for _ in range(30):
+            m.sample()
+            time.sleep(0.02)    # the training step
+        st = m.stats()
+    assert st.wait_fraction < 0.1
+    assert all(w.busy_fraction < 0.3 for w in st.workers)
+    assert st.bottleneck == "consumer"
+    assert "more workers will not help" in st.advice()
+
+
+def test_reset_starts_the_counters_again():
+    rb = replay_buffer(100)
+    with MultiprocessingSampler(StepSampler(rb, 4, seed=0), n_workers=2, ctx="fork",
+                                batches_per_task=1) as m:
+        for _ in range(10):
+            m.sample()
+        # (the workers finish what was asked ahead first: then nothing moves meanwhile)
+        ahead = sum(len(x.ready) + x.k * len(x.tickets) for x in m._streams.values())
+        assert wait_until(lambda: m.stats().ready == ahead
+                          and sum(w.batches for w in m.stats().workers) == 10 + ahead)
+        before = m.stats(reset=True)
+        assert before.batches == 10
+        after = m.stats()
+        assert after.batches == 0 and after.wait_seconds == 0
+        assert all(w.batches == 0 and w.tasks == 0 for w in after.workers)
+        for _ in range(5):
+            m.sample()
+        assert m.stats().batches == 5
+        # the batches made since: those asked for to keep n_buffers ahead (at most 5)
+        assert wait_until(lambda: sum(w.batches for w in m.stats().workers) == 5)
+
+
+class Echo:
+    def __call__(self, x):
+        return x
+
+    @staticmethod
+    def batches_in(work):
+        return 2
+
+
+def test_a_manager_counts_results_as_its_work_function_says():
+    with MultiProcessingSampleManager(Echo(), n_workers=2, ctx="fork") as mgr:
+        for i in range(6):
+            mgr.add_work(i)
+        assert [mgr.fetch() for _ in range(6)] == list(range(6))
+        st = mgr.stats()
+        assert st.batches == 12 and st.gather_path is None
+        assert wait_until(lambda: sum(w.tasks for w in mgr.stats().workers) == 6)
+        assert sum(w.batches for w in mgr.stats().workers) == 12
+
+
+# -- the stall watchdog ---------------------------------------------------------------------
+
+class StuckOnFifth(StepSampler):
+    """Its 5th sample_index() call in a process sleeps (or spins) for a minute."""
+
+    def __init__(self, data, batch_size, seed=None, spin=False):
+        super().__init__(data, batch_size, seed=seed)
+        self.calls = 0
+        self.spin = spin
+
+    def sample_index(self):
+        self.calls += 1
+        if self.calls == 5:
+            self.stuck_here()
+        return super().sample_index()
+
+    def stuck_here(self):
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            if not self.spin:
+                time.sleep(60)
+
+
+@pytest.mark.parametrize("spin", [False, True])
+def test_a_stuck_worker_raises_with_its_stack_and_is_replaced(spin):
+    rb = replay_buffer(100)
+    with MultiprocessingSampler(StuckOnFifth(rb, 4, seed=0, spin=spin), n_workers=1,
+                                n_buffers=2, ctx="fork", batches_per_task=1,
+                                stall_timeout=0.5, respawn=False) as m:
+        got = 0
+        with pytest.raises(WorkerStalledError) as info:
+            for _ in range(10):
+                m.sample()
+                got += 1
+        e = info.value
+        assert got == 4 and e.worker == 0 and e.seconds > 0.5
+        assert "in stuck_here" in e.worker_stack and "in sample_index" in e.worker_stack
+        assert isinstance(e, WorkerError)
+        old = e.worker_stack
+        for _ in range(3):              # the sampler goes on, with a new worker
+            m.sample()
+        assert m.stats().workers[0].respawns == 1
+    assert old
+
+
+def test_with_respawn_a_stuck_worker_warns_with_its_stack_and_its_task_goes_on():
+    rb = replay_buffer(100)
+    with MultiprocessingSampler(StepSampler(rb, 4, seed=0), n_workers=1, ctx="fork",
+                                batches_per_task=1) as m:
+        expected = [_data.indices_of(m.sample()) for _ in range(8)]
+    with MultiprocessingSampler(StuckOnFifth(rb, 4, seed=0), n_workers=1, n_buffers=2,
+                                ctx="fork", batches_per_task=1, stall_timeout=0.5) as m:
+        with pytest.warns(RuntimeWarning, match="stall_timeout") as record:
+            got = [_data.indices_of(m.sample()) for _ in range(8)]
+        assert "in stuck_here" in str(record[0].message)
+        assert m.stats().workers[0].respawns == 1
+    assert got == expected     # the stalled chunk made again: nothing lost, same stream
+
+
+class StuckOnChunk(StepSampler):
+    """Sleeps whenever it is seeded for one given chunk."""
+
+    def __init__(self, data, batch_size, seed=None, bad_seed=None):
+        super().__init__(data, batch_size, seed=seed)
+        self.bad_seed = bad_seed
+
+    def sample_index(self):
+        if self.data_rng.initial_seed() == self.bad_seed:
+            time.sleep(60)
+        return super().sample_index()
+
+
+def test_a_task_that_stalls_every_time_ends_in_worker_stalled_error():
+    rb = replay_buffer(100)
+    bad = chunk_seed(stream_key(base_seed(StepSampler(rb, 4, seed=3)), "sample"), 2)
+    with MultiprocessingSampler(StuckOnChunk(rb, 4, seed=3, bad_seed=bad), n_workers=2,
+                                n_buffers=2, ctx="fork", batches_per_task=1,
+                                stall_timeout=0.3) as m:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            m.sample()
+            m.sample()
+            with pytest.raises(WorkerStalledError) as info:
+                m.sample()                  # chunk 2: 3 tries (max_respawns=3: 4)
+        assert "in sample_index" in info.value.worker_stack
+        assert m.stats().workers[info.value.worker].respawns == 4
+        assert len(m.sample()["state"]) == 4    # and the stream goes on past it
+
+
+# -- the main job ------------------------------------------------------------------------------
+
+def test_the_main_job_says_where_the_time_went(capsys):
+    import json
+    from unienv_mp import __main__ as main_mod
+    small = ["--case", "state", "--transitions", "300", "--workers", "2", "--buffers", "2",
+             "--seconds", "0.3", "--no-progress", "--impl", "unienv_mp,in_process"]
+    assert main_mod.main(small) == 0
+    text = capsys.readouterr().out
+    line = next(x for x in text.splitlines() if x.startswith("Where unienv_mp"))
+    assert "workers busy" in line and "the caller waiting" in line and "bottleneck:" in line
+    assert main_mod.main(small + ["--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["results"]}
+    st = rows["unienv_mp"]["stats"]
+    assert st["batches"] == rows["unienv_mp"]["batches"]     # the measured batches only
+    assert len(st["workers"]) == 2 and st["bottleneck"] in ("workers", "consumer", "balanced")
+    assert rows["in_process"]["stats"] is None
