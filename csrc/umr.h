@@ -114,10 +114,13 @@ int64_t umr_ring_pop_many_wait(umr_ring_t *r, void *out, size_t out_stride, uint
  * freed by the kernel once the last descriptor and mapping are gone, however the processes
  * holding them ended.  Errors are returned as -errno. */
 
-/* Create a memfd named `name` (shown as /memfd:name in /proc/PID/fd) of `size` bytes. */
+/* Create a memfd named `name` (shown as /memfd:name in /proc/PID/fd) of `size` bytes,
+ * with its memory reserved (-ENOMEM or -ENOSPC: there is none to reserve; -EINTR: a signal
+ * came first, try again). */
 int umr_shm_create(const char *name, uint64_t size);
-/* Map `size` bytes of `fd` shared, read-write; NULL with errno set on failure. */
-void *umr_shm_map(int fd, uint64_t size);
+/* Map `size` bytes of `fd` read-write, shared, or copy-on-write if `copy_on_write`; NULL
+ * with errno set on failure. */
+void *umr_shm_map(int fd, uint64_t size, int copy_on_write);
 int umr_shm_unmap(void *addr, uint64_t size);
 /* Open another live process's descriptor `fd` through /proc/PID/fd and check that it is
  * the same file (inode `ino`, at least `size` bytes); returns our new descriptor. */

@@ -6,6 +6,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -22,24 +23,59 @@
  * through /proc) can shrink it under the others, whose accesses would then fault. */
 #define UMR_SEALS (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)
 
+/* Give `fd` its `size` bytes, and the memory behind them, now.
+ *
+ * A memfd sized with ftruncate alone is sparse: each page is allocated when something
+ * first writes it.  If that page cannot be had then (strict overcommit's commit limit),
+ * the kernel has no way to fail a plain store and sends the writer SIGBUS, which kills a
+ * worker in the middle of a batch, or the training process in the middle of a put.
+ * fallocate allocates every page up front instead, so the shortage is an error returned
+ * here, to the call that asked for the memory, which can say how much it wanted and what
+ * for.  (In a memory cgroup at its limit the kernel first reclaims and may call the OOM
+ * killer, as it would for the first write: that, too, now happens here and not later.
+ * The pages stay swappable like any other shmem.)
+ *
+ * A kernel that cannot fallocate a memfd (before Linux 3.5, or a sandbox that filters the
+ * call) says EOPNOTSUPP or ENOSYS: then the segment is sized without the reservation and
+ * pages are taken when first written, as on any sparse file.  EINTR (a signal arrived
+ * during a long reservation) goes back to the caller, which runs the signal handlers and
+ * asks again; umr_shm_create closes the memfd on any error, so nothing stays allocated. */
+static int umr_shm_reserve(int fd, uint64_t size) {
+    if (fallocate(fd, 0, 0, (off_t)size) == 0)
+        return 0;
+    int err = errno;
+    if (err != EOPNOTSUPP && err != ENOSYS)
+        return -err;
+    return ftruncate(fd, (off_t)size) == 0 ? 0 : -errno;
+}
+
 int umr_shm_create(const char *name, uint64_t size) {
-    if (size == 0)
+    if (size == 0 || size > (uint64_t)INT64_MAX)
         return -EINVAL;
     /* CLOEXEC: a worker started by exec (spawn, forkserver) receives the descriptor
      * explicitly; nothing else we start should inherit it. */
     int fd = (int)memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0)
         return -errno;
-    if (ftruncate(fd, (off_t)size) != 0 || fcntl(fd, F_ADD_SEALS, UMR_SEALS) != 0) {
-        int err = errno;
+    /* Reserved before sealing: F_SEAL_GROW would refuse fallocate's growing the file. */
+    int rc = umr_shm_reserve(fd, size);
+    if (rc == 0 && fcntl(fd, F_ADD_SEALS, UMR_SEALS) != 0)
+        rc = -errno;
+    if (rc != 0) {
         close(fd);
-        return -err;
+        return rc;
     }
     return fd;
 }
 
-void *umr_shm_map(int fd, uint64_t size) {
-    void *p = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+void *umr_shm_map(int fd, uint64_t size, int copy_on_write) {
+    /* Copy-on-write (MAP_PRIVATE) for a receiver of data written once by its creator:
+     * pages it only reads are the segment's own, shared with every other process mapping
+     * it, and a page it writes becomes its private copy, so no other process sees the
+     * write (as after fork).  Under strict overcommit the kernel counts such a mapping
+     * against the commit limit in full, since every page could be copied. */
+    int flags = copy_on_write ? MAP_PRIVATE : MAP_SHARED;
+    void *p = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, flags, fd, 0);
     return p == MAP_FAILED ? NULL : p;
 }
 

@@ -47,7 +47,7 @@ cdef extern from "umr.h" nogil:
                                    int64_t poll_ns, int64_t spin_ns)
 
     int umr_shm_create(const char *name, uint64_t size)
-    void *umr_shm_map(int fd, uint64_t size)
+    void *umr_shm_map(int fd, uint64_t size, int copy_on_write)
     int umr_shm_unmap(void *addr, uint64_t size)
     int umr_shm_open_peer(int64_t pid, int fd, uint64_t ino, uint64_t size)
     int umr_shm_identity(int fd, uint64_t *ino, uint64_t *size)
@@ -59,6 +59,7 @@ cdef class Segment:
     cdef readonly uint64_t size
     cdef readonly uint64_t ino
     cdef readonly str name
+    cdef readonly bint copy_on_write
     cdef unsigned char *addr
     cdef Py_ssize_t _users
     cdef bint _closing

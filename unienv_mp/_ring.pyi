@@ -28,7 +28,8 @@ DEFAULT_SPIN: Final[float]
 def now_ns() -> int:
     """CLOCK_MONOTONIC in nanoseconds (the clock every deadline here is measured on)."""
 
-def _segment_from_peer(pid: int, fd: int, ino: int, size: int, name: str) -> Segment:
+def _segment_from_peer(pid: int, fd: int, ino: int, size: int, name: str,
+                       copy_on_write: bool = False) -> Segment:
     """Unpickle a Segment described by a live process as (pid, fd, inode)."""
 
 @disjoint_base
@@ -55,9 +56,22 @@ class Segment:
     def ino(self) -> int: ...
     @property
     def name(self) -> str: ...
+    @property
+    def copy_on_write(self) -> bool: ...
     @staticmethod
-    def create(size: int, tag: str = "segment") -> Segment:
-        """Create a new zero-filled segment of ``size`` bytes named ``unienv_mp_<tag>_...``."""
+    def create(size: int, tag: str = "segment", *, copy_on_write: bool = False) -> Segment:
+        """Create a new zero-filled segment of ``size`` bytes named ``unienv_mp_<tag>_...``.
+
+        Its memory is reserved now: if the machine (or this process's memory limit) has no
+        room for it, this raises ``MemoryError`` naming the size and ``tag``, instead of
+        a later write into it failing with SIGBUS.
+
+        ``copy_on_write=True`` is for data written here once and then only read elsewhere:
+        processes that attach it map it copy-on-write, so what one of them writes stays in
+        its own copy of the page, and none of them sees it (nor a later write from here
+        into a page it has read).  The ``copy_on_write`` attribute says which kind a
+        segment is: the process that made it maps it shared, every other one
+        copy-on-write."""
     @property
     def address(self) -> int:
         """Address of the mapping in this process (0 once unmapped)."""

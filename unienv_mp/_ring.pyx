@@ -26,6 +26,7 @@ import queue as _queue
 from multiprocessing import context as _mpcontext
 from multiprocessing import reduction as _mpreduction
 
+from . import _headroom
 from .errors import RingClosed, PeerGoneError
 
 __all__ = ["Segment", "RingBuffer", "Event", "DEFAULT_POLL_INTERVAL", "DEFAULT_SPIN",
@@ -41,6 +42,11 @@ cdef extern from "Python.h":
     int _PyBytes_Resize(PyObject **bytes, Py_ssize_t newsize) except -1
 
 _names = _itertools.count()
+
+# Segments from this size on are checked against the memory left before they are reserved
+# (see _headroom): a reservation larger than that would call the OOM killer.  Below it the
+# check would cost more than the reservation, and a segment is touched soon anyway.
+_HEADROOM_CHECKED_FROM = 1 << 20
 
 
 def now_ns():
@@ -98,19 +104,19 @@ cdef int _raise_os(int neg_errno, str what) except -1:
 # Segment
 # ---------------------------------------------------------------------------------------
 
-def _segment_from_dupfd(dupfd, size, ino, name):
+def _segment_from_dupfd(dupfd, size, ino, name, copy_on_write=False):
     """Unpickle a Segment handed to a process at its start (spawn / forkserver)."""
     cdef Segment seg = Segment.__new__(Segment)
     fd = dupfd.detach()
     try:
-        seg._adopt(fd, size, name, ino)
+        seg._adopt(fd, size, name, ino, copy_on_write)
     except BaseException:
         _os.close(fd)
         raise
     return seg
 
 
-def _segment_from_peer(pid, fd, ino, size, name):
+def _segment_from_peer(pid, fd, ino, size, name, copy_on_write=False):
     """Unpickle a Segment described by a live process as (pid, fd, inode)."""
     cdef int ours = umr_shm_open_peer(pid, fd, ino, size)
     if ours < 0:
@@ -121,11 +127,15 @@ def _segment_from_peer(pid, fd, ino, size, name):
         _raise_os(ours, f"cannot attach shared-memory segment {name!r} of process {pid}")
     cdef Segment seg = Segment.__new__(Segment)
     try:
-        seg._adopt(ours, size, name, ino)
+        seg._adopt(ours, size, name, ino, copy_on_write)
     except BaseException:
         _os.close(ours)
         raise
     return seg
+
+
+cdef str _mib(uint64_t size):
+    return f"{size} bytes ({<double>size / 1048576.0:.1f} MiB)"
 
 
 cdef class Segment:
@@ -152,22 +162,50 @@ cdef class Segment:
         self.name = ""
 
     @staticmethod
-    def create(size, tag="segment"):
-        """Create a new zero-filled segment of ``size`` bytes named ``unienv_mp_<tag>_...``."""
+    def create(size, tag="segment", *, copy_on_write=False):
+        """Create a new zero-filled segment of ``size`` bytes named ``unienv_mp_<tag>_...``.
+
+        Its memory is reserved now: if the machine (or this process's memory limit) has no
+        room for it, this raises ``MemoryError`` naming the size and ``tag``, instead of
+        a later write into it failing with SIGBUS.
+
+        ``copy_on_write=True`` is for data written here once and then only read elsewhere:
+        processes that attach it map it copy-on-write, so what one of them writes stays in
+        its own copy of the page, and none of them sees it (nor a later write from here
+        into a page it has read).  The ``copy_on_write`` attribute says which kind a
+        segment is: the process that made it maps it shared, every other one
+        copy-on-write."""
         size = _positive_int(size, "size")
         name = f"unienv_mp_{tag}_{_os.getpid()}_{next(_names)}"
-        cdef int fd = umr_shm_create(name.encode(), size)
+        cdef bytes cname = name.encode()
+        cdef const char *c_name = cname
+        cdef uint64_t c_size = size
+        cdef int fd
+        if size >= _HEADROOM_CHECKED_FROM:
+            _headroom.check(size, f"{tag!r} ({name})")
+        while True:
+            with nogil:
+                fd = umr_shm_create(c_name, c_size)
+            if fd != -_errno.EINTR:
+                break
+            PyErr_CheckSignals()   # (raises what a signal handler raised: no retry then)
+        if fd in (-_errno.ENOMEM, -_errno.ENOSPC):
+            raise MemoryError(
+                f"cannot reserve {_mib(c_size)} of memory for shared-memory segment "
+                f"{tag!r} ({name}): {_os.strerror(-fd)}; the machine, or this process's "
+                f"memory limit (a container's, a cgroup's), has no room for it")
         if fd < 0:
-            _raise_os(fd, f"cannot create shared-memory segment of {size} bytes")
+            _raise_os(fd, f"cannot create shared-memory segment {tag!r} of {_mib(c_size)}")
         cdef Segment seg = Segment.__new__(Segment)
         try:
-            seg._adopt(fd, size, name, None)
+            seg._adopt(fd, size, name, None, False)
         except BaseException:
             _os.close(fd)
             raise
+        seg.copy_on_write = copy_on_write
         return seg
 
-    def _adopt(self, int fd, uint64_t size, str name, ino):
+    def _adopt(self, int fd, uint64_t size, str name, ino, bint copy_on_write):
         if self.addr != NULL or self.fd >= 0:
             raise RuntimeError("segment already initialised")
         cdef uint64_t got_ino = 0, got_size = 0
@@ -177,7 +215,7 @@ cdef class Segment:
         if got_size < size or (ino is not None and got_ino != ino):
             raise PeerGoneError(_errno.ESTALE,
                                 f"descriptor {fd} is not shared-memory segment {name!r}")
-        cdef void *p = umr_shm_map(fd, size)
+        cdef void *p = umr_shm_map(fd, size, copy_on_write)
         if p == NULL:
             code = errno
             raise OSError(code, f"cannot map shared-memory segment {name!r} of {size} bytes: "
@@ -187,6 +225,7 @@ cdef class Segment:
         self.size = size
         self.ino = got_ino
         self.name = name
+        self.copy_on_write = copy_on_write
 
     @property
     def address(self):
@@ -287,8 +326,9 @@ cdef class Segment:
             # Starting a process (spawn / forkserver): multiprocessing hands the descriptor
             # itself to the child.
             return (_segment_from_dupfd, (_mpreduction.DupFd(self.fd), self.size, self.ino,
-                                          self.name))
-        return (_segment_from_peer, (_os.getpid(), self.fd, self.ino, self.size, self.name))
+                                          self.name, self.copy_on_write))
+        return (_segment_from_peer, (_os.getpid(), self.fd, self.ino, self.size, self.name,
+                                     self.copy_on_write))
 
     def __repr__(self):
         state = "closed" if self.closed else f"{self.size} bytes"
