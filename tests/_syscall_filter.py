@@ -2,13 +2,21 @@
 tests of what a refused reservation looks like: a seccomp filter, installed with ctypes,
 that answers fallocate calls asking for more than a given length with an errno.
 
-Only for x86-64, whose syscall numbers the filter uses; :func:`supported` says whether it
-can be installed here.  Use it in a child process: a filter cannot be removed.
+Only for x86-64, whose syscall numbers the filter uses.  A filter cannot be removed, so
+it is installed in a child: :func:`run` runs code there.
 """
 import ctypes
+import os
 import platform
+import subprocess
+import sys
+import textwrap
 
-__all__ = ["supported", "refuse_fallocate"]
+import pytest
+
+__all__ = ["run", "refuse_fallocate"]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 _AUDIT_ARCH_X86_64 = 0xC000003E
 _NR_FALLOCATE = 285
@@ -35,8 +43,18 @@ class _Prog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_Insn))]
 
 
-def supported():
-    return platform.machine() == "x86_64" and platform.system() == "Linux"
+def run(code, timeout=120):
+    """Run ``code`` (dedented) with ``python -c`` in the tests' directory, with ``errno``,
+    ``os``, ``sys`` and this module imported; it installs the filter it needs with
+    :func:`refuse_fallocate`.  Returns its stdout; fails the test if it exits with an
+    error, skips it where the filter cannot work."""
+    if not (platform.machine() == "x86_64" and platform.system() == "Linux"):
+        pytest.skip("the seccomp filter of these tests uses x86-64 system call numbers")
+    script = "import errno, os, sys\nimport _syscall_filter\n" + textwrap.dedent(code)
+    r = subprocess.run([sys.executable, "-c", script], cwd=HERE, capture_output=True,
+                       text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
 
 
 def refuse_fallocate(errno_value, longer_than=0):

@@ -3,9 +3,6 @@ is none (the kernel's refusal, or more than the memory left), and copy-on-write 
 import errno
 import multiprocessing as mp
 import os
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -14,9 +11,6 @@ from unienv_mp import Segment
 from unienv_mp import _headroom
 
 import _syscall_filter
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
 
 def test_memory_is_reserved_when_the_segment_is_made():
     size = 8 << 20
@@ -39,21 +33,9 @@ def test_a_segment_larger_than_the_memory_left_is_refused_before_anything_is_tak
     assert "'too_big'" in msg and "left in" in msg
 
 
-def _in_filtered_child(code, timeout=60):
-    """Run ``code`` in a Python child whose fallocate calls are refused as ``code`` sets
-    up with _syscall_filter; returns its stdout."""
-    if not _syscall_filter.supported():
-        pytest.skip("the seccomp filter of these tests uses x86-64 system call numbers")
-    script = "import errno, os, sys\nimport _syscall_filter\n" + textwrap.dedent(code)
-    r = subprocess.run([sys.executable, "-c", script], cwd=HERE, capture_output=True,
-                       text=True, timeout=timeout)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return r.stdout
-
-
 @pytest.mark.parametrize("err", ["ENOSPC", "ENOMEM"])
 def test_a_refused_reservation_is_a_memory_error_naming_size_and_purpose(err):
-    out = _in_filtered_child(f"""
+    out = _syscall_filter.run(f"""
         _syscall_filter.refuse_fallocate(errno.{err})
         from unienv_mp import Segment
         before = set(os.listdir("/proc/self/fd"))
@@ -69,7 +51,7 @@ def test_a_refused_reservation_is_a_memory_error_naming_size_and_purpose(err):
 
 
 def test_a_kernel_that_cannot_reserve_gets_a_sparse_segment():
-    out = _in_filtered_child("""
+    out = _syscall_filter.run("""
         _syscall_filter.refuse_fallocate(errno.EOPNOTSUPP)
         from unienv_mp import Segment
         seg = Segment.create(4 << 20, "sparse")
@@ -84,7 +66,7 @@ def test_a_kernel_that_cannot_reserve_gets_a_sparse_segment():
 def test_an_interrupted_reservation_is_asked_again_until_a_handler_raises():
     # The filter answers EINTR every time: the call keeps asking, running the signal
     # handlers in between, until one raises.
-    out = _in_filtered_child("""
+    out = _syscall_filter.run("""
         import signal, time
         _syscall_filter.refuse_fallocate(errno.EINTR)
         from unienv_mp import Segment
@@ -105,6 +87,30 @@ def test_an_interrupted_reservation_is_asked_again_until_a_handler_raises():
         assert set(os.listdir("/proc/self/fd")) == before
     """)
     assert out.split() == ["third", "alarm", "3", "True"]
+
+
+def test_a_worker_without_memory_for_a_slot_raises_an_error_instead_of_dying():
+    # Slots above 1 MiB are refused; the rest (rings, the doorbell) are not.
+    out = _syscall_filter.run("""
+        _syscall_filter.refuse_fallocate(errno.ENOSPC, 1 << 20)
+        from unienv_data.samplers import StepSampler
+        from unienv_mp import MultiprocessingSampler, WorkerError
+        from _data import replay_buffer
+        rb = replay_buffer(200, img=(3, 64, 64))      # a batch of 128 rows: 1.6 MB
+        with MultiprocessingSampler(StepSampler(rb, 128, seed=0), n_workers=1,
+                                    ctx="fork") as m:
+            for _ in range(2):   # the worker goes on: the next batch fails the same way
+                try:
+                    m.sample()
+                except WorkerError as e:
+                    print(e.exc_type, "|", e.exc_message)
+            print("alive:", all(p.is_alive() for p in m._manager.workers))
+    """)
+    lines = out.splitlines()
+    assert len(lines) == 3 and lines[2] == "alive: True", out
+    for line in lines[:2]:
+        assert line.startswith("builtins.MemoryError | cannot reserve "), out
+        assert "'slot0'" in line and "No space left on device" in line, out
 
 
 # -- copy-on-write segments -------------------------------------------------------------

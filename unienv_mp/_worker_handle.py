@@ -23,6 +23,7 @@ from . import _process
 from . import _protocol as P
 from . import stats as _stats
 from ._ring import RingBuffer, Segment, _segment_from_peer
+from ._transfer import Parcel
 from .errors import PeerGoneError
 from .worker import worker_main
 
@@ -60,7 +61,13 @@ class WorkerStalled(WorkerDied):
 
 class Launch:
     """What every process of a manager's workers is started with (``stall_timeout``:
-    seconds, or None)."""
+    seconds, or None).
+
+    Under spawn and forkserver the work function travels as a :class:`_transfer.Parcel`:
+    its arrays are copied into shared memory at the first start and every later process
+    (the other workers, replacements) maps that copy.  The copy is released when the last
+    worker handle has released its memory (:meth:`WorkerHandle.release_memory`), since no
+    process of the manager starts after that."""
 
     def __init__(self, target_fn, init_fn, ctx, daemon, doorbell_seg, done_event,
                  poll_interval, spin, stall_timeout=None):
@@ -73,6 +80,28 @@ class Launch:
         self.poll_interval = poll_interval
         self.spin = spin
         self.stall_ns = None if stall_timeout is None else int(stall_timeout * 1e9)
+        self._parcel = None
+        self._holders = set()   # indices of the handles that may still start a process
+
+    def process_target(self):
+        """The work function as a ``Process`` argument: itself under fork (the child
+        inherits it), else the manager's Parcel of it."""
+        if self.ctx.get_start_method() == "fork":
+            return self.target_fn
+        if self._parcel is None:
+            self._parcel = Parcel(self.target_fn)
+        return self._parcel
+
+    def hold(self, index):
+        """Handle ``index`` may start processes with this launch."""
+        self._holders.add(index)
+
+    def let_go(self, index):
+        """Handle ``index`` starts no more processes; once no handle holds the launch, the
+        copy of the work function's arrays is released."""
+        self._holders.discard(index)
+        if not self._holders and self._parcel is not None:
+            self._parcel.close()
 
 
 class _LivenessCheck:
@@ -140,6 +169,7 @@ class WorkerHandle:
         self.pid = None             # of proc (no Python code to run to read it)
         self.shut_down = False
         self._launch = launch
+        launch.hold(index)
         self._check = _LivenessCheck(self, launch.stall_ns)
         self._seg = None
         self._tasks = None
@@ -211,8 +241,8 @@ class WorkerHandle:
                        "spin": launch.spin, "stack_pipe": _process.PipeEnd(stack_w)}
             proc = launch.ctx.Process(
                 target=worker_main,
-                args=(self.index, launch.target_fn, seg, launch.doorbell_seg, os.getpid(),
-                      launch.init_fn, seed, options),
+                args=(self.index, launch.process_target(), seg, launch.doorbell_seg,
+                      os.getpid(), launch.init_fn, seed, options),
                 daemon=launch.daemon, name=f"unienv_mp-worker-{self.index}")
             try:
                 proc.start()
@@ -281,8 +311,12 @@ class WorkerHandle:
                 pass
 
     def release_memory(self):
-        """Unmap the rings, the segment and the slots (the process must have ended)."""
-        _close_memory(*self._take_memory())
+        """Unmap the rings, the segment and the slots (the process must have ended), for
+        good: the handle starts no more processes (see :class:`Launch`)."""
+        try:
+            _close_memory(*self._take_memory())
+        finally:
+            self._launch.let_go(self.index)
 
     # -- counters and stacks --------------------------------------------------------------
 

@@ -1,0 +1,293 @@
+"""How a work function reaches workers started with spawn or forkserver: its CPU torch
+tensors and numpy arrays through shared-memory segments, copied once for all workers, and
+the rest pickled.
+
+Under spawn and forkserver the work function (for the sampler: the wrapped sampler and
+its ReplayBuffer) is pickled into each new process.  multiprocessing's pickler hands every
+torch tensor to torch's reductions, which move its storage into a file under ``/dev/shm``
+(a few MiB in a container by default); numpy arrays it copies into the pickle, once per
+worker.  Here the work function travels as a :class:`Parcel`, whose pickler takes every
+plain CPU tensor and array out of the pickle and copies its bytes into a segment of ours
+(``memfd``, see :class:`~unienv_mp._ring.Segment`) instead:
+
+* **Once.**  Each process start pickles the work function again: locks, shared values and
+  tensors already in shared memory can only be pickled while that process is being
+  started, as multiprocessing hands their descriptors to it.  The array data is copied at
+  the first start only; an array met again at a later start (another worker, a
+  replacement) refers to the copy made then.  So every worker of a manager starts from the
+  same snapshot of the data, and the copy costs memory once, for the manager's life.
+* **Copy-on-write.**  A worker maps the segments copy-on-write: the arrays it gets are
+  views of them, writable, and pages it only reads are shared with every other worker.
+  What a worker writes into such an array goes into its own copy of the page and is seen
+  by no other process, as under fork.  Read-only numpy arrays stay read-only.
+* **What keeps travelling as before:** tensors already in shared memory
+  (``tensor.is_shared()``: a ReplayBuffer made with ``multiprocessing=True``, or a tensor
+  mapped from a file), which torch's reductions hand over as the same memory, so that
+  workers and the parent keep sharing it; tensor subclasses (UniEnv's
+  ``MemoryMappedTensor`` travels as its file); numpy arrays that view a memory map;
+  object arrays; tensors that are not plain strided CPU tensors, or that need their
+  autograd history.
+* Identity is kept within a worker: an array or tensor referred to twice is one object
+  there, and tensors that shared a storage share one again.
+
+Under fork none of this applies: the workers inherit the parent's memory.
+"""
+import io
+import mmap
+import pickle
+import sys
+from multiprocessing import context as _mpcontext
+from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
+
+from . import _process
+from ._ring import Segment
+
+__all__ = ["Parcel"]
+
+_ALIGN = 64   # each array's bytes start on a cache line (and on any dtype's alignment)
+
+
+class Parcel:
+    """``target`` as an argument of a process started with spawn or forkserver (see the
+    module's docstring).  The arrays' copies live until :meth:`close`."""
+
+    def __init__(self, target):
+        self.target = target
+        self._segments = []    # Segment, copy_on_write
+        self._records = []     # record -> (segment index, offset, nbytes)
+        self._known = {}       # key of an array's memory -> record
+        self._keep = []        # what the keys were made from, kept so that no id is reused
+        self.closed = False
+
+    def close(self):
+        """Release the copies (processes started with them keep their mappings)."""
+        self.closed = True
+        segments, self._segments = self._segments, []
+        self._records, self._known, self._keep = [], {}, []
+        for seg in segments:
+            seg.close()
+
+    def __reduce__(self):
+        if _mpcontext.get_spawning_popen() is None:
+            raise TypeError("a Parcel is pickled only as an argument of a process being "
+                            "started")
+        if self.closed:
+            raise RuntimeError("this Parcel was closed")
+        pickler = _Pickler(self)
+        data = pickler.dump_target(self.target)
+        if pickler.pending:
+            self._add_segment(pickler.pending)
+        return (_unpack, (data, tuple(self._records), list(self._segments)))
+
+    def lookup(self, key):
+        return self._known.get(key)
+
+    def next_record(self, pending):
+        return len(self._records) + len(pending)
+
+    def _add_segment(self, pending):
+        """Copy the arrays a pickling met for the first time into one new segment, and
+        record where each lies.  Nothing is recorded if this fails (a later start tries
+        again)."""
+        offsets, end = [], 0
+        for item in pending:
+            offsets.append(end)
+            end += -(-item.nbytes // _ALIGN) * _ALIGN
+        try:
+            seg = Segment.create(max(end, _ALIGN), "data", copy_on_write=True)
+        except MemoryError as e:
+            raise MemoryError(
+                f"cannot copy the work function's {len(pending)} arrays into shared memory "
+                f"for workers started with spawn or forkserver: {e}") from None
+        try:
+            with memoryview(seg) as mv:
+                for item, off in zip(pending, offsets):
+                    item.copy_into(mv, off)
+        except BaseException:
+            seg.close()
+            raise
+        # (recorded in one step that a Ctrl-C cannot cut in two: the record numbers that
+        # the pickling gave out are the positions the records are appended at)
+        with _process.interrupts_deferred():
+            index = len(self._segments)
+            self._segments.append(seg)
+            for item, off in zip(pending, offsets):
+                self._records.append((index, off, item.nbytes))
+                self._known[item.key] = item.record
+                self._keep.append(item.source)
+
+
+class _Pending:
+    """An array's memory met for the first time by a pickling: to be copied."""
+    __slots__ = ("key", "record", "nbytes", "source", "copy_into")
+
+    def __init__(self, key, record, nbytes, source, copy_into):
+        self.key = key
+        self.record = record
+        self.nbytes = nbytes
+        self.source = source
+        self.copy_into = copy_into
+
+
+def _on_file_or_shared(a):
+    """True if numpy array ``a`` views a memory map, or a torch tensor in shared memory."""
+    torch = sys.modules.get("torch")
+    base = a.base
+    while base is not None:
+        if isinstance(base, (mmap.mmap, np.memmap)):
+            return True
+        if torch is not None and isinstance(base, torch.Tensor):
+            return base.is_shared()
+        base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
+    return False
+
+
+class _Pickler(ForkingPickler):
+    """multiprocessing's pickler, with plain CPU tensors and numpy arrays taken out of the
+    pickle as persistent ids that name their copy in the parcel's segments."""
+
+    def __init__(self, parcel):
+        self._out = io.BytesIO()
+        super().__init__(self._out, pickle.HIGHEST_PROTOCOL)
+        self.parcel = parcel
+        self.pending = []       # _Pending, in record order
+        self._pending = {}      # key -> record, for this pickling
+        self._ids = {}          # id(obj) -> its persistent id (one object stays one)
+        self._objs = []         # the objects in _ids, alive while it lasts
+        self._torch = sys.modules.get("torch")
+
+    def dump_target(self, target):
+        self.dump(target)
+        return self._out.getvalue()
+
+    def persistent_id(self, obj):
+        t = type(obj)
+        if t is np.ndarray:
+            make = self._array
+        elif self._torch is not None and t is self._torch.Tensor:
+            make = self._tensor
+        else:
+            return None
+        pid = self._ids.get(id(obj))
+        if pid is None:
+            pid = make(obj)
+            if pid is not None:
+                self._ids[id(obj)] = pid
+                self._objs.append(obj)
+        return pid
+
+    def _record(self, key, nbytes, source, copy_into):
+        record = self.parcel.lookup(key)
+        if record is None:
+            record = self._pending.get(key)
+        if record is None:
+            record = self.parcel.next_record(self.pending)
+            self._pending[key] = record
+            self.pending.append(_Pending(key, record, nbytes, source, copy_into))
+        return record
+
+    def _array(self, a):
+        if a.dtype.hasobject or a.size == 0 or a.dtype.itemsize == 0 \
+                or _on_file_or_shared(a):
+            return None
+        order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
+
+        def copy_into(mv, off, a=a, order=order):
+            dst = np.frombuffer(mv, dtype=a.dtype, count=a.size, offset=off)
+            np.copyto(dst.reshape(a.shape, order=order), a, casting="no")
+
+        record = self._record(("np", id(a)), a.nbytes, a, copy_into)
+        return ("n", len(self._objs), record, a.dtype, a.shape, order,
+                bool(a.flags.writeable))
+
+    def _tensor(self, t):
+        torch = self._torch
+        if (t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized
+                or t.is_nested or t.is_conj() or t.is_neg()
+                or (t.requires_grad and not t.is_leaf) or t.is_shared()):
+            return None   # pickled as torch pickles it
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+
+        def copy_into(mv, off, storage=storage, nbytes=nbytes):
+            src = torch.empty(0, dtype=torch.uint8).set_(storage)
+            dst = torch.frombuffer(mv, dtype=torch.uint8, count=nbytes, offset=off)
+            dst.copy_(src)
+
+        if nbytes == 0:
+            record = None
+        else:
+            record = self._record(("torch", storage.data_ptr(), nbytes), nbytes, storage,
+                                  copy_into)
+        state = t.__dict__ or None
+        return ("t", len(self._objs), record, t.dtype, tuple(t.size()), t.stride(),
+                t.storage_offset(), t.requires_grad, state)
+
+
+def _unpack(data, records, segments):
+    """In the new process: the work function, its arrays views of ``segments`` (mapped
+    copy-on-write).  The segments' descriptors are closed: the mappings are what the
+    arrays use, and they last as long as the arrays."""
+    loader = _Unpickler(io.BytesIO(data), records, segments)
+    try:
+        return loader.load()
+    finally:
+        for i, seg in enumerate(segments):
+            if loader.views[i] is None:
+                seg.close()
+            else:
+                seg.unlink()
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, records, segments):
+        super().__init__(file)
+        self.records = records
+        self.segments = segments
+        self.views = [None] * len(segments)   # a memoryview of each segment used
+        self.objects = {}                     # object number -> the array or tensor
+        self.storages = {}                    # record -> torch UntypedStorage
+
+    def _where(self, record):
+        index, off, nbytes = self.records[record]
+        mv = self.views[index]
+        if mv is None:
+            # (the arrays' bases hold this view, and the view holds the mapping)
+            mv = self.views[index] = memoryview(self.segments[index])
+        return mv, off, nbytes
+
+    def persistent_load(self, pid):
+        obj = self.objects.get(pid[1])
+        if obj is None:
+            obj = self.objects[pid[1]] = (self._array if pid[0] == "n" else self._tensor)(*pid[2:])
+        return obj
+
+    def _array(self, record, dtype, shape, order, writeable):
+        mv, off, _ = self._where(record)
+        count = 1
+        for n in shape:
+            count *= n
+        a = np.frombuffer(mv, dtype=dtype, count=count, offset=off).reshape(shape,
+                                                                             order=order)
+        if not writeable:
+            a.flags.writeable = False
+        return a
+
+    def _tensor(self, record, dtype, size, stride, storage_offset, requires_grad, state):
+        import torch
+        if record is None:
+            storage = torch.UntypedStorage(0)
+        else:
+            storage = self.storages.get(record)
+            if storage is None:
+                mv, off, nbytes = self._where(record)
+                storage = self.storages[record] = torch.frombuffer(
+                    mv, dtype=torch.uint8, count=nbytes, offset=off).untyped_storage()
+        t = torch.empty(0, dtype=dtype).set_(storage, storage_offset, size, stride)
+        if requires_grad:
+            t.requires_grad_(True)
+        if state:
+            t.__dict__.update(state)
+        return t
