@@ -80,7 +80,8 @@ def attempt(what, log):
     os._exit(0)
 
 for what in ("sample", "epoch"):
-    log = os.path.join(tempfile.mkdtemp(), "uniens.log")
+    tmp = tempfile.TemporaryDirectory()
+    log = os.path.join(tmp.name, "unienv.log")
     open(log, "w").close()
     p = mp.get_context("fork").Process(target=attempt, args=(what, log))
     p.start()
@@ -94,6 +95,7 @@ for what in ("sample", "epoch"):
     os.killpg(p.pid, signal.SIGKILL)
     p.join()
     text = open(log).read()
+    tmp.cleanup()
     line = next((x for x in text.splitlines() if x.startswith("RuntimeError")),
                 "no RuntimeError: " + text[-500:].replace(chr(10), " | "))
     print(f"UniEnv {{what}}: {{line}}")
@@ -101,7 +103,7 @@ for what in ("sample", "epoch"):
 
 
 @pytest.mark.parametrize("method", START_METHODS)
-def test_sampler_and_epochs_in_a_1_mib_dev_shm_against_uniens(method):
+def test_sampler_and_epochs_in_a_1_mib_dev_shm_against_unienv(method):
     out = _tiny_shm.run(_TABLE.format(method=method))
     lines = out.splitlines()
     assert "unienv_mp sample: 20 batches" in lines
