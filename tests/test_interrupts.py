@@ -27,8 +27,11 @@ import torch
 from conftest import wait_until
 
 import _data
+from unienv_data.samplers import StepSampler
 
+from unienv_mp import MultiprocessingSampler
 from unienv_mp import _process, _work_encoder, _worker_handle, manager as M
+from unienv_mp._streams import Stream
 
 _NEVER_INTERRUPTED = {dis.opmap[name] for name in ("NOP", "PUSH_EXC_INFO", "POP_EXCEPT")}
 _handlers = {}   # code object -> offsets where its exception handlers start
@@ -582,3 +585,219 @@ def test_an_epoch_closed_by_a_ctrl_c_leaves_no_task_behind():
             assert interrupted(it.close)
         assert i.fired
         no_orphans(s)
+
+
+def take(m, n, method="sample"):
+    fn = getattr(m, method)
+    return [_data.indices_of(fn()) for _ in range(n)]
+
+
+def reference(n, seed=0, **kwargs):
+    """The first ``n`` batches of a sampler of 100 rows, batches of 8, one worker."""
+    from unienv_data.samplers import StepSampler
+    from unienv_mp import MultiprocessingSampler
+    rb = _data.replay_buffer(100)
+    with MultiprocessingSampler(StepSampler(rb, 8, seed=seed), n_workers=1, ctx="fork",
+                                **kwargs) as m:
+        return take(m, n)
+
+
+def positions(got, expected):
+    """Where in the stream each batch handed out lies."""
+    return [expected.index(b) if b in expected else None for b in got]
+
+
+# -- the stream's position and Ctrl-C ----------------------------------------------------
+
+
+def test_a_ctrl_c_as_a_chunk_arrives_hands_out_no_batch_twice():
+    """A Ctrl-C right after ``self.ready.extend(...)`` returns in Stream.arrived (after a
+    call is where CPython acts on a signal): ``ready`` holds the chunk's batches but
+    ``ready_chunk`` is not set, so reset() asks for the chunk again and its batches are
+    handed out twice."""
+    marker = "self.ready_chunk = chunk"
+    expected = reference(30, batches_per_task=3)
+    rb = _data.replay_buffer(100)
+    with MultiprocessingSampler(StepSampler(rb, 8, seed=0), n_workers=2, n_buffers=4,
+                                ctx="fork", batches_per_task=3, timeout=20) as m:
+        got = take(m, 3)                        # chunk 0
+        with interrupt_at(Stream.arrived, line_of(Stream.arrived, marker)) as i:
+            assert interrupted(m.sample)        # chunk 1 arriving
+        assert i.fired
+        got += take(m, 9)
+    where = positions(got, expected)
+    assert where == list(range(12)), f"stream positions handed out: {where}"
+
+
+def test_a_ctrl_c_as_a_restored_partial_chunk_arrives_hands_out_no_batch_twice():
+    """The same, just after the restored position's count of batches to skip was taken
+    off (Stream.skip is part of the position)."""
+    expected = reference(30, batches_per_task=3)
+    rb = _data.replay_buffer(100)
+    with MultiprocessingSampler(StepSampler(rb, 8, seed=0), n_workers=2, ctx="fork",
+                                batches_per_task=3) as m:
+        take(m, 4)
+        state = m.state_dict()                  # chunk 1: 1 of 3 handed out
+    assert state["streams"]["sample"]["partial"] == {1: 1}
+    with MultiprocessingSampler(StepSampler(rb, 8, seed=5), n_workers=2, n_buffers=4,
+                                ctx="fork", batches_per_task=3, timeout=20) as m:
+        m.load_state_dict(state)
+        extending = line_of(Stream.arrived, "self.ready.extend(")
+        with interrupt_at(Stream.arrived, extending) as i:
+            assert interrupted(m.sample)
+        assert i.fired
+        got = take(m, 8)
+    where = positions(got, expected)
+    assert where == list(range(4, 12)), f"stream positions handed out: {where}"
+
+
+def test_a_ctrl_c_as_low_moves_up_keeps_the_position():
+    """Out of order (in_order=False), handing out the lowest chunk moves ``low`` past the
+    chunks in ``done``.  A Ctrl-C in that loop (right after ``done.discard`` returns) must
+    not lose them: _sample then calls reset(), which asks again for every chunk the
+    position does not hold, so they would be handed out twice."""
+    s = Stream("sample", 2, 0)
+    tickets = iter(range(100))
+    s.top_up(lambda work, record: record.append(next(tickets)), 6)   # chunks 0..3
+    assert list(s.tickets) == [0, 1, 2, 3]
+    for t in (1, 2, 0):                     # chunk 0 arrives last
+        s.tickets.remove(t)
+        s.arrived(t, ("a", "b"))
+        s.ready.popleft(), s.ready.popleft()
+    assert (s.low, s.done, s.ready_chunk, len(s.ready)) == (0, {1, 2}, 0, 0)
+    s.tickets.remove(3)
+    with interrupt_at(Stream._handed_out, line_of(Stream._handed_out, "low += 1")) as i:
+        try:
+            s.arrived(3, ("a", "b"))        # chunk 0 joins the handed-out ones
+        except KeyboardInterrupt:
+            pass
+    assert i.fired
+    s.reset()                               # (as _sample does after a KeyboardInterrupt)
+    assert s.position()["low"] >= 3 and 0 not in s.retry and 1 not in s.retry, (
+        s.position(), s.retry)
+
+
+def test_a_ctrl_c_while_sample_cleans_up_after_a_timeout_leaves_no_cancelled_ticket():
+    """sample() timed out; as it cancels what it requested, a Ctrl-C comes (before
+    Stream.reset).  The stream still holds the cancelled tickets: the next sample()
+    asks the manager for one and raises KeyError."""
+    from test_reproducible import _SlowOnce
+    rb = _data.replay_buffer(100)
+    with MultiprocessingSampler(_SlowOnce(rb, 4, seed=3), n_workers=1, n_buffers=1,
+                                ctx="fork", batches_per_task=1, timeout=0.5,
+                                direct_gather=False) as m:
+        take(m, 3)
+        cleanup = line_of(MultiprocessingSampler._sample, "stream.reset()")
+        with interrupt_at(MultiprocessingSampler._sample, cleanup) as i:
+            with pytest.raises(KeyboardInterrupt):
+                m.sample()                  # the 4th batch takes 2 s: a timeout first
+        assert i.fired
+        time.sleep(2)
+        m.sample()                          # KeyError: unknown, cancelled ... ticket
+
+
+def test_a_ctrl_c_anywhere_in_sample_drops_at_most_the_batch_it_was_handing_out():
+    """A SIGINT before every bytecode of one sample() call in turn, the calls going on
+    along the stream: a call cut short drops at most the batch it was handing out (the
+    next call hands out that batch or the one after it), and never hands one out twice."""
+    from test_interrupts import Interrupter
+    from unienv_mp import _streams, sampler as S
+    expected = reference(2000, batches_per_task=4)
+    rb = _data.replay_buffer(100)
+    moved = []
+    with MultiprocessingSampler(StepSampler(rb, 8, seed=0), n_workers=2, n_buffers=4,
+                                ctx="fork", batches_per_task=4, timeout=20) as m:
+        j = len(take(m, 1))
+        interrupter = Interrupter({S.__file__, _streams.__file__}, within=("_sample",))
+        n = 0
+        while j < 1900:
+            n += 1
+            interrupter.arm(n)
+            try:
+                batch = _data.indices_of(m.sample())
+                cut = False
+            except KeyboardInterrupt:
+                cut = True
+            finally:
+                interrupter.disarm()
+            if not cut:
+                assert batch == expected[j]
+                j += 1
+                if not interrupter.fired:
+                    break              # the call is shorter than n bytecodes: all tried
+                continue
+            nxt = _data.indices_of(m.sample())
+            if nxt != expected[j]:
+                moved.append((n, positions([nxt], expected)[0] - j))
+                j = expected.index(nxt)
+            j += 1
+    assert moved and all(skipped == 1 for _, skipped in moved), (
+        f"(bytecode, batches skipped (+) or repeated (-)): {moved}")
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+@pytest.mark.parametrize("restored", [False, True])
+def test_a_ctrl_c_before_any_bytecode_of_the_stream_keeps_its_position(in_order, restored):
+    """Stream alone, driven as _sample drives it (a KeyboardInterrupt: reset()), with a
+    SIGINT before its 1st, 2nd, ... bytecode in turn: every batch is handed out at most
+    once, and what was handed out is what position() says."""
+    import random
+    from test_interrupts import Interrupter
+    from unienv_mp import _streams
+    from unienv_mp._streams import chunk_seed, stream_key
+    k, n_buffers = 3, 4
+    key = stream_key(0, "sample")
+    chunk_of_seed = {chunk_seed(key, c): c for c in range(1000)}
+    start = {"k": k, "low": 0, "done": [], "partial": {0: 1}} if restored else None
+    before = {(0, 0)} if restored else set()
+
+    def run(interrupter, n):
+        s = Stream.from_position("sample", 0, start) if restored else Stream("sample", k, 0)
+        results = {}
+        counter = iter(range(10 ** 6))
+        rng = random.Random(n)
+
+        def submit(work, record):
+            t = next(counter)
+            results[t] = tuple((chunk_of_seed[work[1]], i) for i in range(work[2]))
+            record.append(t)
+
+        def one():
+            ready, tickets = s.ready, s.tickets
+            if ready and len(ready) + k * len(tickets) > n_buffers:
+                return ready.popleft()
+            s.top_up(submit, n_buffers)
+            if ready:
+                return ready.popleft()
+            t = tickets[0] if in_order else rng.choice(list(tickets))
+            tickets.remove(t)
+            s.arrived(t, results[t])
+            return ready.popleft()
+
+        handed = []
+        interrupter.arm(n)
+        try:
+            while len(handed) < 20:
+                try:
+                    handed.append(one())
+                except KeyboardInterrupt:
+                    s.reset()
+        finally:
+            interrupter.disarm()
+        return s, handed
+
+    interrupter = Interrupter({_streams.__file__})
+    n = 0
+    while True:
+        n += 1
+        s, handed = run(interrupter, n)
+        assert len(set(handed)) == len(handed), f"bytecode {n}: a batch came twice: {handed}"
+        pos = s.position()
+        held = {(c, i) for c in range(pos["low"]) for i in range(k)}
+        held |= {(c, i) for c in pos["done"] for i in range(k)}
+        held |= {(c, i) for c, m in pos["partial"].items() for i in range(m)}
+        assert held == set(handed) | before, (
+            f"bytecode {n}: handed out {sorted(set(handed) | before)}, position {pos}")
+        if not interrupter.fired:
+            break
+    assert n > 100

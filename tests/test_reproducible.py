@@ -1,6 +1,5 @@
 """The stream of batches is a function of the seed and the batch's number alone, whatever the
 workers do, and a sampler's position can be saved and loaded (state_dict)."""
-import collections
 import os
 import pickle
 import signal
@@ -15,6 +14,7 @@ from unienv_data.samplers import StepSampler
 import _data
 from _data import indices_of, replay_buffer
 from conftest import wait_until
+from test_interrupts import interrupt_at, interrupted, line_of, positions, reference
 from unienv_mp import MultiprocessingSampler, WorkerError
 from unienv_mp._streams import base_seed, chunk_seed, stream_key
 
@@ -320,3 +320,91 @@ def test_a_state_of_another_configuration_is_refused():
         with pytest.raises(ValueError, match="version"):
             other.load_state_dict({**state, "version": 99})
         other.load_state_dict(state)     # and the matching one loads
+
+
+# -- state_dict and load_state_dict: states taken at awkward moments --------------------
+
+def test_a_state_taken_after_close_keeps_the_position():
+    """A checkpoint written after the training loop's ``with`` block: the state must say
+    where the streams were (or state_dict must refuse, as sampling calls do after
+    close()), not silently restart them."""
+    expected = reference(20)
+    rb = replay_buffer(100)
+    with MultiprocessingSampler(StepSampler(rb, 8, seed=0), n_workers=2, ctx="fork") as m:
+        take(m, 10)
+    try:
+        state = m.state_dict()
+    except RuntimeError:
+        return                                  # refusing is fine too
+    with MultiprocessingSampler(StepSampler(rb, 8, seed=0), n_workers=2, ctx="fork") as m:
+        m.load_state_dict(state)
+        got = take(m, 10)
+    where = positions(got, expected)
+    assert where == list(range(10, 20)), f"stream positions handed out: {where}"
+
+
+def test_a_state_taken_after_an_epoch_failed_to_start_continues_as_the_sampler_does():
+    """A Ctrl-C while an epoch over unshared data starts its workers (hundreds of ms):
+    the epoch generator is over, and the sampler's next epoch_iter() draws a new
+    permutation.  A state taken then must continue the same way, not resume the dead
+    epoch (it stays _current_epoch: the failure comes before the ``try``)."""
+    rb = replay_buffer(60)
+    with MultiprocessingSampler(StepSampler(rb, 6, seed=3), n_workers=2, ctx="fork") as m:
+        epoch = MultiprocessingSampler._epoch
+        starting = line_of(epoch, "manager, own = self._new_manager(), True")
+        with interrupt_at(epoch, starting) as i:
+            assert interrupted(next, m.epoch_iter())
+        assert i.fired
+        state = m.state_dict()
+        following = [indices_of(b) for b in m.epoch_iter()]
+    with MultiprocessingSampler(StepSampler(rb, 6, seed=9), n_workers=2, ctx="fork") as m:
+        m.load_state_dict(state)
+        resumed = [indices_of(b) for b in m.epoch_iter()]
+    assert resumed == following, f"the state holds {len(state['epochs'])} epoch in progress"
+
+
+def test_a_state_of_another_batches_per_task_is_refused_for_streams_not_started_yet():
+    """batches_per_task is part of the configuration a state fits, but only the streams
+    the state has positions for are compared: a stream started after loading follows
+    this sampler's k, and its batches differ from the original's."""
+    rb = replay_buffer(100, img=(3, 64, 64))   # sample(): 4 batches to a task, flat: 1
+    with MultiprocessingSampler(StepSampler(rb, 5, seed=1), n_workers=1, ctx="fork") as m:
+        assert m._chunk_size("sample") == 4 and m._chunk_size("sample_flat") == 1
+        take(m, 3)
+        state = m.state_dict()
+        flat = [indices_of(m.sample_flat(), img=(3, 64, 64)) for _ in range(4)]
+    with MultiprocessingSampler(StepSampler(rb, 5, seed=1), n_workers=1, ctx="fork",
+                                batches_per_task=4) as m:
+        try:
+            m.load_state_dict(state)
+        except ValueError as e:
+            assert "sample_flat() makes 1 batches per task in the state, 4 here" in str(e)
+            return
+        got = [indices_of(m.sample_flat(), img=(3, 64, 64)) for _ in range(4)]
+    assert got == flat, "loaded without a word, and sample_flat() gives other batches"
+
+
+@pytest.mark.parametrize("state", [None, "state.pt", [("format", 1)]])
+def test_a_state_that_is_not_a_dict_is_refused_with_value_error(state):
+    """_state.check says what is wrong with a non-dict; load_state_dict must get there."""
+    rb = replay_buffer(100)
+    with MultiprocessingSampler(StepSampler(rb, 5, seed=1), n_workers=1, ctx="fork") as m:
+        with pytest.raises(ValueError, match="not a state_dict"):
+            m.load_state_dict(state)
+
+
+class SeedRefused(StepSampler):
+    def manual_seed(self, seed):
+        raise ValueError("this sampler cannot be seeded")
+
+
+def test_a_sampler_whose_seeding_raises_gives_worker_errors_and_goes_on():
+    """The worker seeds the wrapped sampler for each chunk: a manual_seed that raises is
+    that chunk's error, as any error of the wrapped sampler."""
+    rb = replay_buffer(100)
+    with MultiprocessingSampler(SeedRefused(rb, 4, seed=0), n_workers=1, ctx="fork") as m:
+        for _ in range(2):
+            with pytest.raises(WorkerError) as info:
+                m.sample()
+            assert info.value.exc_type == "builtins.ValueError"
+            assert "this sampler cannot be seeded" in info.value.exc_message

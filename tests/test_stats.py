@@ -1,6 +1,7 @@
 """stats(): counts that agree with what was sampled, fractions that move the right way, the
 histogram, reset; the stall watchdog: a stuck worker reported with its stack, replaced,
 and a task that keeps stalling given up."""
+import os
 import time
 import warnings
 
@@ -10,6 +11,7 @@ from unienv_data.samplers import StepSampler
 import _data
 from _data import replay_buffer
 from conftest import wait_until
+from test_interrupts import interrupt_at, interrupted, line_of
 from unienv_mp import (MultiProcessingSampleManager, MultiprocessingSampler, SamplerStats,
                        WorkerError, WorkerStalledError, stats as S)
 from unienv_mp._streams import base_seed, chunk_seed, stream_key
@@ -304,3 +306,193 @@ def test_the_main_job_says_where_the_time_went(capsys):
     assert st["batches"] == rows["unienv_mp"]["batches"]     # the measured batches only
     assert len(st["workers"]) == 2 and st["bottleneck"] in ("workers", "consumer", "balanced")
     assert rows["in_process"]["stats"] is None
+
+
+# -- the stall watchdog: awkward moments -------------------------------------------------
+
+def test_a_stuck_worker_gives_its_stacks_where_there_are_no_pidfds(monkeypatch):
+    """Where pidfds are not available (_process falls back to the Process object), the
+    stacks are asked for with SIGUSR1 all the same."""
+    from test_stats import StuckOnFifth
+
+    def no_pidfds(pid):
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(os, "pidfd_open", no_pidfds)
+    rb = replay_buffer(100)
+    with MultiprocessingSampler(StuckOnFifth(rb, 4, seed=0), n_workers=1, n_buffers=2,
+                                ctx="fork", batches_per_task=1, stall_timeout=0.5,
+                                respawn=False) as m:
+        with pytest.raises(WorkerStalledError) as info:
+            for _ in range(10):
+                m.sample()
+    assert "in stuck_here" in info.value.worker_stack, info.value.worker_stack
+
+
+def test_a_ctrl_c_while_a_stalled_worker_is_killed_leaves_the_sampler_working():
+    """respawn=False: "that call raises WorkerStalledError at the first stall, and the next
+    call works (with a new worker)".  A Ctrl-C right after the SIGKILL (as the manager
+    waits for the exit status) must not turn the stall into a death that respawn=False
+    never recovers from."""
+    from test_stats import StuckOnFifth
+    from unienv_mp import WorkerDiedError
+    from unienv_mp.manager import MultiProcessingSampleManager as Manager
+    rb = replay_buffer(100)
+    with MultiprocessingSampler(StuckOnFifth(rb, 4, seed=0), n_workers=1, n_buffers=2,
+                                ctx="fork", batches_per_task=1, stall_timeout=0.5,
+                                respawn=False) as m:
+        for _ in range(4):
+            m.sample()
+        killed = line_of(Manager._bury, "code = _process.exit_code(w.proc, 1.0)")
+        with interrupt_at(Manager._bury, killed) as i:
+            assert interrupted(m.sample)
+        assert i.fired
+        worker = m._manager._lanes[0].worker
+        assert wait_until(worker.has_exited)       # (SIGKILL takes a moment)
+        outcomes = []
+        for _ in range(3):
+            try:
+                m.sample()
+                outcomes.append("ok")
+            except WorkerStalledError:
+                outcomes.append("stalled")
+            except WorkerDiedError:
+                outcomes.append("died")
+    assert "died" not in outcomes and outcomes[-1] == "ok", outcomes
+
+
+class Sticky:
+    """A leaf whose destructor hangs in a worker, for the ``n``-th batch."""
+
+    def __init__(self, n, parent):
+        self.n = n
+        self.parent = parent
+
+    def __del__(self):
+        if self.n == 3 and os.getpid() != self.parent:
+            time.sleep(60)
+
+
+class StickyBatches(StepSampler):
+    """Each batch carries a Sticky: the worker hangs as it drops its 3rd batch, after
+    publishing it."""
+
+    def __init__(self, data, batch_size, seed=None):
+        super().__init__(data, batch_size, seed=seed)
+        self.count = 0
+        self.parent = os.getpid()
+
+    def sample(self):
+        self.count += 1
+        batch = super().sample()
+        batch["tag"] = Sticky(self.count, self.parent)
+        return batch
+
+
+def test_a_worker_that_hangs_after_publishing_a_result_is_found_stalled():
+    """The worker counts its task as done (TASK_SINCE = 0) before it drops the task's
+    work and value: a worker that hangs there (a destructor) is on no task, so
+    stall_timeout never fires, and the tasks queued behind wait for ever (here, until
+    ``timeout``)."""
+    rb = replay_buffer(100)
+    with MultiprocessingSampler(StickyBatches(rb, 4, seed=0), n_workers=1, n_buffers=1,
+                                ctx="fork", batches_per_task=1, direct_gather=False,
+                                stall_timeout=0.5, timeout=8) as m:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for _ in range(6):
+                batch = m.sample()
+                assert batch["state"].shape == (4, 10)
+
+
+class SleepOnBig:
+    """Sleeps a minute on work of more than 1000 items (which travels in a spill
+    segment), returns the length of any other."""
+
+    def __call__(self, work):
+        if len(work) > 1000:
+            time.sleep(60)
+        return len(work)
+
+
+def test_a_task_given_up_after_a_stall_releases_its_spill_segment():
+    """Work info over TASK_INLINE travels in a one-off segment, closed when the task's
+    result arrives (_accept) or the task is dropped.  A stalled task given up gets its
+    WorkerStalledError as its result: its segment must go too, not stay until close()."""
+    import numpy as np
+    from unienv_mp.manager import MultiProcessingSampleManager as Manager
+    with Manager(SleepOnBig(), n_workers=1, ctx="fork", stall_timeout=0.3,
+                 respawn=False) as mgr:
+        t = mgr.submit(np.zeros(2000, dtype=np.int64))     # 16 KiB: a spill segment
+        assert len(mgr._resources.spills) == 1
+        with pytest.raises(WorkerStalledError):
+            mgr.result(t)
+        assert mgr.result(mgr.submit(np.zeros(10))) == 10  # (the replacement works)
+        assert mgr._resources.spills == [], "the spill segment is kept until close()"
+
+
+# -- the counters: what they must not count ----------------------------------------------
+
+class SlowToFail(StepSampler):
+    """Every other batch takes 0.1 s and then raises; the others take no time."""
+
+    def __init__(self, data, batch_size, seed=None):
+        super().__init__(data, batch_size, seed=seed)
+        self.count = 0
+
+    def get_at(self, idx):
+        self.count += 1
+        if self.count % 2 == 0:
+            time.sleep(0.1)
+            raise KeyError("no such row")
+        return super().get_at(idx)
+
+
+def test_the_mean_time_per_batch_counts_only_the_batches_made():
+    """seconds_per_batch_mean is "a task's time over its batches", as the histogram's
+    p99 is: the time of tasks that raised (which made no batch) must not be spread over
+    the batches of the others (the mean then exceeds every batch's time)."""
+    rb = replay_buffer(100)
+    with MultiprocessingSampler(SlowToFail(rb, 4, seed=0), n_workers=1, n_buffers=1,
+                                ctx="fork", batches_per_task=1, direct_gather=False) as m:
+        for _ in range(10):
+            try:
+                m.sample()
+            except WorkerError:
+                pass
+        assert wait_until(lambda: m.stats().workers[0].errors >= 5)
+        w = m.stats().workers[0]
+    assert w.batches >= 5
+    assert w.seconds_per_batch_mean <= w.seconds_per_batch_p99 * 1.25, w
+
+
+def test_a_replacement_that_has_not_started_yet_adds_no_time_alive():
+    """Between a replacement's start() and its first instructions (seconds under spawn),
+    its counter block is all zeros: STARTED = 0.  The worker's time alive must not count
+    the whole time since the reset again (busy_fraction halves), nor its CPU fraction
+    take the time since boot."""
+    from unienv_mp import stats as S
+    s = 10 ** 9
+    record = S.WorkerRecord(1 * s)                  # the lane made at t = 1 s
+    first = [0] * S.COUNTERS
+    first[S.STARTED], first[S.TASKS], first[S.BATCHES], first[S.BUSY] = 1 * s, 10, 10, 9 * s
+    record.process_ended(first, 11 * s)             # busy 9 of its 10 s, then died
+    fresh = [0] * S.COUNTERS                        # the replacement, not started yet
+    w = record.report(0, 1234, fresh, 11 * s + s // 2, cpu_seconds=0.0)
+    assert w.busy_fraction >= 0.8, w                # 9 s busy of 10.5 s
+    assert w.cpu_fraction is None or w.cpu_fraction == 0.0
+
+
+def test_a_worker_just_started_under_spawn_has_no_cpu_fraction_yet():
+    """The same with a real process: under spawn a worker's STARTED stays 0 for as long
+    as the new interpreter takes to start; its cpu_fraction is then unknown (None), not
+    its CPU time over the time since boot."""
+    from unienv_mp import stats as S
+    from unienv_mp.manager import MultiProcessingSampleManager as Manager
+    from test_stats import Echo
+    with Manager(Echo(), n_workers=1, ctx="spawn") as mgr:
+        started = mgr._lanes[0].worker.counters()[S.STARTED]
+        w = mgr.stats().workers[0]
+        assert wait_until(lambda: mgr._lanes[0].worker.counters()[S.STARTED] != 0, 30)
+    assert started == 0
+    assert w.cpu_fraction is None, w

@@ -172,7 +172,8 @@ def send_signal(proc, sig):
     fd = getattr(proc, _PIDFD, None)
     try:
         if fd is None:
-            proc.kill() if sig == signal.SIGKILL else proc.terminate()
+            if proc.exitcode is None:
+                os.kill(proc.pid, sig)
         elif fd >= 0:
             signal.pidfd_send_signal(fd, sig)
     except (ValueError, AssertionError, OSError):

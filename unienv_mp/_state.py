@@ -14,6 +14,7 @@ it pickles (``torch.save`` and ``pickle`` both work)::
 """
 import copy
 import pickle
+import sys
 
 __all__ = ["FORMAT", "VERSION", "configuration", "check", "capture_rngs", "restore_rngs"]
 
@@ -68,7 +69,7 @@ def check(state, here):
         if saved.get(key) != here[key]:
             differ.append(f"{key} is {saved.get(key)!r} in the state, {here[key]!r} here")
     for method, k in saved.get("chunks", {}).items():
-        mine = here["chunks"].get(method)
+        mine = here["chunks"].get(method)   # (every sample* method of both)
         if mine is not None and mine != k:
             differ.append(f"{method}() makes {k} batches per task in the state, {mine} here "
                           f"(batches_per_task)")
@@ -78,21 +79,43 @@ def check(state, here):
 
 
 def capture_rngs(sampler):
-    """Copies of the wrapped sampler's RNGs as they are now."""
-    return {name: _copy_rng(getattr(sampler, name, None)) for name in _RNGS}
+    """The wrapped sampler's RNGs as they are now, as picklable values: a
+    ``torch.Generator`` as its device and state (torch before 2.4 could not pickle
+    generators), anything else (numpy's, JAX keys) as a copy."""
+    return {name: _saved_rng(getattr(sampler, name, None)) for name in _RNGS}
 
 
 def restore_rngs(sampler, rngs):
-    """Give the wrapped sampler copies of the RNGs in ``rngs`` (see :func:`capture_rngs`)."""
+    """Give the wrapped sampler RNGs in the states of ``rngs`` (see :func:`capture_rngs`)."""
     for name in _RNGS:
         if name in rngs:
-            setattr(sampler, name, _copy_rng(rngs[name]))
+            setattr(sampler, name, _restored_rng(rngs[name]))
 
 
-def _copy_rng(rng):
+class _TorchGenerator:
+    """A ``torch.Generator``'s device and state."""
+
+    def __init__(self, device, state):
+        self.device = device
+        self.state = state
+
+
+def _saved_rng(rng):
     if rng is None:
         return None
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(rng, torch.Generator):
+        return _TorchGenerator(str(rng.device), rng.get_state())
     try:
         return copy.deepcopy(rng)
     except Exception:
         return pickle.loads(pickle.dumps(rng))
+
+
+def _restored_rng(saved):
+    if isinstance(saved, _TorchGenerator):
+        import torch
+        rng = torch.Generator(device=saved.device)
+        rng.set_state(saved.state)
+        return rng
+    return _saved_rng(saved)   # (a copy: the state stays as it was for another load)

@@ -92,7 +92,7 @@ class Stream:
     caller then cancels ``tickets`` and calls :meth:`reset`.  The position is safe at
     every step: it is read from ``low``, ``done`` and what is left in ``ready``."""
     __slots__ = ("method", "k", "key", "tickets", "chunk_of", "ready", "ready_chunk", "low",
-                 "done", "next_new", "retry", "skip")
+                 "done", "next_new", "retry", "skip", "filling")
 
     def __init__(self, method, k, base):
         self.method = method
@@ -107,6 +107,7 @@ class Stream:
         self.next_new = 0      # chunks from here on were never requested
         self.retry = []        # chunks below next_new to request (again), ascending
         self.skip = {}         # chunk -> batches of it handed out before (a restored position)
+        self.filling = None    # the chunk whose batches arrived() is putting in ready
 
     # -- requesting ---------------------------------------------------------------------
 
@@ -133,35 +134,45 @@ class Stream:
         """The task of ``ticket`` came back with ``batches`` (a tuple of ``k``): they are
         handed out next (the ones a restored position says were handed out are dropped).
         The ticket must already be off ``tickets``."""
-        chunk = self.chunk_of.pop(ticket)
+        # (ordered so that a KeyboardInterrupt between any two steps leaves a position
+        # that reset() and position() read right: ``filling`` marks batches in ``ready``
+        # whose chunk is not ready_chunk yet, and skip goes only once they are there)
+        chunk = self.chunk_of[ticket]
         self.finish_ready()   # (the caller collects a chunk once the last one is out)
-        skip = self.skip.pop(chunk, 0)
+        skip = self.skip.get(chunk, 0)
+        self.filling = chunk
         self.ready.extend(batches[skip:] if skip else batches)
         self.ready_chunk = chunk
+        self.filling = None
+        self.skip.pop(chunk, None)
+        del self.chunk_of[ticket]
         if not self.ready:
             self.finish_ready()
 
     def failed(self, ticket):
         """The task of ``ticket`` raised: its chunk counts as handed out."""
-        chunk = self.chunk_of.pop(ticket, None)
+        chunk = self.chunk_of.get(ticket)
         if chunk is not None:
-            self.skip.pop(chunk, None)
             self._handed_out(chunk)
+            self.skip.pop(chunk, None)
+            del self.chunk_of[ticket]
 
     def finish_ready(self):
         """If every batch of ``ready_chunk`` is handed out, it joins the handed-out chunks."""
-        if self.ready_chunk is not None and not self.ready:
-            chunk, self.ready_chunk = self.ready_chunk, None
-            self._handed_out(chunk)
+        chunk = self.ready_chunk
+        if chunk is not None and not self.ready:
+            self._handed_out(chunk)   # (first, and it may run twice: cut short, no loss)
+            self.ready_chunk = None
 
     def _handed_out(self, chunk):
         if chunk == self.low:
             low = chunk + 1
             done = self.done
             while low in done:
-                done.discard(low)
                 low += 1
-            self.low = low
+            self.low = low          # first: chunks below low left in done are harmless
+            for c in range(chunk + 1, low):
+                done.discard(c)
         elif chunk > self.low:
             self.done.add(chunk)
 
@@ -172,13 +183,23 @@ class Stream:
         handed out are requested again, from the lowest."""
         self.tickets.clear()
         self.chunk_of.clear()
+        self._drop_filling()
         self.finish_ready()
         missing = [c for c in range(self.low, self.next_new)
                    if c not in self.done and c != self.ready_chunk]
         self.retry = missing
 
+    def _drop_filling(self):
+        """arrived() was cut short putting a chunk's batches in ``ready``: drop them (the
+        chunk is not handed out, and is asked for again)."""
+        if self.filling is not None:
+            if self.ready_chunk != self.filling:
+                self.ready.clear()
+            self.filling = None
+
     def position(self):
         """The position as plain data (see :meth:`from_position`)."""
+        self._drop_filling()
         self.finish_ready()
         partial = dict(self.skip)
         if self.ready_chunk is not None:

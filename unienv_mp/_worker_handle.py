@@ -332,11 +332,14 @@ class WorkerHandle:
         counters = self._counters
         if counters is None:
             return
+        # (the worker writes TICKET, then TASK_SINCE, per task: read the other way round,
+        # and again, a ticket that did not change is the one TASK_SINCE belongs to)
+        ticket = counters[_stats.TICKET]
         since = counters[_stats.TASK_SINCE]
-        if since:
+        if since and counters[_stats.TICKET] == ticket:
             elapsed = time.monotonic_ns() - since
             if elapsed > stall_ns:
-                raise WorkerStalled(self, counters[_stats.TICKET], elapsed / 1e9)
+                raise WorkerStalled(self, ticket, elapsed / 1e9)
 
     def stacks(self, timeout=2.0):
         """The process's Python stacks, all threads, as text (faulthandler's format), or a

@@ -119,7 +119,7 @@ class _Lane:
     """What the manager keeps for one worker: its handle, the tickets in flight on its
     process (in the order given), the tasks waiting for a (new) process, how many of its
     processes died since one last produced a result, and its counters' record."""
-    __slots__ = ("worker", "inflight", "waiting", "deaths_in_a_row", "record")
+    __slots__ = ("worker", "inflight", "waiting", "deaths_in_a_row", "record", "stall")
 
     def __init__(self, worker):
         self.worker = worker
@@ -127,6 +127,7 @@ class _Lane:
         self.waiting = []
         self.deaths_in_a_row = 0
         self.record = _stats.WorkerRecord(time.monotonic_ns())
+        self.stall = None   # (WorkerStalled, stacks) of a process killed for it, not buried
 
 
 class _Resources:
@@ -336,10 +337,11 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         (it keeps dying) be replaced.  A stalled one is always replaced; its task in hand
         fails with WorkerStalledError unless it may be tried again (see stall_timeout)."""
         w = lane.worker
-        stalled = cause if isinstance(cause, WorkerStalled) else None
-        if stalled is not None:
+        if isinstance(cause, WorkerStalled):
             stacks = w.stacks()
+            lane.stall = (cause, stacks)   # (before the kill: its death is this stall)
             _process.send_signal(w.proc, signal.SIGKILL)
+        stalled, stacks = lane.stall if lane.stall is not None else (None, None)
         code = _process.exit_code(w.proc, 1.0) if w.proc is not None else None
         pid = w.pid
         if w.has_process:
@@ -363,8 +365,10 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 deaths = 0   # (the task that kept stalling is given up)
                 error = WorkerStalledError(message, stacks, w.index, stalled.seconds)
             else:
-                warnings.warn(f"{message}\nIts task is given to the replacement.",
-                              RuntimeWarning, stacklevel=4)
+                task = self._tasks.get(stalled.ticket)
+                fate = ("Its task is given to the replacement." if task is not None
+                        and not task.cancelled else "Its task was no longer wanted.")
+                warnings.warn(f"{message}\n{fate}", RuntimeWarning, stacklevel=4)
         elif not self.respawn:
             lane.deaths_in_a_row = deaths
             raise WorkerDiedError(f"worker {w.index} (pid {pid}) {how}; respawn=False",
@@ -385,6 +389,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         try:
             with _process.interrupts_deferred():
                 lane.deaths_in_a_row = deaths
+                lane.stall = None
                 lane.record.process_ended(w.counters(), time.monotonic_ns())
                 if failed is not None:
                     failed.error = error
@@ -711,6 +716,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 del lease
         except Exception:
             self._tasks.pop(task.ticket, None)   # (the caller hears why instead)
+            self._release_spill(task)
             if not task.leases:
                 self._give_back_slot(task)
             raise
@@ -906,7 +912,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         count = (lambda work: 1) if self._batches_in is None else self._batches_in
         ready = 0
         for task in self._tasks.values():
-            if task.arrived and not task.cancelled:
+            if (task.arrived and not task.cancelled and task.status == _ST_OK
+                    and task.error is None):
                 ready += count(task.work)
         workers = []
         for lane in self._lanes:

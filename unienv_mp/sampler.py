@@ -305,9 +305,10 @@ class MultiprocessingSampler(BatchSampler):
         except BaseException:
             # Cut short (Ctrl-C, a timeout, a worker that died for good): what was
             # requested is asked for again next time, the position stays where it is.
-            for t in tickets:
-                manager.cancel(t)
-            stream.reset()
+            with _process.interrupts_deferred():
+                for t in tickets:
+                    manager.cancel(t)
+                stream.reset()
             raise
 
     def _chunk_size(self, name):
@@ -347,7 +348,6 @@ class MultiprocessingSampler(BatchSampler):
             progress = EpochProgress(getter, epoch_order(self.sampler), self.batch_size)
         batches = split_epoch(progress.order, progress.batch_size)
         todo = progress.remaining()
-        self._current_epoch = progress
         if _data_is_shared(self.sampler):
             manager, own = self._ensure_manager(), False
         else:
@@ -355,6 +355,7 @@ class MultiprocessingSampler(BatchSampler):
             # needs workers started now.
             manager, own = self._new_manager(), True
             self._epoch_managers.add(manager)
+        self._current_epoch = progress
         pending = collections.deque()
         number = {}   # ticket -> batch number
         nxt = 0
@@ -529,7 +530,8 @@ class MultiprocessingSampler(BatchSampler):
         yields exactly the rest of it, and the one after starts a new epoch as the
         original's would have.  Raises ``ValueError`` (saying what differs) for a state
         of another configuration."""
-        _state.check(state, self._configuration(state.get("streams", {})))
+        _state.check(state, self._configuration(
+            state.get("streams", {}) if isinstance(state, dict) else {}))
         epochs = [EpochProgress.from_position(p) for p in state["epochs"]]
         for p in epochs:
             if len(p.order) != len(self.sampler.data) or p.batch_size != self.batch_size:
@@ -545,6 +547,8 @@ class MultiprocessingSampler(BatchSampler):
             self._resume = {p.getter: p for p in epochs}
 
     def _configuration(self, methods):
+        methods = set(methods) | {n for n in dir(self.sampler) if n.startswith("sample")
+                                  and callable(getattr(self.sampler, n, None))}
         return _state.configuration(self.sampler, {m: self._chunk_size(m) for m in methods})
 
     @property
@@ -631,7 +635,9 @@ class MultiprocessingSampler(BatchSampler):
         for epoch_manager in list(getattr(self, "_epoch_managers", ())):
             epoch_manager.close()
             self._epoch_managers.discard(epoch_manager)
-        self._streams = {}
+        # (positions kept, for a state_dict() after close(); requests dropped)
+        self._streams = {name: Stream.from_position(name, self._base, st.position())
+                         for name, st in self._streams.items()}
 
     def __enter__(self):
         return self

@@ -34,12 +34,12 @@ __all__ = ["SamplerStats", "WorkerStats"]
 
 # -- the counter block ---------------------------------------------------------------------
 
-STARTED, TASKS, BATCHES, ERRORS, BUSY, TASK_SINCE, TICKET = range(7)   # (WorkerCounters
+STARTED, TASKS, BATCHES, ERRORS, BUSY, TASK_SINCE, TICKET, MADE = range(8)   # (WorkerCounters
 #                                                                         writes them out)
 HIST = 8
 N_BUCKETS = 96
 COUNTERS = HIST + N_BUCKETS
-_SUMMED = (TASKS, BATCHES, ERRORS, BUSY)
+_SUMMED = (TASKS, BATCHES, ERRORS, BUSY, MADE)
 
 
 def bucket_of(ns):
@@ -86,6 +86,7 @@ class WorkerCounters:
             view[3] += 1      # ERRORS
             return
         view[2] += batches    # BATCHES
+        view[7] += elapsed_ns # MADE (the time of the tasks that made batches)
         ns = elapsed_ns // batches
         b = ns.bit_length()   # (bucket_of, inlined)
         i = 0 if b <= 10 else 4 * (b - 11) + ((ns >> (b - 3)) & 3)
@@ -174,6 +175,8 @@ class WorkerRecord:
         it started (None: unknown)."""
         alive = self.alive_ns
         c = self.totals
+        if counters is not None and not counters[STARTED]:
+            counters = None   # (a process not started yet: nothing of it to count)
         task_seconds = cpu_fraction = None
         if counters is not None and cpu_seconds is not None:
             since_ns, used = counters[STARTED], cpu_seconds
@@ -193,7 +196,7 @@ class WorkerRecord:
         return WorkerStats(
             index=index, pid=pid, batches=batches, tasks=c[TASKS],
             busy_fraction=min(1.0, c[BUSY] / alive) if alive > 0 else 0.0,
-            seconds_per_batch_mean=c[BUSY] / batches / 1e9 if batches else None,
+            seconds_per_batch_mean=c[MADE] / batches / 1e9 if batches else None,
             seconds_per_batch_p99=quantile(c, 0.99), respawns=self.respawns,
             errors=c[ERRORS], task_seconds=task_seconds, cpu_fraction=cpu_fraction)
 

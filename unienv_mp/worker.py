@@ -232,9 +232,9 @@ def worker_main(index, target_fn, seg, doorbell_seg, parent_pid, init_fn, seed, 
             except Exception as e:
                 value, status = error_payload(e), P.ST_ERROR
             status = send(status, slot, ticket, value)
-            end(1 if batches_in is None or work is None else batches_in(work),
-                status != _ST_OK, clock() - t0)
-            del work, value
+            n = 1 if batches_in is None or work is None else batches_in(work)
+            del work, value   # (destructors are part of the task: a hang there is a stall)
+            end(n, status != _ST_OK, clock() - t0)
     except (RingClosed, _Stop):
         pass
 
