@@ -30,13 +30,30 @@ def take(m, n, method="sample"):
 
 # -- the seeds --------------------------------------------------------------------------
 
-def test_chunk_seeds_are_splitmix64_outputs():
-    # SplitMix64's published outputs from state 1234567, cut to 63 bits
-    reference = [6457827717110365317, 3203168211198807973, 9817491932198370423,
-                 4593380528125082431, 16408922859458223821]
-    assert [chunk_seed(1234567, c) for c in range(5)] == [x >> 1 for x in reference]
+def test_chunk_seeds_of_a_stream_are_distinct_32_bit_numbers():
+    # torch's CPU generator keeps only a seed's low 32 bits: seeds must differ there.
+    for key in (0, 1234567, stream_key(base_seed(StepSampler(replay_buffer(10), 4, seed=0)),
+                                       "sample"), 2**64 - 1):
+        seeds = [chunk_seed(key, c) for c in range(200_000)]
+        assert all(0 <= s < 2**32 for s in seeds)
+        assert len(set(seeds)) == len(seeds)
+        # a bijection of the chunk number modulo 2**32: chunk 2**32 + c is chunk c again
+        assert chunk_seed(key, 2**32 + 7) == seeds[7]
+    # neighbouring chunks' seeds differ in about half their bits
+    key = stream_key(1, "sample")
+    flips = [bin(chunk_seed(key, c) ^ chunk_seed(key, c + 1)).count("1") for c in range(4096)]
+    assert 15 < sum(flips) / len(flips) < 17
     keys = {stream_key(base, m) for base in (0, 1, 2**64 - 1) for m in ("sample", "sample_flat")}
     assert len(keys) == 6
+
+
+def test_chunks_far_apart_in_a_long_stream_draw_different_indices():
+    # With 63-bit seeds cut to 32 bits by torch, chunks 93322 and 120606 of this stream
+    # drew the same rows.
+    rb = replay_buffer(1000)
+    key = stream_key(base_seed(StepSampler(rb, 32, seed=0)), "sample")
+    a, b = (StepSampler(rb, 32, seed=chunk_seed(key, c)) for c in (93322, 120606))
+    assert not torch.equal(a.sample_index(), b.sample_index())
 
 
 def test_the_base_seed_reads_the_rng_without_drawing_from_it():

@@ -5,7 +5,7 @@ random number generators in the parent (epochs draw their permutations from them
 The state is a small dict of plain values and the sampler's own RNG and index objects, so
 it pickles (``torch.save`` and ``pickle`` both work)::
 
-    {"format": "unienv_mp.MultiprocessingSampler", "version": 1,
+    {"format": "unienv_mp.MultiprocessingSampler", "version": 2,
      "configuration": {...},     # see configuration()
      "base_seed": int,           # of the sample* streams (see unienv_mp._streams)
      "rngs": {"rng": ..., "data_rng": ...},
@@ -19,7 +19,7 @@ import sys
 __all__ = ["FORMAT", "VERSION", "configuration", "check", "capture_rngs", "restore_rngs"]
 
 FORMAT = "unienv_mp.MultiprocessingSampler"
-VERSION = 1
+VERSION = 2
 
 _RNGS = ("rng", "data_rng")
 

@@ -10,13 +10,18 @@ the method and ``j`` alone: not of which worker made it, how many workers there 
 whether one died and its chunk was made again, how many batches are requested ahead, or
 which path (direct or generic) made it.
 
-**Seeds.** The base is taken from the wrapped sampler's RNG state without drawing from it
+**Seeds.**  The base is taken from the wrapped sampler's RNG state without drawing from it
 (:func:`base_seed`), so a sampler's epochs, drawn from that RNG in the parent, stay
-UniEnv's.  A stream's key is ``mix(mix(base) ^ crc32(method))`` and chunk ``c``'s seed is
-SplitMix64's output ``c`` from that key (:func:`chunk_seed`): a counter-based generator
-whose outputs for neighbouring counters, and for different keys, are decorrelated by its
-finaliser ``mix`` (Steele, Lea and Flood, "Fast splittable pseudorandom number
-generators", OOPSLA 2014).
+UniEnv's.  A stream's key is ``mix(mix(base) ^ crc32(method))``, with ``mix`` SplitMix64's
+finaliser (Steele, Lea and Flood, "Fast splittable pseudorandom number generators",
+OOPSLA 2014).  Chunk ``c``'s seed (:func:`chunk_seed`) is a 32-bit number: a keyed
+bijection of ``c`` modulo 2**32 (the key's low half added, MurmurHash3's 32-bit finaliser,
+the key's high half xored in).  32 bits because torch's CPU generator, which UniEnv's
+torch samplers use, keeps only the low 32 bits of a seed (mt19937's seeding): with wider
+seeds, two chunks of a long stream would share a seed by the birthday bound (one pair
+expected among some 77,000 chunks) and repeat each other's batches.  A bijection gives the
+first 2**32 chunks of a stream distinct seeds; the finaliser decorrelates the seeds of
+neighbouring chunks, and the key those of different methods and base seeds.
 
 **Position.** What the caller has been handed is a set of whole chunks and a part of one:
 every chunk below ``low``, the chunks in ``done`` (above ``low``: handed out out of order,
@@ -35,7 +40,7 @@ import zlib
 __all__ = ["Stream", "EpochProgress", "base_seed", "stream_key", "chunk_seed"]
 
 _MASK = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
+_MASK32 = (1 << 32) - 1
 
 
 def _mix(z):
@@ -50,10 +55,19 @@ def stream_key(base, method):
     return _mix(_mix(base & _MASK) ^ zlib.crc32(method.encode()))
 
 
+def _mix32(z):
+    """MurmurHash3's 32-bit finaliser (a bijection of 32-bit integers)."""
+    z ^= z >> 16
+    z = (z * 0x85EBCA6B) & _MASK32
+    z ^= z >> 13
+    z = (z * 0xC2B2AE35) & _MASK32
+    return z ^ (z >> 16)
+
+
 def chunk_seed(key, chunk):
-    """The seed of chunk ``chunk`` of the stream with key ``key``: SplitMix64's output
-    number ``chunk`` (from 0) from state ``key``, cut to 63 bits (every backend takes it)."""
-    return _mix((key + (chunk + 1) * _GOLDEN) & _MASK) >> 1
+    """The seed of chunk ``chunk`` of the stream with key ``key``: a 32-bit number, distinct
+    for the chunks ``0`` to ``2**32 - 1`` of one stream (see the module's docstring)."""
+    return _mix32((chunk + key) & _MASK32) ^ ((key >> 32) & _MASK32)
 
 
 def _state_bytes(rng):
