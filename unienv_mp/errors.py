@@ -69,6 +69,15 @@ class WorkerError(RuntimeError):
             f"--- worker traceback ---\n{worker_traceback}"
         )
 
+    @classmethod
+    def from_payload(cls, info, worker=None, prefix=""):
+        """The error a worker described in ``info`` (``worker.error_payload``'s dict: type,
+        message, traceback, and the exception pickled on its own, or None), its message
+        prefixed with ``prefix``.  ``original`` is None if the exception cannot be loaded
+        here (e.g. its class lives in a module only the worker can import)."""
+        return cls(info["type"], prefix + info["message"], info["traceback"],
+                   _loads_or_none(info["exception"]), worker)
+
     def __reduce__(self):
         # The original travels pickled on its own: if it cannot be loaded where this
         # error arrives, only ``original`` is lost (None), not type, message and traceback.

@@ -37,8 +37,7 @@ from ._validate import check_int, check_seconds
 from ._work_encoder import WorkEncoder, spill_entry
 from ._worker_handle import (RESULT_INLINE, TASK_CAPACITY, TASK_INLINE, Launch, WorkerDied,
                              WorkerHandle, WorkerStalled)
-from .errors import (RingClosed, WorkerDiedError, WorkerError, WorkerStalledError,
-                     _loads_or_none)
+from .errors import RingClosed, WorkerDiedError, WorkerError, WorkerStalledError
 
 __all__ = ["MultiProcessingSampleManager", "TaskInfoT", "ResultT", "TASK_CAPACITY",
            "TASK_INLINE", "RESULT_INLINE"]
@@ -567,7 +566,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         if status == _ST_FATAL:
             w.result_recorded()   # (the worker exits; a replacement starts afresh)
             info = _codec.decode(payload, copy=True)
-            raise self._worker_error(info, w.index, "could not start: ")
+            raise WorkerError.from_payload(info, w.index, "could not start: ")
         tasks = self._tasks
         task = tasks.get(ticket)
         if task is None or task.worker != w.index:
@@ -724,14 +723,9 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         if not task.leases:
             self._give_back_slot(task)
         if status == _ST_ERROR:
-            raise self._worker_error(value, task.worker)
+            raise WorkerError.from_payload(value, task.worker)
         self._delivered += 1 if self._batches_in is None else self._batches_in(task.work)
         return value
-
-    @staticmethod
-    def _worker_error(info, index, prefix=""):
-        return WorkerError(info["type"], prefix + info["message"], info["traceback"],
-                           _loads_or_none(info["exception"]), index)
 
     def result(self, ticket: int, timeout: Optional[float] = None):
         """The result of a :meth:`submit` ticket, waiting for it if needed.  Raises

@@ -40,7 +40,7 @@ def error_payload(exc, max_traceback=_MAX_TRACEBACK, max_message=_MAX_TRACEBACK)
     itself, pickled (bytes), when it survives pickling *and unpickling* here (an exception
     whose ``__init__`` takes other arguments than its ``args`` pickles but does not load).
     It is pickled on its own so that the receiver, which may not be able to import its
-    class, still gets the rest (see errors._loads_or_none)."""
+    class, still gets the rest (see ``WorkerError.from_payload``)."""
     try:
         original = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
         if type(pickle.loads(original)) is not type(exc):
