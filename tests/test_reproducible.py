@@ -367,9 +367,8 @@ def test_a_state_taken_after_an_epoch_failed_to_start_continues_as_the_sampler_d
     epoch (it stays _current_epoch: the failure comes before the ``try``)."""
     rb = replay_buffer(60)
     with MultiprocessingSampler(StepSampler(rb, 6, seed=3), n_workers=2, ctx="fork") as m:
-        epoch = MultiprocessingSampler._epoch
-        starting = line_of(epoch, "manager, own = self._new_manager(), True")
-        with interrupt_at(epoch, starting) as i:
+        starting = MultiprocessingSampler._epoch_manager
+        with interrupt_at(starting, line_of(starting, "manager = self._new_manager()")) as i:
             assert interrupted(next, m.epoch_iter())
         assert i.fired
         state = m.state_dict()

@@ -26,7 +26,7 @@ from ._validate import check_int, check_seconds
 from .errors import WorkerError
 from .manager import MultiProcessingSampleManager
 
-__all__ = ["MultiprocessingSampler"]
+__all__ = ["SamplerBase", "MultiprocessingSampler"]
 
 #: Batches smaller than this are made several to a task (see ``batches_per_task``) ...
 _CHUNK_BYTES = 256 * 1024
@@ -52,105 +52,36 @@ def _device_type(device):
     return str(device).split(":")[0]
 
 
-class MultiprocessingSampler(BatchSampler):
-    """Run ``sampler``'s ``sample*`` methods, and epochs over its ``get*_at`` methods, in
-    ``n_workers`` processes, keeping ``n_buffers`` batches in flight per method.
+def _check_cpu(sampler, who):
+    """Raise ValueError unless ``sampler``'s batches and data are on the CPU."""
+    data_device = getattr(getattr(sampler, "data", None), "device", None)
+    for what, dev in (("sampler.device", sampler.device),
+                      ("sampler.data.device", data_device)):
+        if _device_type(dev) not in ("cpu",):
+            raise ValueError(
+                f"{who} returns CPU batches from its workers, but {what} is {dev!r}: wrap "
+                f"a sampler whose data and batches are on the CPU and move batches to "
+                f"{dev!r} in the training loop")
 
-    A drop-in for ``unienv_data.samplers.MultiprocessingSampler`` (same constructor, same
-    methods and properties), with batches moved through shared memory instead of pickles.
-    As in UniEnv, the ``sample*`` workers start at the first call and see the data as it
-    was then (unless it is shared between processes, e.g. a ReplayBuffer made with
-    ``multiprocessing=True``), and an epoch over unshared data starts workers of its own.
 
-    Args:
-        sampler: the ``BatchSampler`` to run in the workers (e.g. a ``StepSampler``).  Its
-            batches must be on the CPU; move them to the GPU in the training loop.
-        n_workers: worker processes.
-        n_buffers: batches requested ahead of the caller, per method.
-        ctx: multiprocessing context or start method name (``"fork"``, ``"spawn"``,
-            ``"forkserver"``); default: the current default context.  Under spawn and
-            forkserver the sampler (and its data) must be picklable.
-        doze_time: how often, in seconds, a waiting side checks that the other is alive.
-            Nothing sleeps for it on the hot path: waits are woken by the other side.
-        daemon: passed to ``Process``.
-        shared_memory: accepted for compatibility with UniEnv and ignored: batches always
-            travel through shared memory here.
-        in_order: ``True`` (default): batches come back in the order of the stream (the
-            ``j``-th batch of a ``sample*`` method depends only on the seed and ``j``:
-            not on ``n_workers``, ``n_buffers``, the start method, ``direct_gather`` or
-            workers dying; see :mod:`unienv_mp._streams`).  ``False``: each call returns
-            the first batch ready; the same batches come, possibly in another order.
-        copy: ``False`` (default): arrays of a batch are zero-copy views of a shared slot.
-            They are safe to keep: the slot is reused only after every array of the batch
-            (of every batch of its task, see ``batches_per_task``) is garbage collected
-            (when many slots are held at once, later ones are copied instead).  ``True``:
-            every batch is copied out of its slot.
-        timeout: seconds to wait for one batch before raising ``TimeoutError`` (default:
-            wait as long as the workers are alive).
-        respawn: ``True`` (default): a worker that dies is replaced and its unfinished
-            batches are requested again, so the caller sees no gap; ``False``: raise
-            :class:`~unienv_mp.WorkerDiedError`.
-        direct_gather: ``None`` (default): where the wrapped sampler's batches are rows of
-            tensors held in memory (a ``StepSampler`` over a ``ReplayBuffer`` of
-            ``PytorchTensorStorage``, ``DictStorage`` or ``FlattenedStorage``; see
-            :mod:`unienv_mp.gather`), workers draw the indices with the wrapped sampler's
-            own RNG and gather the rows straight into the shared slot, with no
-            intermediate batch; everything else runs the wrapped sampler's methods.
-            ``True``: require that, raising ``ValueError`` (saying why) if it does not
-            apply.  ``False``: always run the wrapped sampler's methods.  Both paths give
-            the same batches, bit for bit, for the same seed; :attr:`gather_path` says
-            which one ``sample()`` and ``epoch_iter()`` take.
-        batches_per_task: how many batches of a ``sample*`` method one task makes: a
-            chunk of the method's stream, which the worker draws one batch after the
-            other after seeding the wrapped sampler for that chunk.  ``None`` (default):
-            for methods that can be gathered directly, as many as fit in 256 KiB, at most
-            8; one for every other method.  Small batches cost little to gather but a
-            lot to hand over one by one (a worker's wake-up, two ring operations and a
-            decode each): several to a task make that cost theirs together.  The stream
-            of batches for a seed depends on it (the default depends only on the wrapped
-            sampler), and the direct and generic paths use the same number, so they give
-            the same stream.
-            If the wrapped sampler raises while making a task, the call that needed the
-            task's first batch raises, and the rest of that task's batches are skipped.
-            On the generic path a worker keeps the ``k`` results of the wrapped sampler
-            until the task is written: a sampler that reuses its output memory from one
-            call to the next needs ``batches_per_task=1``.  Batches of one task share one
-            slot (see ``copy``), and ``timeout`` is the wait for a whole task.
-        stall_timeout: seconds a worker may spend on one task (default: no limit).  A
-            worker found on one task for longer is killed and replaced, after its Python
-            stacks are taken; with ``respawn`` a ``RuntimeWarning`` carries them and the
-            task is made again (given up, with :class:`~unienv_mp.WorkerStalledError`,
-            after ``max_respawns + 1`` stalls in a row), without, the call raises
-            ``WorkerStalledError`` (see the manager's ``stall_timeout``).
+class SamplerBase(BatchSampler):
+    """The training process's side of a sampler whose batches are made by workers: the
+    ``sample*`` streams and their chunks, epochs, checkpoints, :meth:`stats`, the
+    properties and delegates of the wrapped sampler, and the lifecycle.  What runs the
+    workers is a manager (a :class:`~unienv_mp.manager.MultiProcessingSampleManager`, or
+    one with its ticket interface: ``submit(work, record=)``, ``result``, ``wait_any``,
+    ``cancel``, ``stats``, ``close`` and ``closed``) that a subclass makes in
+    :meth:`_new_manager`.  :class:`MultiprocessingSampler` runs them as processes,
+    :class:`unienv_mp.ray.RaySampler` as Ray actors; both give the same stream of batches
+    for the same seed.
 
-    :meth:`stats` says where the time goes.  :meth:`state_dict` and
-    :meth:`load_state_dict` save and restore the position of every
-    stream and of an epoch in progress.  A call cut short (Ctrl-C, ``timeout``) does not
-    move the position.  A worker that raises does not end the sampler: the call that
-    needed that batch raises :class:`~unienv_mp.WorkerError` (with the worker's
-    traceback) and later calls work.
-    After :meth:`close` every method raises ``RuntimeError``.  The sampler is not
-    thread-safe: use it from one thread.
+    Subclasses call ``SamplerBase.__init__`` with the options every backend has (see
+    :class:`MultiprocessingSampler` for what they mean) and ``not_direct``: None if the
+    workers gather batches directly (see :mod:`unienv_mp.gather`), else why not.
     """
 
-    def __init__(
-        self,
-        sampler: BatchSampler,
-        n_workers: int = 4,
-        n_buffers: int = 8,
-        ctx: Optional[Any] = None,
-        doze_time: float = 0.005,
-        daemon: Optional[bool] = None,
-        shared_memory: bool = False,
-        *,
-        in_order: bool = True,
-        copy: bool = False,
-        timeout: Optional[float] = None,
-        respawn: bool = True,
-        direct_gather: Optional[bool] = None,
-        batches_per_task: Optional[int] = None,
-        stall_timeout: Optional[float] = None,
-    ):
+    def __init__(self, sampler, n_workers, n_buffers, *, in_order, copy, timeout, respawn,
+                 batches_per_task, not_direct):
         self._closed = True   # first: __del__ -> close() must work on a half-built sampler
         self._manager = None
         if not isinstance(sampler, BatchSampler):
@@ -158,35 +89,10 @@ class MultiprocessingSampler(BatchSampler):
                             f"got {type(sampler).__module__}.{type(sampler).__qualname__}")
         n_workers = check_int(n_workers, "n_workers")
         n_buffers = check_int(n_buffers, "n_buffers")
-        check_seconds(doze_time, "doze_time", allow_none=False)
         check_seconds(timeout, "timeout")
-        check_seconds(stall_timeout, "stall_timeout")
-        if isinstance(ctx, str):
-            ctx = mp.get_context(ctx)
-        elif ctx is not None and not hasattr(ctx, "Process"):
-            raise TypeError(f"ctx must be a multiprocessing context or a start method name, "
-                            f"got {ctx!r}")
-        data_device = getattr(getattr(sampler, "data", None), "device", None)
-        for what, dev in (("sampler.device", sampler.device),
-                          ("sampler.data.device", data_device)):
-            if _device_type(dev) not in ("cpu",):
-                raise ValueError(
-                    f"MultiprocessingSampler returns CPU batches from worker processes, but "
-                    f"{what} is {dev!r}: wrap a sampler whose data and batches are on the "
-                    f"CPU and move batches to {dev!r} in the training loop")
+        _check_cpu(sampler, type(self).__name__)
         if batches_per_task is not None:
             batches_per_task = check_int(batches_per_task, "batches_per_task")
-        if direct_gather is not None and type(direct_gather) is not bool:
-            raise TypeError(f"direct_gather must be None, True or False, got {direct_gather!r}")
-        not_direct = "direct_gather=False" if direct_gather is False else None
-        if not_direct is None:
-            try:
-                _gather.check(sampler)
-            except _gather.NotDirect as e:
-                not_direct = str(e)
-                if direct_gather:
-                    raise ValueError(f"direct_gather=True, but batches of this sampler cannot "
-                                     f"be gathered directly: {e}") from None
         super().__init__(sampler.single_space, sampler.single_metadata_space,
                          sampler.batch_size)
         self._direct = not_direct is None
@@ -194,16 +100,11 @@ class MultiprocessingSampler(BatchSampler):
         self.sampler = sampler
         self.n_workers = n_workers
         self.n_buffers = n_buffers
-        self.mp_ctx = ctx
-        self.doze_time = doze_time
-        self.daemon = daemon
-        self.shared_memory = shared_memory
         self.in_order = bool(in_order)
         self.copy = bool(copy)
         self.timeout = timeout
         self.respawn = bool(respawn)
         self.batches_per_task = batches_per_task
-        self.stall_timeout = stall_timeout
         self._handed = 0            # batches handed out (see stats)
         self._since_ns = None       # monotonic ns of the first request (or the last reset)
         self._machine_since = None  # the machine's CPU ticks then
@@ -218,11 +119,7 @@ class MultiprocessingSampler(BatchSampler):
         # get_flattened_at_x as epoch_flat_iter_x().  Made on access (see __getattr__), so
         # that the sampler holds no reference to itself.
         self._extra = {}
-        for name in dir(sampler):
-            if not name.startswith(("sample", "get_at", "get_flattened_at")):
-                continue
-            if not callable(getattr(sampler, name, None)):
-                continue
+        for name in self._sampler_methods():
             if name.startswith("sample"):
                 new, kind = name, _StreamMethod
             elif name.startswith("get_at"):
@@ -246,23 +143,49 @@ class MultiprocessingSampler(BatchSampler):
 
     # -- the manager ------------------------------------------------------------------------
 
-    def _ensure_manager(self) -> MultiProcessingSampleManager:
+    # -- what a backend gives ---------------------------------------------------------------
+
+    def _new_manager(self):
+        """A new manager of workers running ``SamplerTarget(self.sampler)`` (see the class
+        docstring)."""
+        raise NotImplementedError
+
+    def _epoch_manager(self):
+        """``(manager, own)``: the manager an epoch starting now runs on, and whether it
+        is the epoch's own (closed when the epoch ends; it is in ``_epoch_managers`` from
+        the moment it is made) or the ``sample*`` manager."""
+        return self._ensure_manager(), False
+
+    def _sampler_methods(self):
+        """The wrapped sampler's ``sample*``, ``get_at*`` and ``get_flattened_at*``
+        methods, by name."""
+        sampler = self.sampler
+        return [name for name in dir(sampler)
+                if name.startswith(("sample", "get_at", "get_flattened_at"))
+                and callable(getattr(sampler, name, None))]
+
+    def _row_nbytes(self, name):
+        """Bytes per batch row of ``name``'s batches if they can be gathered directly,
+        else None (see :func:`unienv_mp.gather.row_nbytes`): what the default chunk size
+        is made from."""
+        return _gather.row_nbytes(self.sampler, name)
+
+    # -- the manager ------------------------------------------------------------------------
+
+    def _ensure_manager(self):
         if self._closed:
-            raise RuntimeError("this MultiprocessingSampler is closed")
+            raise RuntimeError(f"this {type(self).__name__} is closed")
+        self._start_clock()
         if self._manager is None:
             # (no worker seeds: every task carries the seed of its chunk)
             self._manager = self._new_manager()
         return self._manager
 
-    def _new_manager(self):
+    def _start_clock(self):
+        """stats() counts from the first request."""
         if self._since_ns is None:
             self._since_ns = time.monotonic_ns()
             self._machine_since = _process.machine_cpu_ticks()
-        return MultiProcessingSampleManager(
-            SamplerTarget(self.sampler, direct=self._direct), n_workers=self.n_workers,
-            ctx=self.mp_ctx, doze_time=self.doze_time, daemon=self.daemon,
-            in_order=self.in_order, copy=self.copy, timeout=self.timeout,
-            respawn=self.respawn, stall_timeout=self.stall_timeout)
 
     def _sample(self, name):
         # Runs once per batch.  Every attribute read on this class goes through
@@ -319,7 +242,7 @@ class MultiprocessingSampler(BatchSampler):
         k = self.batches_per_task
         if k is not None:
             return k
-        row = _gather.row_nbytes(self.sampler, name)
+        row = self._row_nbytes(name)
         if row is None:
             return 1
         return max(1, min(_CHUNK_MAX, _CHUNK_BYTES // max(1, row * self.batch_size)))
@@ -341,20 +264,15 @@ class MultiprocessingSampler(BatchSampler):
 
     def _epoch(self, getter):
         if self._closed:
-            raise RuntimeError("this MultiprocessingSampler is closed")
+            raise RuntimeError(f"this {type(self).__name__} is closed")
         progress = self._resume.pop(getter, None)   # (an epoch restored by load_state_dict)
         if progress is None:
             # The permutation first, as UniEnv draws it.
             progress = EpochProgress(getter, epoch_order(self.sampler), self.batch_size)
         batches = split_epoch(progress.order, progress.batch_size)
         todo = progress.remaining()
-        if _data_is_shared(self.sampler):
-            manager, own = self._ensure_manager(), False
-        else:
-            # Workers hold a copy of unshared data as it was when they started: this epoch
-            # needs workers started now.
-            manager, own = self._new_manager(), True
-            self._epoch_managers.add(manager)
+        self._start_clock()
+        manager, own = self._epoch_manager()
         self._current_epoch = progress
         pending = collections.deque()
         number = {}   # ticket -> batch number
@@ -547,8 +465,7 @@ class MultiprocessingSampler(BatchSampler):
             self._resume = {p.getter: p for p in epochs}
 
     def _configuration(self, methods):
-        methods = set(methods) | {n for n in dir(self.sampler) if n.startswith("sample")
-                                  and callable(getattr(self.sampler, n, None))}
+        methods = set(methods) | {n for n in self._sampler_methods() if n.startswith("sample")}
         return _state.configuration(self.sampler, {m: self._chunk_size(m) for m in methods})
 
     @property
@@ -646,15 +563,149 @@ class MultiprocessingSampler(BatchSampler):
         self.close()
 
 
-class _Stream:
-    """The batches requested ahead for one ``sample*`` method: tickets of tasks of ``k``
-    batches each, and the batches of the last group not handed out yet."""
-    __slots__ = ("k", "tickets", "ready")
+class MultiprocessingSampler(SamplerBase):
+    """Run ``sampler``'s ``sample*`` methods, and epochs over its ``get*_at`` methods, in
+    ``n_workers`` processes, keeping ``n_buffers`` batches in flight per method.
 
-    def __init__(self, k):
-        self.k = k
-        self.tickets = collections.deque()
-        self.ready = collections.deque()
+    A drop-in for ``unienv_data.samplers.MultiprocessingSampler`` (same constructor, same
+    methods and properties), with batches moved through shared memory instead of pickles.
+    As in UniEnv, the ``sample*`` workers start at the first call and see the data as it
+    was then (unless it is shared between processes, e.g. a ReplayBuffer made with
+    ``multiprocessing=True``), and an epoch over unshared data starts workers of its own.
+
+    Args:
+        sampler: the ``BatchSampler`` to run in the workers (e.g. a ``StepSampler``).  Its
+            batches must be on the CPU; move them to the GPU in the training loop.
+        n_workers: worker processes.
+        n_buffers: batches requested ahead of the caller, per method.
+        ctx: multiprocessing context or start method name (``"fork"``, ``"spawn"``,
+            ``"forkserver"``); default: the current default context.  Under spawn and
+            forkserver the sampler (and its data) must be picklable.
+        doze_time: how often, in seconds, a waiting side checks that the other is alive.
+            Nothing sleeps for it on the hot path: waits are woken by the other side.
+        daemon: passed to ``Process``.
+        shared_memory: accepted for compatibility with UniEnv and ignored: batches always
+            travel through shared memory here.
+        in_order: ``True`` (default): batches come back in the order of the stream (the
+            ``j``-th batch of a ``sample*`` method depends only on the seed and ``j``:
+            not on ``n_workers``, ``n_buffers``, the start method, ``direct_gather`` or
+            workers dying; see :mod:`unienv_mp._streams`).  ``False``: each call returns
+            the first batch ready; the same batches come, possibly in another order.
+        copy: ``False`` (default): arrays of a batch are zero-copy views of a shared slot.
+            They are safe to keep: the slot is reused only after every array of the batch
+            (of every batch of its task, see ``batches_per_task``) is garbage collected
+            (when many slots are held at once, later ones are copied instead).  ``True``:
+            every batch is copied out of its slot.
+        timeout: seconds to wait for one batch before raising ``TimeoutError`` (default:
+            wait as long as the workers are alive).
+        respawn: ``True`` (default): a worker that dies is replaced and its unfinished
+            batches are requested again, so the caller sees no gap; ``False``: raise
+            :class:`~unienv_mp.WorkerDiedError`.
+        direct_gather: ``None`` (default): where the wrapped sampler's batches are rows of
+            tensors held in memory (a ``StepSampler`` over a ``ReplayBuffer`` of
+            ``PytorchTensorStorage``, ``DictStorage`` or ``FlattenedStorage``; see
+            :mod:`unienv_mp.gather`), workers draw the indices with the wrapped sampler's
+            own RNG and gather the rows straight into the shared slot, with no
+            intermediate batch; everything else runs the wrapped sampler's methods.
+            ``True``: require that, raising ``ValueError`` (saying why) if it does not
+            apply.  ``False``: always run the wrapped sampler's methods.  Both paths give
+            the same batches, bit for bit, for the same seed; :attr:`gather_path` says
+            which one ``sample()`` and ``epoch_iter()`` take.
+        batches_per_task: how many batches of a ``sample*`` method one task makes: a
+            chunk of the method's stream, which the worker draws one batch after the
+            other after seeding the wrapped sampler for that chunk.  ``None`` (default):
+            for methods that can be gathered directly, as many as fit in 256 KiB, at most
+            8; one for every other method.  Small batches cost little to gather but a
+            lot to hand over one by one (a worker's wake-up, two ring operations and a
+            decode each): several to a task make that cost theirs together.  The stream
+            of batches for a seed depends on it (the default depends only on the wrapped
+            sampler), and the direct and generic paths use the same number, so they give
+            the same stream.
+            If the wrapped sampler raises while making a task, the call that needed the
+            task's first batch raises, and the rest of that task's batches are skipped.
+            On the generic path a worker keeps the ``k`` results of the wrapped sampler
+            until the task is written: a sampler that reuses its output memory from one
+            call to the next needs ``batches_per_task=1``.  Batches of one task share one
+            slot (see ``copy``), and ``timeout`` is the wait for a whole task.
+        stall_timeout: seconds a worker may spend on one task (default: no limit).  A
+            worker found on one task for longer is killed and replaced, after its Python
+            stacks are taken; with ``respawn`` a ``RuntimeWarning`` carries them and the
+            task is made again (given up, with :class:`~unienv_mp.WorkerStalledError`,
+            after ``max_respawns + 1`` stalls in a row), without, the call raises
+            ``WorkerStalledError`` (see the manager's ``stall_timeout``).
+
+    :meth:`stats` says where the time goes.  :meth:`state_dict` and
+    :meth:`load_state_dict` save and restore the position of every
+    stream and of an epoch in progress.  A call cut short (Ctrl-C, ``timeout``) does not
+    move the position.  A worker that raises does not end the sampler: the call that
+    needed that batch raises :class:`~unienv_mp.WorkerError` (with the worker's
+    traceback) and later calls work.
+    After :meth:`close` every method raises ``RuntimeError``.  The sampler is not
+    thread-safe: use it from one thread.
+    """
+
+    def __init__(
+        self,
+        sampler: BatchSampler,
+        n_workers: int = 4,
+        n_buffers: int = 8,
+        ctx: Optional[Any] = None,
+        doze_time: float = 0.005,
+        daemon: Optional[bool] = None,
+        shared_memory: bool = False,
+        *,
+        in_order: bool = True,
+        copy: bool = False,
+        timeout: Optional[float] = None,
+        respawn: bool = True,
+        direct_gather: Optional[bool] = None,
+        batches_per_task: Optional[int] = None,
+        stall_timeout: Optional[float] = None,
+    ):
+        self._closed = True   # first: __del__ -> close() must work on a half-built sampler
+        self._manager = None
+        check_seconds(doze_time, "doze_time", allow_none=False)
+        check_seconds(stall_timeout, "stall_timeout")
+        if isinstance(ctx, str):
+            ctx = mp.get_context(ctx)
+        elif ctx is not None and not hasattr(ctx, "Process"):
+            raise TypeError(f"ctx must be a multiprocessing context or a start method name, "
+                            f"got {ctx!r}")
+        if direct_gather is not None and type(direct_gather) is not bool:
+            raise TypeError(f"direct_gather must be None, True or False, got {direct_gather!r}")
+        not_direct = "direct_gather=False" if direct_gather is False else None
+        if not_direct is None and isinstance(sampler, BatchSampler):
+            try:
+                _gather.check(sampler)
+            except _gather.NotDirect as e:
+                not_direct = str(e)
+                if direct_gather:
+                    raise ValueError(f"direct_gather=True, but batches of this sampler cannot "
+                                     f"be gathered directly: {e}") from None
+        self.mp_ctx = ctx
+        self.doze_time = doze_time
+        self.daemon = daemon
+        self.shared_memory = shared_memory
+        self.stall_timeout = stall_timeout
+        super().__init__(sampler, n_workers, n_buffers, in_order=in_order, copy=copy,
+                         timeout=timeout, respawn=respawn, batches_per_task=batches_per_task,
+                         not_direct=not_direct)
+
+    def _new_manager(self):
+        return MultiProcessingSampleManager(
+            SamplerTarget(self.sampler, direct=self._direct), n_workers=self.n_workers,
+            ctx=self.mp_ctx, doze_time=self.doze_time, daemon=self.daemon,
+            in_order=self.in_order, copy=self.copy, timeout=self.timeout,
+            respawn=self.respawn, stall_timeout=self.stall_timeout)
+
+    def _epoch_manager(self):
+        if _data_is_shared(self.sampler):
+            return self._ensure_manager(), False
+        # Workers hold a copy of unshared data as it was when they started: this epoch
+        # needs workers started now.
+        manager = self._new_manager()
+        self._epoch_managers.add(manager)
+        return manager, True
 
 
 class _StreamMethod:
