@@ -1,0 +1,380 @@
+"""RaySampler on a local Ray: the same batches as MultiprocessingSampler, epochs, the
+factory, faults, checkpoints, what the caller gets, and which Ray it uses."""
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+ray = pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[ray]' "
+                                        "(CI installs it)")
+
+import _data  # noqa: E402
+from _data import indices_of, replay_buffer  # noqa: E402
+from unienv_data.batches.backend_compat import ToBackendOrDeviceBatch  # noqa: E402
+from unienv_data.samplers import StepSampler  # noqa: E402
+from unienv_interface.backends.numpy import NumpyComputeBackend  # noqa: E402
+
+from unienv_mp import MultiprocessingSampler, WorkerDiedError, WorkerError  # noqa: E402
+from unienv_mp.ray import RaySampler, RemoteSampler  # noqa: E402
+from unienv_mp.ray._batch import TensorLeaf, pack, unpack  # noqa: E402
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    # (the actors import the tests' helper module _data, as spawned workers do)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": TESTS}})
+    yield
+    ray.shutdown()
+
+
+def same(a, b):
+    """Bit for bit: structure, key order, types, dtypes, shapes and values."""
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            same(a[k], b[k])
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            same(x, y)
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.view(torch.uint8) if a.dtype.is_floating_point else a,
+                           b.view(torch.uint8) if b.dtype.is_floating_point else b)
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert a.tobytes() == b.tobytes()
+    else:
+        assert a == b
+
+
+def take(sampler, n, method="sample"):
+    return [getattr(sampler, method)() for _ in range(n)]
+
+
+def factory(n=120, batch_size=8, seed=5):
+    """A sampler_factory: each actor makes the same buffer (rows named by their index)."""
+    def make():
+        import _data as d
+        from unienv_data.samplers import StepSampler as S
+        torch.manual_seed(0)
+        return S(d.replay_buffer(n), batch_size, seed=seed)
+    return make
+
+
+# -- the same batches as MultiprocessingSampler ------------------------------------------
+
+def test_the_same_batches_as_multiprocessing_sampler_bit_for_bit():
+    rb = replay_buffer(100)
+    with MultiprocessingSampler(StepSampler(rb, 8, seed=3), n_workers=3, ctx="fork") as m:
+        want = {name: take(m, 12, name) for name in
+                ("sample", "sample_flat", "sample_with_metadata", "sample_index")}
+        want_epoch = list(m.epoch_iter())
+        want_flat_epoch = list(m.epoch_flat_iter())
+    with RaySampler(StepSampler(rb, 8, seed=3), n_workers=2, n_buffers=3) as r:
+        assert r.gather_path == "generic" and len(r.workers) == 2
+        for name, batches in want.items():
+            for a, b in zip(batches, take(r, 12, name)):
+                same(a, b)
+        for a, b in zip(want_epoch, list(r.epoch_iter()), strict=True):
+            same(a, b)
+        for a, b in zip(want_flat_epoch, list(r.epoch_flat_iter()), strict=True):
+            same(a, b)
+        assert r.sampled_space.contains(r.sample())
+
+
+def test_epochs_cover_every_index_once_with_a_partial_last_batch():
+    rb = replay_buffer(61)
+    with RaySampler(StepSampler(rb, 8, seed=0), n_workers=2, in_order=False) as r:
+        for _ in range(2):
+            batches = [indices_of(b) for b in r.epoch_iter()]
+            assert sorted(len(b) for b in batches) == [5] + [8] * 7
+            assert sorted(i for b in batches for i in b) == list(range(61))
+
+
+def test_in_order_false_gives_the_same_batches():
+    # (a task makes a chunk of 8 batches: out of order, whole chunks come in another order)
+    rb = replay_buffer(100)
+    with RaySampler(StepSampler(rb, 8, seed=1), n_workers=2) as r:
+        want = [indices_of(b) for b in take(r, 80)]
+    chunks = [want[i:i + 8] for i in range(0, 80, 8)]
+    with RaySampler(StepSampler(rb, 8, seed=1), n_workers=2, in_order=False) as r:
+        got = [indices_of(b) for b in take(r, 24)]
+    got = [got[i:i + 8] for i in range(0, 24, 8)]
+    assert all(c in chunks for c in got)
+    assert len({chunks.index(c) for c in got}) == 3
+
+
+def test_numpy_batches_arrive_as_numpy():
+    data = ToBackendOrDeviceBatch(replay_buffer(40), backend=NumpyComputeBackend)
+    with MultiprocessingSampler(StepSampler(data, 4, seed=0), n_workers=1, ctx="fork") as m:
+        want = take(m, 3)
+    with RaySampler(StepSampler(data, 4, seed=0), n_workers=1) as r:
+        got = take(r, 3)
+    for a, b in zip(want, got):
+        same(a, b)
+        assert isinstance(b["image"], np.ndarray)
+
+
+# -- the factory ----------------------------------------------------------------------
+
+def test_a_sampler_factory_gives_the_same_stream_and_stands_in_for_the_sampler():
+    local = factory()()
+    with MultiprocessingSampler(factory()(), n_workers=2, ctx="fork") as m:
+        want = take(m, 20)
+        want_epoch = [indices_of(b) for b in m.epoch_iter()]
+    with RaySampler(sampler_factory=factory(), n_workers=2) as r:
+        assert isinstance(r.sampler, RemoteSampler)
+        assert len(r) == len(r.data) == 120 and r.batch_size == 8
+        assert r.sampled_space == local.sampled_space
+        assert r.single_space == local.single_space
+        for a, b in zip(want, take(r, 20)):
+            same(a, b)
+        assert [indices_of(b) for b in r.epoch_iter()] == want_epoch
+        # the get*_at delegates run on a worker
+        same(r.get_at(torch.tensor([3, 1, 4])), local.get_at(torch.tensor([3, 1, 4])))
+        # manual_seed seeds the workers' sampler; the stream starts again from the seed
+        r.manual_seed(11)
+        local.manual_seed(11)
+        with MultiprocessingSampler(local, n_workers=1, ctx="fork") as m:
+            for a, b in zip(take(m, 10), take(r, 10)):
+                same(a, b)
+
+
+def test_a_factory_that_raises_is_a_worker_error_with_its_traceback():
+    def broken():
+        raise OSError("no dataset at /nowhere")
+    with pytest.raises(WorkerError, match="could not start: no dataset") as info:
+        RaySampler(sampler_factory=broken, n_workers=1)
+    assert "in broken" in info.value.worker_traceback
+    assert isinstance(info.value.original, OSError)
+
+
+# -- faults -----------------------------------------------------------------------------
+
+def test_an_actor_killed_mid_stream_is_replaced_and_the_stream_is_unchanged():
+    rb = replay_buffer(100)
+    with RaySampler(StepSampler(rb, 8, seed=2), n_workers=2, batches_per_task=1) as r:
+        want = [indices_of(b) for b in take(r, 30)]
+    with RaySampler(StepSampler(rb, 8, seed=2), n_workers=2, batches_per_task=1) as r:
+        got = [indices_of(b) for b in take(r, 10)]
+        first = r.workers[0]
+        ray.kill(first, no_restart=True)   # (tasks for it are in flight: n_buffers=8)
+        got += [indices_of(b) for b in take(r, 20)]
+        assert r.workers[0] != first
+        stats = r.stats()
+        assert stats.workers[0].respawns == 1 and stats.workers[1].respawns == 0
+        epoch = [i for b in r.epoch_iter() for i in indices_of(b)]
+    assert got == want
+    assert sorted(epoch) == list(range(100))
+
+
+def test_with_respawn_false_a_killed_actor_raises_worker_died():
+    rb = replay_buffer(50)
+    with RaySampler(StepSampler(rb, 8, seed=2), n_workers=1, respawn=False) as r:
+        take(r, 9)
+        ray.kill(r.workers[0], no_restart=True)
+        with pytest.raises(WorkerDiedError, match="respawn=False") as info:
+            take(r, 40)   # (chunks made before the kill are still delivered)
+        assert info.value.worker == 0
+
+
+def test_an_actor_that_dies_in_the_middle_of_a_batch_is_replaced(tmp_path):
+    rb = replay_buffer(100)
+    with RaySampler(StepSampler(rb, 8, seed=4), n_workers=2, batches_per_task=1) as r:
+        want = [indices_of(b) for b in take(r, 12)]
+    dying = _data.DyingSampler(rb, 8, seed=4, marker=str(tmp_path / "deaths"), deaths=2)
+    with RaySampler(dying, n_workers=2, batches_per_task=1) as r:
+        assert [indices_of(b) for b in take(r, 12)] == want
+        assert sum(w.respawns for w in r.stats().workers) == 2
+    assert len((tmp_path / "deaths").read_text().split()) == 2
+
+
+def test_an_actor_that_keeps_dying_raises_after_max_respawns():
+    rb = replay_buffer(50)
+    with RaySampler(_data.CrashAtStart(StepSampler(rb, 4, seed=0)), n_workers=1,
+                    max_respawns=1) as r:
+        with pytest.raises(WorkerDiedError, match="2 times in a row"):
+            r.sample()
+
+
+def test_a_raising_sampler_is_a_worker_error_and_the_sampler_goes_on():
+    rb = replay_buffer(60)
+    with RaySampler(_data.FailingSampler(rb, 4, seed=0, fail_every=3), n_workers=1,
+                    n_buffers=2) as r:
+        errors = 0
+        for _ in range(6):
+            try:
+                r.sample()
+            except WorkerError as e:
+                errors += 1
+                assert e.exc_type == "builtins.KeyError" and "no such row" in e.exc_message
+                assert "in get_at" in e.worker_traceback and e.worker == 0
+                assert isinstance(e.original, KeyError)
+        assert errors >= 1
+        assert r.stats().workers[0].errors == errors
+
+
+def test_a_timeout_keeps_the_position():
+    rb = replay_buffer(40)
+    with RaySampler(_data.SlowSampler(rb, 4, seed=0, delay=1.5), n_workers=1,
+                    n_buffers=1, timeout=0.2) as r:
+        with pytest.raises(TimeoutError):
+            r.sample()
+        state = r.state_dict()
+    assert state["streams"]["sample"]["low"] == 0 and not state["streams"]["sample"]["done"]
+
+
+# -- checkpoints ------------------------------------------------------------------------
+
+def test_state_dicts_of_either_sampler_load_into_the_other(tmp_path):
+    rb = replay_buffer(100)
+    with MultiprocessingSampler(StepSampler(rb, 8, seed=7), n_workers=2, ctx="fork") as m:
+        take(m, 13)
+        it = m.epoch_iter()
+        for _ in range(4):
+            next(it)
+        state = m.state_dict()
+        want = [indices_of(b) for b in take(m, 10)]
+        want_rest = [indices_of(b) for b in it]
+        want_next_epoch = [indices_of(b) for b in m.epoch_iter()]
+    (tmp_path / "state.pt").write_bytes(pickle.dumps(state))
+    with RaySampler(StepSampler(rb, 8, seed=99), n_workers=2) as r:
+        r.load_state_dict(pickle.loads((tmp_path / "state.pt").read_bytes()))
+        assert [indices_of(b) for b in take(r, 10)] == want
+        assert [indices_of(b) for b in r.epoch_iter()] == want_rest
+        assert [indices_of(b) for b in r.epoch_iter()] == want_next_epoch
+        back = r.state_dict()
+        more = [indices_of(b) for b in take(r, 5)]
+    with MultiprocessingSampler(StepSampler(rb, 8, seed=0), n_workers=1, ctx="fork") as m:
+        m.load_state_dict(back)
+        assert [indices_of(b) for b in take(m, 5)] == more
+
+
+def test_a_state_of_another_configuration_is_refused():
+    with RaySampler(sampler_factory=factory(batch_size=8), n_workers=1) as r:
+        state = r.state_dict()
+        assert state["configuration"]["sampler"].endswith("StepSampler")
+    with RaySampler(sampler_factory=factory(batch_size=6), n_workers=1) as r:
+        with pytest.raises(ValueError, match="batch_size is 8 in the state, 6 here"):
+            r.load_state_dict(state)
+
+
+# -- what the caller gets --------------------------------------------------------------
+
+def object_store_mapped(ptr):
+    """True if ``ptr`` lies in a shared mapping of Ray's object store (plasma)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= ptr < hi and fields[1][3] == "s":
+                return True
+    return False
+
+
+def test_batches_are_read_only_views_of_the_object_store_unless_copied():
+    data = ToBackendOrDeviceBatch(replay_buffer(100, img=(3, 64, 64)),
+                                  backend=NumpyComputeBackend)
+    with RaySampler(StepSampler(data, 16, seed=0), n_workers=1) as r:
+        b = r.sample()
+        assert not b["image"].flags.writeable
+        with pytest.raises(ValueError, match="read-only"):
+            b["image"][0] = 1
+        assert object_store_mapped(b["image"].__array_interface__["data"][0])
+    rb = replay_buffer(100, img=(3, 64, 64))
+    with RaySampler(StepSampler(rb, 16, seed=0), n_workers=1) as r:
+        t = r.sample()["image"]
+        assert object_store_mapped(t.data_ptr())
+    with RaySampler(StepSampler(rb, 16, seed=0), n_workers=1, copy=True) as r:
+        b = r.sample()
+        assert not object_store_mapped(b["image"].data_ptr())
+        b["image"].add_(1)   # its own memory
+        assert torch.equal(b["image"], t + 1)
+    # batches stay valid after close
+    assert indices_of({"state": t.float()[:, 0, 0, :1].repeat(1, 10)}) is not None
+
+
+def test_tensors_whose_dtype_numpy_lacks_travel_as_their_bits():
+    x = torch.randn(5, 3).to(torch.bfloat16)
+    packed = pack({"x": x, "n": (torch.arange(3), None, "text")})
+    assert type(packed["x"]) is TensorLeaf and packed["x"].dtype == torch.bfloat16
+    back = unpack(pickle.loads(pickle.dumps(packed)), copy=False)
+    same(back, {"x": x, "n": (torch.arange(3), None, "text")})
+
+
+# -- input and lifecycle ----------------------------------------------------------------
+
+def test_bad_input_is_refused():
+    rb = replay_buffer(20)
+    with pytest.raises(TypeError, match="a sampler or a sampler_factory"):
+        RaySampler()
+    with pytest.raises(TypeError, match="a sampler or a sampler_factory"):
+        RaySampler(StepSampler(rb, 4), sampler_factory=factory())
+    with pytest.raises(TypeError, match="BatchSampler"):
+        RaySampler(rb)
+    with pytest.raises(TypeError, match="sampler_factory must be callable"):
+        RaySampler(sampler_factory=3)
+    with pytest.raises(ValueError, match="n_workers must be >= 1"):
+        RaySampler(StepSampler(rb, 4), n_workers=0)
+    with pytest.raises(ValueError, match="num_cpus_per_worker"):
+        RaySampler(StepSampler(rb, 4), num_cpus_per_worker=-1)
+    # a buffer shared with multiprocessing=True holds a lock that cannot travel
+    shared = replay_buffer(20, multiprocessing=True)
+    with pytest.raises(TypeError, match="sampler_factory"):
+        RaySampler(StepSampler(shared, 4), n_workers=1)
+
+
+def test_close_kills_the_actors_and_keeps_the_ray_it_joined():
+    rb = replay_buffer(20)
+    r = RaySampler(StepSampler(rb, 4, seed=0), n_workers=2)
+    r.sample()
+    actors = r.workers
+    r.close()
+    r.close()
+    for a in actors:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(a.describe.remote(), timeout=30)
+    assert ray.is_initialized()
+    with pytest.raises(RuntimeError, match="closed"):
+        r.sample()
+    with pytest.raises(RuntimeError, match="closed"):
+        next(r.epoch_iter())
+    assert r.state_dict()["streams"]["sample"]["low"] == 0
+
+
+def test_stats_count_what_was_sampled():
+    rb = replay_buffer(100)
+    with RaySampler(StepSampler(rb, 8, seed=0), n_workers=2, batches_per_task=2) as r:
+        take(r, 10)
+        s = r.stats(reset=True)
+        assert s.batches == 10 and s.gather_path == "generic"
+        assert sum(w.batches for w in s.workers) >= 10
+        assert all(w.pid is not None and w.seconds_per_batch_mean for w in s.workers)
+        assert r.stats().batches == 0
+
+
+def test_actors_that_do_not_fit_in_the_cluster_are_warned_about():
+    rb = replay_buffer(20)
+    with pytest.warns(RuntimeWarning, match="3 actors of 1 CPU each do not fit in the Ray "
+                                            "cluster's 2 CPUs"):
+        r = RaySampler(StepSampler(rb, 4, seed=0), n_workers=3)
+    r.close()
+    # fractions of a CPU (or none) fit
+    with RaySampler(StepSampler(rb, 4, seed=0), n_workers=3, num_cpus_per_worker=0.5) as r:
+        assert len(take(r, 10)) == 10
+
+
+def test_the_main_jobs_ray_row():
+    from unienv_mp import compare
+    cfg = compare.case_config("state", quick=True, seconds=0.3, workers=2)
+    res = compare.measure("ray", compare.build_buffer(cfg), cfg)
+    assert res.error is None and res.batches >= cfg.min_batches
+    assert res.label == "unienv_mp RaySampler (local Ray)"
+    assert res.stats.gather_path == "generic" and len(res.stats.workers) == 2

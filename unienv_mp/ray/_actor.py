@@ -1,0 +1,105 @@
+"""The Ray actor that makes batches: one per worker of a
+:class:`~unienv_mp.ray.RaySampler`, made into an actor class by
+:class:`~unienv_mp.ray.manager.RayManager`."""
+import os
+import time
+
+from unienv_data.base import BatchSampler
+
+from .. import _state
+from .. import gather as _gather
+from .._sampling import SamplerTarget
+from .._streams import base_seed
+from ..worker import error_payload
+from ._batch import pack
+
+__all__ = ["SamplerActor", "OK", "ERROR", "COULD_NOT_START"]
+
+#: The status of a result (see :meth:`SamplerActor.run`).
+OK, ERROR, COULD_NOT_START = 0, 1, 2
+
+
+class SamplerActor:
+    """Runs a :class:`~unienv_mp._sampling.SamplerTarget` (the work function of
+    :class:`~unienv_mp.MultiprocessingSampler`'s workers) on the tasks it is sent.
+
+    Args:
+        index: the worker's index.
+        target: the ``SamplerTarget`` (shipped once through the object store), or None.
+        factory: with ``target=None``, a callable that returns the ``BatchSampler`` to run
+            (called here, once).
+
+    An exception raised while the sampler is made is kept: every call then answers
+    ``COULD_NOT_START`` with it, so that the caller gets the error and its traceback
+    rather than a dead actor.
+    """
+
+    def __init__(self, index, target, factory):
+        self.index = index
+        self.target = None
+        self.failure = None
+        try:
+            if target is None:
+                sampler = factory()
+                if not isinstance(sampler, BatchSampler):
+                    raise TypeError(
+                        f"sampler_factory must return a unienv_data BatchSampler, got "
+                        f"{type(sampler).__module__}.{type(sampler).__qualname__}")
+                target = SamplerTarget(sampler)
+            self.target = target
+        except Exception as e:
+            self.failure = error_payload(e)
+
+    def run(self, work):
+        """``(status, value, seconds_ns, pid)``: the work function's result on ``work``,
+        packed for the trip (status ``OK``), or its exception as
+        ``worker.error_payload`` describes it (``ERROR``), and how long that took."""
+        start = time.monotonic_ns()
+        if self.failure is not None:
+            return COULD_NOT_START, self.failure, 0, os.getpid()
+        try:
+            status, value = OK, pack(self.target(work))
+        except Exception as e:
+            status, value = ERROR, error_payload(e)
+        return status, value, time.monotonic_ns() - start, os.getpid()
+
+    def describe(self):
+        """What the training process needs to know of a sampler made by ``factory``: its
+        spaces, batch size, data length and device, its RNGs, its methods and the bytes
+        per row of each, and the configuration a checkpoint of it must match."""
+        if self.failure is not None:
+            return COULD_NOT_START, self.failure
+        s = self.target.sampler
+        methods = [n for n in dir(s) if n.startswith(("sample", "get_at", "get_flattened_at"))
+                   and callable(getattr(s, n, None))]
+        return OK, {
+            "single_space": s.single_space,
+            "single_metadata_space": s.single_metadata_space,
+            "sampled_space": s.sampled_space,
+            "sampled_metadata_space": s.sampled_metadata_space,
+            "batch_size": s.batch_size,
+            "device": s.device,
+            "data_length": len(s.data),
+            "data_device": getattr(s.data, "device", None),
+            "rngs": _state.capture_rngs(s),
+            "base_seed": base_seed(s),
+            "methods": methods,
+            "rows": {n: _gather.row_nbytes(s, n) for n in methods if n.startswith("sample")},
+            "configuration": _state.configuration(s, {}),
+        }
+
+    def where(self):
+        """``(node id, pid)``: where this actor runs."""
+        import ray
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
+    def seeded_rngs(self, seed):
+        """The sampler's RNGs after its ``manual_seed(seed)`` (the chunks seed it anew)."""
+        if self.failure is not None:
+            return COULD_NOT_START, self.failure
+        sampler = self.target.sampler
+        try:
+            sampler.manual_seed(seed)
+        except Exception as e:
+            return ERROR, error_payload(e)
+        return OK, _state.capture_rngs(sampler)

@@ -1,0 +1,411 @@
+"""RayManager: tasks dealt to Ray actors, their results collected by ticket, and dead
+actors replaced.
+
+The ticket interface of :class:`~unienv_mp.MultiProcessingSampleManager` (``submit``,
+``result``, ``ready``, ``wait_any``, ``cancel``, ``stats``, ``close``), which
+:class:`~unienv_mp.sampler.SamplerBase` runs on, with Ray actors instead of processes and
+object references instead of rings.  Each worker is a
+:class:`~unienv_mp.ray._actor.SamplerActor` that runs the tasks sent to it one after the
+other; a task's result is an object reference, read zero-copy from the object store on
+the node where it is read.
+
+Faults: an exception in the work function comes back as
+:class:`~unienv_mp.WorkerError` with the actor's traceback.  An actor found dead when a
+result is read (``ray.kill``, its process killed, its node lost), or whose result was
+lost with its node, is replaced by a new actor, and every task it had not delivered is
+sent to the replacement; with ``respawn=False``, or after ``max_respawns`` replacements
+in a row without a result, :class:`~unienv_mp.WorkerDiedError` is raised instead.
+"""
+import collections
+import time
+import warnings
+
+import ray
+import ray.exceptions as _rx
+
+from .. import stats as _stats
+from .._sampling import SamplerTarget
+from .._validate import check_int, check_seconds
+from ..errors import WorkerDiedError, WorkerError
+from . import _actor
+from ._batch import unpack
+
+__all__ = ["RayManager", "check_cpus"]
+
+#: What reading a result raises when the actor that made it, or the copy of it, is gone.
+_LOST = (_rx.RayActorError, _rx.ObjectLostError, _rx.WorkerCrashedError,
+         _rx.NodeDiedError)
+
+
+def check_cpus(value, what="num_cpus_per_worker"):
+    """``value`` as a number of CPUs >= 0 (Ray takes fractions)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise TypeError(f"{what} must be a number, got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"{what} must be >= 0, got {value}")
+    return value
+
+
+class _Task:
+    __slots__ = ("ticket", "work", "lane", "ref", "cancelled")
+
+    def __init__(self, ticket, work, lane):
+        self.ticket = ticket
+        self.work = work
+        self.lane = lane
+        self.ref = None
+        self.cancelled = False
+
+
+class _Lane:
+    """One worker index: its actor (replaced when it dies), the tickets sent to it and not
+    delivered yet, in order, and its counters (see :mod:`unienv_mp.stats`)."""
+    __slots__ = ("index", "actor", "pid", "inflight", "deaths_in_a_row", "counters",
+                 "record", "incarnation")
+
+    def __init__(self, index, now_ns):
+        self.index = index
+        self.actor = None
+        self.pid = None
+        self.inflight = collections.deque()
+        self.deaths_in_a_row = 0
+        self.counters = None
+        self.record = _stats.WorkerRecord(now_ns)
+        self.incarnation = 0
+
+
+class RayManager:
+    """Run ``SamplerTarget`` tasks on ``n_workers`` Ray actors.
+
+    Args:
+        n_workers: actors.
+        target: a :class:`~unienv_mp._sampling.SamplerTarget`, put into the object store
+            once and read by every actor (replacements included) ...
+        factory: ... or, instead, a callable each actor calls to make its own sampler.
+        in_order: ``True``: tasks are dealt round-robin (results are collected by ticket
+            either way).  ``False``: each task goes to the actor with the fewest tasks.
+        copy: ``False``: results are read-only views of the object store; ``True``:
+            copies (see :func:`unienv_mp.ray._batch.unpack`).
+        timeout: seconds to wait for one result before ``TimeoutError`` (None: as long as
+            the actors live).
+        respawn, max_respawns: replace an actor that died (see the module docstring).
+        num_cpus_per_worker: the CPUs Ray reserves for each actor.
+        actor_options: more options for the actors (``ActorClass.options``), e.g. a
+            ``scheduling_strategy`` or ``resources`` to place them on certain nodes, or a
+            ``runtime_env``.
+    """
+
+    def __init__(self, n_workers, *, target=None, factory=None, in_order=True, copy=False,
+                 timeout=None, respawn=True, max_respawns=3, num_cpus_per_worker=1,
+                 actor_options=None):
+        self.closed = True
+        self._lanes = []
+        n_workers = check_int(n_workers, "n_workers")
+        if (target is None) == (factory is None):
+            raise ValueError("give the manager a target or a factory, not both or neither")
+        num_cpus_per_worker = check_cpus(num_cpus_per_worker)
+        if actor_options is not None and not isinstance(actor_options, dict):
+            raise TypeError(f"actor_options must be a dict, got "
+                            f"{type(actor_options).__name__}")
+        self.in_order = bool(in_order)
+        self.copy = bool(copy)
+        self.timeout = check_seconds(timeout, "timeout")
+        self.respawn = bool(respawn)
+        self.max_respawns = check_int(max_respawns, "max_respawns", 0)
+        self._factory = factory
+        if target is not None:
+            try:
+                self._target = ray.put(target)
+            except Exception as e:
+                raise TypeError(
+                    f"the sampler cannot be sent to Ray actors ({type(e).__name__}: {e}); "
+                    f"pass a sampler_factory that makes it in each actor instead") from e
+        else:
+            self._target = None
+        have = ray.cluster_resources().get("CPU", 0)
+        if n_workers * num_cpus_per_worker > have:
+            warnings.warn(
+                f"{n_workers} actors of {num_cpus_per_worker:g} CPU each do not fit in the "
+                f"Ray cluster's {have:g} CPUs: those that do not fit wait for CPUs (or nodes) "
+                f"to be free, and so do the tasks dealt to them.  Ask for fewer workers, or "
+                f"fewer CPUs each (num_cpus_per_worker may be 0)", RuntimeWarning,
+                stacklevel=3)
+        options = {"num_cpus": num_cpus_per_worker, "max_restarts": 0,
+                   "max_task_retries": 0}
+        options.update(actor_options or {})
+        self._actor_class = ray.remote(_actor.SamplerActor).options(**options)
+        self._batches_in = SamplerTarget.batches_in
+        self._tasks = {}             # ticket -> _Task, until delivered or cancelled
+        self._next_ticket = 0
+        self._next_worker = 0
+        self._delivered = 0          # batches handed out (see stats)
+        self._wait_ns = 0
+        self._since_ns = None
+        now = time.monotonic_ns()
+        self._lanes = [_Lane(i, now) for i in range(n_workers)]
+        self.closed = False
+        for lane in self._lanes:
+            self._start(lane)
+
+    # -- actors -------------------------------------------------------------------------
+
+    @property
+    def n_workers(self):
+        """Number of actors."""
+        return len(self._lanes)
+
+    @property
+    def workers(self):
+        """The actor handles (replacements included, after a respawn)."""
+        return [lane.actor for lane in self._lanes]
+
+    def _start(self, lane):
+        now = time.monotonic_ns()
+        lane.actor = self._actor_class.remote(lane.index, self._target, self._factory)
+        lane.pid = None
+        # (this process keeps the actor's counters: they move when a result is collected)
+        lane.counters = _stats.WorkerCounters([0] * _stats.COUNTERS, now)
+        lane.incarnation += 1
+
+    def _replace(self, lane, error):
+        """``lane``'s actor is gone (``error`` said so): start another and send it every
+        task the old one had not delivered, or raise WorkerDiedError."""
+        deaths = lane.deaths_in_a_row + 1
+        what = f"worker {lane.index} (Ray actor, pid {lane.pid})"
+        cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        if not self.respawn:
+            raise WorkerDiedError(f"{what} died ({cause}); respawn=False", worker=lane.index)
+        if deaths > self.max_respawns:
+            raise WorkerDiedError(
+                f"{what} died ({cause}); it died {deaths} times in a row without producing "
+                f"a result ({self.max_respawns} replacements), giving up", worker=lane.index)
+        lane.deaths_in_a_row = deaths
+        now = time.monotonic_ns()
+        lane.record.process_ended(lane.counters.view, now)
+        lane.record.respawns += 1
+        try:
+            ray.kill(lane.actor, no_restart=True)
+        except Exception:
+            pass   # (already gone)
+        self._start(lane)
+        for ticket in lane.inflight:
+            task = self._tasks[ticket]
+            task.ref = lane.actor.run.remote(task.work)
+
+    def _ask(self, method, *args):
+        """Call ``method`` of the first worker's actor and return what it answers (the
+        ``(status, value)`` of :class:`~unienv_mp.ray._actor.SamplerActor`'s methods),
+        replacing the actor if it is found dead."""
+        self._ensure_open()
+        lane = self._lanes[0]
+        while True:
+            try:
+                status, value = ray.get(getattr(lane.actor, method).remote(*args))
+            except _LOST as e:
+                self._replace(lane, e)
+                continue
+            if status != _actor.OK:
+                prefix = "could not start: " if status == _actor.COULD_NOT_START else ""
+                raise WorkerError.from_payload(value, lane.index, prefix)
+            return value
+
+    def describe(self):
+        """What a worker's sampler is (see ``SamplerActor.describe``)."""
+        return self._ask("describe")
+
+    def seeded_rngs(self, seed):
+        """The RNGs of a worker's sampler after its ``manual_seed(seed)``."""
+        return self._ask("seeded_rngs", seed)
+
+    # -- tickets ------------------------------------------------------------------------
+
+    def _ensure_open(self):
+        if self.closed:
+            raise RuntimeError(f"this {type(self).__name__} is closed")
+
+    def submit(self, work, worker=None, *, record=None):
+        """Send ``work`` to an actor and return its ticket (see :meth:`result`).
+        ``worker`` picks the actor; by default the next one round-robin (``in_order``) or
+        the one with the fewest tasks.  ``record``: a list or deque the ticket is
+        appended to as the last step."""
+        self._ensure_open()
+        if self._since_ns is None:
+            self._since_ns = time.monotonic_ns()
+        lanes = self._lanes
+        if worker is not None:
+            worker = check_int(worker, "worker", 0)
+            if worker >= len(lanes):
+                raise ValueError(f"worker must be an index below {len(lanes)}, got {worker}")
+            lane = lanes[worker]
+        elif self.in_order:
+            lane = lanes[self._next_worker]
+            self._next_worker = (self._next_worker + 1) % len(lanes)
+        else:
+            lane = min(lanes, key=lambda x: len(x.inflight))
+        ticket = self._next_ticket
+        self._next_ticket = ticket + 1
+        task = _Task(ticket, work, lane)
+        task.ref = lane.actor.run.remote(work)
+        self._tasks[ticket] = task
+        lane.inflight.append(ticket)
+        if record is not None:
+            record.append(ticket)
+        return ticket
+
+    def reset_order(self):
+        """Deal the next task to worker 0, and the ones after it round-robin from there."""
+        self._next_worker = 0
+
+    def _task(self, ticket):
+        task = self._tasks.get(ticket)
+        if task is None or task.cancelled:
+            raise KeyError(f"unknown, cancelled or already collected ticket {ticket}")
+        return task
+
+    def result(self, ticket, timeout=None):
+        """The result of ``ticket``, waiting for it if needed.  Raises
+        :class:`~unienv_mp.WorkerError` if the work raised, ``TimeoutError`` after
+        ``timeout`` (default: the manager's) seconds, :class:`~unienv_mp.WorkerDiedError`
+        if its actor died and is not replaced."""
+        self._ensure_open()
+        task = self._task(ticket)
+        limit = self.timeout if timeout is None else timeout
+        deadline = None if limit is None else time.monotonic() + limit
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            start = time.monotonic_ns()
+            try:
+                ready, _ = ray.wait([task.ref], timeout=left)
+            finally:
+                self._wait_ns += time.monotonic_ns() - start
+            if not ready:
+                raise TimeoutError(f"no result within {limit} s")
+            try:
+                status, value, elapsed_ns, pid = ray.get(task.ref)
+            except _LOST as e:
+                self._replace(task.lane, e)   # (the task is sent again: wait for it)
+                continue
+            return self._deliver(task, status, value, elapsed_ns, pid)
+
+    def _deliver(self, task, status, value, elapsed_ns, pid):
+        lane = task.lane
+        del self._tasks[task.ticket]
+        lane.inflight.remove(task.ticket)
+        lane.pid = pid
+        counters = lane.counters
+        if status == _actor.OK:
+            lane.deaths_in_a_row = 0
+            batches = self._batches_in(task.work)
+            counters.end(batches, False, elapsed_ns)
+            self._delivered += batches
+            return unpack(value, self.copy)
+        counters.end(0, True, elapsed_ns)
+        prefix = "could not start: " if status == _actor.COULD_NOT_START else ""
+        raise WorkerError.from_payload(value, lane.index, prefix)
+
+    def ready(self, ticket):
+        """True if the result of ``ticket`` has arrived."""
+        self._ensure_open()
+        task = self._task(ticket)
+        ready, _ = ray.wait([task.ref], timeout=0)
+        return bool(ready)
+
+    def wait_any(self, tickets, timeout=None):
+        """One of ``tickets`` whose result has arrived (collect it with :meth:`result`),
+        waiting for one if none has.  Raises ``TimeoutError`` after ``timeout`` (default:
+        the manager's) seconds, ``KeyError`` if no ticket is pending."""
+        self._ensure_open()
+        by_ref = {}
+        for t in tickets:
+            task = self._tasks.get(t)
+            if task is not None and not task.cancelled:
+                by_ref[task.ref] = t
+        if not by_ref:
+            raise KeyError(f"none of the tickets {list(tickets)!r} is pending")
+        limit = self.timeout if timeout is None else timeout
+        start = time.monotonic_ns()
+        try:
+            ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=limit)
+        finally:
+            self._wait_ns += time.monotonic_ns() - start
+        if not ready:
+            raise TimeoutError(f"no result within {limit} s")
+        return by_ref[ready[0]]
+
+    def cancel(self, ticket):
+        """Forget a ticket; its task is cancelled if it has not started."""
+        task = self._tasks.pop(ticket, None)
+        if task is None:
+            return
+        task.cancelled = True
+        try:
+            task.lane.inflight.remove(ticket)
+        except ValueError:
+            pass
+        try:
+            ray.cancel(task.ref)
+        except Exception:
+            pass   # (done, or its actor is gone)
+
+    # -- where the time goes --------------------------------------------------------------
+
+    def stats(self, reset=False):
+        """Where the time went since the first request (or the last ``stats(reset=True)``),
+        as a :class:`~unienv_mp.SamplerStats`.  Each actor's time per task is measured in
+        the actor and counted here when its result is collected; ``pid`` is the actor's
+        process (None until its first result), ``cpu_fraction`` is not known."""
+        now = time.monotonic_ns()
+        since = self._since_ns
+        wall = 0.0 if since is None else (now - since) / 1e9
+        wait = self._wait_ns / 1e9
+        refs = {task.ref: task for task in self._tasks.values()}
+        ready = 0
+        if refs:
+            done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+            ready = sum(self._batches_in(refs[r].work) for r in done)
+        workers = []
+        for lane in self._lanes:
+            counters = lane.counters.view
+            workers.append(lane.record.report(lane.index, lane.pid, counters, now))
+            if reset:
+                lane.record.reset(list(counters), now)
+        batches = self._delivered
+        wait_fraction = min(1.0, wait / wall) if wall > 0 else 0.0
+        busy = sum(w.busy_fraction for w in workers) / len(workers) if workers else 0.0
+        out = _stats.SamplerStats(
+            batches=batches, wait_seconds=wait, wall_seconds=wall,
+            wait_fraction=wait_fraction, ready=ready, workers=workers,
+            bottleneck=_stats.bottleneck(wait_fraction, busy, batches))
+        if reset:
+            self._delivered = 0
+            self._wait_ns = 0
+            self._since_ns = now
+        return out
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def close(self):
+        """Kill the actors.  Results already handed out stay valid.  Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self._tasks.clear()
+        for lane in self._lanes:
+            if lane.actor is not None:
+                try:
+                    ray.kill(lane.actor, no_restart=True)
+                except Exception:
+                    pass   # (already gone, or Ray was shut down)
+                lane.actor = None
+            lane.inflight.clear()
+        self._target = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        state = "closed" if self.closed else f"{self.n_workers} actors"
+        return f"<{type(self).__name__} {state}, {len(self._tasks)} pending>"

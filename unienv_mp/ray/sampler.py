@@ -1,0 +1,302 @@
+"""RaySampler: :class:`~unienv_mp.MultiprocessingSampler`'s API and stream of batches, with
+its workers on a Ray cluster."""
+import math
+import os
+import threading
+from typing import Any, Callable, Dict, Optional
+
+import ray
+from unienv_data.base import BatchSampler
+
+from .. import _state
+from ..sampler import SamplerBase
+from .._sampling import SamplerTarget
+from .._validate import check_int
+from .manager import RayManager, check_cpus
+
+__all__ = ["RaySampler", "RemoteSampler", "RemoteData"]
+
+
+# -- which Ray ------------------------------------------------------------------------------
+
+_own_ray = threading.Lock()
+_own_ray_users = 0   # open RaySamplers on the Ray this module started (0: none runs)
+_own_ray_started = 0  # how many Rays this module started: names the one running
+
+
+def _connect(address, cpus):
+    """Make sure this process is connected to Ray: the one it is connected to already, the
+    cluster at ``address``, a running cluster found as ``ray.init(address="auto")``
+    finds one (``RAY_ADDRESS``, or one running on this machine), or else a new local
+    Ray with ``cpus`` CPUs, or the machine's if it has more.  Returns a token for :func:`_release`: the number of the Ray this module started
+    if it is connected to that one (the caller is then one of its users), else None."""
+    global _own_ray_users, _own_ray_started
+    with _own_ray:
+        if ray.is_initialized():
+            if _own_ray_users:
+                _own_ray_users += 1
+                return _own_ray_started
+            return None
+        if address is not None:
+            ray.init(address=address)
+            return None
+        try:
+            ray.init(address="auto")
+            return None
+        except ConnectionError:
+            ray.init(num_cpus=max(os.cpu_count() or 1, cpus), include_dashboard=False)
+            _own_ray_started += 1
+            _own_ray_users = 1
+            return _own_ray_started
+
+
+def _release(token):
+    """A RaySampler whose ``_connect`` gave ``token`` is closed: shut the Ray this module
+    started down once no open RaySampler uses it (unless it is gone: shut down by someone
+    else, and maybe started again)."""
+    global _own_ray_users
+    if token is None:
+        return
+    with _own_ray:
+        if token != _own_ray_started or not ray.is_initialized():
+            return
+        _own_ray_users -= 1
+        if _own_ray_users == 0:
+            ray.shutdown()
+
+
+# -- the wrapped sampler, when it lives in the workers only --------------------------------
+
+class RemoteData:
+    """Stands in for the data of a sampler made by a ``sampler_factory``: its length and
+    device (what epochs are drawn from).  The data itself is in the workers."""
+
+    def __init__(self, length, device):
+        self.length = length
+        self.device = device
+
+    def __len__(self):
+        return self.length
+
+    def __repr__(self):
+        return (f"<RemoteData: {self.length} rows on {self.device}, held by the "
+                f"RaySampler's workers>")
+
+
+class RemoteSampler(BatchSampler):
+    """Stands in, in the training process, for the sampler that a RaySampler's
+    ``sampler_factory`` makes in each worker: its spaces, batch size, device and data
+    length (:class:`RemoteData`), and its random number generators, from which epochs
+    draw their permutations.  ``manual_seed`` seeds the workers' sampler and takes its
+    generators from there; the ``get*_at`` methods run on a worker."""
+
+    def __init__(self, description, manager):
+        super().__init__(description["single_space"], description["single_metadata_space"],
+                         description["batch_size"])
+        self.description = description
+        self.data = RemoteData(description["data_length"], description["data_device"])
+        self._manager = manager
+        _state.restore_rngs(self, description["rngs"])
+
+    @property
+    def device(self):
+        return self.description["device"]
+
+    @property
+    def sampled_space(self):
+        return self.description["sampled_space"]
+
+    @property
+    def sampled_metadata_space(self):
+        return self.description["sampled_metadata_space"]
+
+    def manual_seed(self, seed):
+        _state.restore_rngs(self, self._manager.seeded_rngs(seed))
+
+    def _on_a_worker(self, method, arg):
+        manager = self._manager
+        return manager.result(manager.submit((method, arg)))
+
+    def get_at(self, idx):
+        return self._on_a_worker("get_at", idx)
+
+    def get_at_with_metadata(self, idx):
+        return self._on_a_worker("get_at_with_metadata", idx)
+
+    def get_flattened_at(self, idx):
+        return self._on_a_worker("get_flattened_at", idx)
+
+    def get_flattened_at_with_metadata(self, idx):
+        return self._on_a_worker("get_flattened_at_with_metadata", idx)
+
+    def __len__(self):
+        return len(self.data)
+
+
+# -- the sampler ---------------------------------------------------------------------------
+
+class RaySampler(SamplerBase):
+    """:class:`~unienv_mp.MultiprocessingSampler`'s API, with its workers on a Ray
+    cluster: Ray actors instead of processes, object references instead of rings.
+
+    For the same seed, the ``j``-th batch of each ``sample*`` method, and every epoch, is
+    the same as :class:`~unienv_mp.MultiprocessingSampler`'s (see its ``in_order``), for
+    any ``n_workers`` and whatever actors die and are replaced; a ``state_dict()`` of
+    either loads into the other.
+
+    Args:
+        sampler: the ``BatchSampler`` to run (e.g. a ``StepSampler``), put into Ray's
+            object store once and read by every actor, replacements included ...
+        n_workers: actors.
+        n_buffers: batches requested ahead of the caller, per method.
+        sampler_factory: ... or, instead of ``sampler``, a callable (picklable by Ray)
+            that each actor calls to make its own sampler: a dataset too large to ship is
+            opened by each actor where it is (shared storage), never sent.  The training
+            process then holds a :class:`RemoteSampler`, described by the first actor.
+        num_cpus_per_worker: the CPUs Ray reserves for each actor.
+        in_order, timeout, respawn, batches_per_task: as for
+            :class:`~unienv_mp.MultiprocessingSampler` (an actor that dies, ``ray.kill``-ed
+            or with its node, is replaced and its outstanding tasks sent to the
+            replacement; ``respawn=False`` raises :class:`~unienv_mp.WorkerDiedError`).
+        copy: ``False`` (default): a batch's arrays are read zero-copy from Ray's object
+            store and are **read-only**: numpy arrays are marked read-only (writing
+            raises), and torch tensors, which cannot be marked, must not be written into
+            (copy them first, e.g. ``.clone()``, or an in-place op such as ``div_``
+            changes Ray's stored object).  ``True``: every array is copied into memory of
+            its own, writable, at the cost of a copy in the training process.
+        max_respawns: replacements of one actor without a result in between before its
+            next death raises :class:`~unienv_mp.WorkerDiedError`.
+        address: the Ray cluster to join when this process is not connected to one yet
+            (see below).
+        actor_options: more options for the actors (Ray's ``ActorClass.options``), e.g.
+            ``{"scheduling_strategy": ...}`` or ``{"resources": {...}}`` to place them on
+            certain nodes, or a ``runtime_env``.
+
+    Which Ray: the one this process is connected to (``ray.init(...)`` done by you); else
+    the cluster at ``address``; else a running cluster as ``ray.init(address="auto")``
+    finds one (``RAY_ADDRESS``, or the latest cluster started on this machine with ``ray
+    start``); else a new local Ray, started for the samplers (with a CPU for each actor,
+    or the machine's CPUs if it has more) and shut down when the last of them is closed.
+    A Ray it did not start is never shut down.  Actors that do not fit in the cluster's
+    CPUs wait until CPUs are free or nodes join, and so do the batches dealt to them: a
+    ``RuntimeWarning`` says so when the cluster has fewer CPUs than the actors ask for.
+
+    Workers see the data as it was when the sampler was made (or as ``sampler_factory``
+    opens it): a buffer made with ``multiprocessing=True`` is not shared with them (its
+    lock cannot travel to another machine; use a ``sampler_factory``).  Epochs run on the
+    same actors as the ``sample*`` methods.  ``gather_path`` is ``"generic"``: actors
+    call the wrapped sampler's methods.  ``stall_timeout`` is not available.
+    """
+
+    def __init__(
+        self,
+        sampler: Optional[BatchSampler] = None,
+        n_workers: int = 4,
+        n_buffers: int = 8,
+        *,
+        sampler_factory: Optional[Callable[[], BatchSampler]] = None,
+        num_cpus_per_worker: float = 1,
+        in_order: bool = True,
+        copy: bool = False,
+        timeout: Optional[float] = None,
+        respawn: bool = True,
+        max_respawns: int = 3,
+        batches_per_task: Optional[int] = None,
+        address: Optional[str] = None,
+        actor_options: Optional[Dict[str, Any]] = None,
+    ):
+        self._closed = True   # first: __del__ -> close() must work on a half-built sampler
+        self._manager = None
+        self._ray_token = None
+        if (sampler is None) == (sampler_factory is None):
+            raise TypeError("RaySampler takes a sampler or a sampler_factory (one of them)")
+        if sampler is not None and not isinstance(sampler, BatchSampler):
+            raise TypeError(f"sampler must be a unienv_data BatchSampler (e.g. StepSampler), "
+                            f"got {type(sampler).__module__}.{type(sampler).__qualname__}")
+        if sampler_factory is not None and not callable(sampler_factory):
+            raise TypeError(f"sampler_factory must be callable, got "
+                            f"{type(sampler_factory).__name__}")
+        n_workers = check_int(n_workers, "n_workers")
+        num_cpus_per_worker = check_cpus(num_cpus_per_worker)
+        self._ray_token = _connect(address, math.ceil(n_workers * num_cpus_per_worker))
+        try:
+            manager = RayManager(
+                n_workers,
+                target=None if sampler is None else SamplerTarget(sampler),
+                factory=sampler_factory, in_order=in_order, copy=copy, timeout=timeout,
+                respawn=respawn, max_respawns=max_respawns,
+                num_cpus_per_worker=num_cpus_per_worker, actor_options=actor_options)
+            self._manager = manager
+            if sampler is None:
+                sampler = RemoteSampler(manager.describe(), manager)
+                self._shipped_length = None
+            else:
+                self._shipped_length = len(sampler.data)
+            self.sampler_factory = sampler_factory
+            self.num_cpus_per_worker = num_cpus_per_worker
+            self.max_respawns = max_respawns
+            self.address = address
+            self.actor_options = actor_options
+            super().__init__(sampler, n_workers, n_buffers, in_order=in_order, copy=copy,
+                             timeout=timeout, respawn=respawn,
+                             batches_per_task=batches_per_task,
+                             not_direct="RaySampler's actors call the wrapped sampler's "
+                                        "methods")
+            self._manager = manager   # (SamplerBase starts without one)
+        except BaseException:
+            self._close_manager()
+            raise
+
+    @property
+    def workers(self):
+        """The Ray actor handles (replacements included, after a respawn)."""
+        return [] if self._manager is None else self._manager.workers
+
+    def _new_manager(self):
+        # (made in __init__, and not again: a closed sampler stays closed)
+        raise RuntimeError(f"this {type(self).__name__} is closed")
+
+    def _sampler_methods(self):
+        if isinstance(self.sampler, RemoteSampler):
+            return list(self.sampler.description["methods"])
+        return super()._sampler_methods()
+
+    def _row_nbytes(self, name):
+        if isinstance(self.sampler, RemoteSampler):
+            return self.sampler.description["rows"].get(name)
+        return super()._row_nbytes(name)
+
+    def _configuration(self, methods):
+        if not isinstance(self.sampler, RemoteSampler):
+            return super()._configuration(methods)
+        methods = set(methods) | {n for n in self._sampler_methods() if n.startswith("sample")}
+        out = dict(self.sampler.description["configuration"])
+        out["chunks"] = {m: self._chunk_size(m) for m in methods}
+        return out
+
+    def _epoch(self, getter):
+        if not self._closed and self._shipped_length is not None \
+                and len(self.sampler.data) != self._shipped_length:
+            raise RuntimeError(
+                f"the sampler's data has {len(self.sampler.data)} rows, but the "
+                f"RaySampler's actors hold the {self._shipped_length} it had when the "
+                f"RaySampler was made: make a new RaySampler to sample the data as it is "
+                f"now")
+        return super()._epoch(getter)
+
+    def _close_manager(self):
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            manager.close()
+        token, self._ray_token = self._ray_token, None
+        _release(token)
+
+    def close(self):
+        """Kill the actors; batches already returned stay valid.  Shuts down a Ray that
+        the samplers started once none of them is open.  Idempotent."""
+        super().close()
+        self._close_manager()
+
+    def __repr__(self):
+        state = "closed" if self._closed else f"{self.n_workers} Ray actors"
+        return f"<{type(self).__name__} {state}>"
