@@ -206,6 +206,14 @@ def test_default_run_includes_every_row():
     assert compare.LABELS["torchrl"] == "TorchRL ReplayBuffer(prefetch=4)"
 
 
+def test_impl_ray_adds_the_ray_row_to_the_default_rows():
+    assert main_mod.parse_args(["--impl", "ray"]).impls == [*compare.DEFAULT_IMPLEMENTATIONS,
+                                                            "ray"]
+    assert main_mod.parse_args(["--impl", "unienv_mp,ray"]).impls == ["unienv_mp", "ray"]
+    assert compare.LABELS["ray"] == "unienv_mp RaySampler (local Ray)"
+    assert "ray" in compare.CASES["image"].rows and "ray" in compare.CASES["jpeg"].rows
+
+
 def test_table_says_slower_where_unienv_mp_loses():
     cfg = compare.Config(transitions=300, batch_size=16, image_shape=())
     # (name, batches, seconds): unienv_mp takes 100 ms a batch
@@ -273,7 +281,7 @@ def test_ci_runs_the_readme_test_command():
         readme = f.read()
     with open(os.path.join(root, ".ci", "run")) as f:
         ci = [line.strip() for line in f]
-    command = 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest tests'
+    command = 'pip install torch==2.13.0 && pip install -e ".[test,ray]" && python -m pytest tests'
     assert "    " + command + "\n" in readme
     assert command in ci
     assert "    pip install torch==2.13.0 && pip install -e . && python -m unienv_mp\n" in readme
