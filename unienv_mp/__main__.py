@@ -95,12 +95,15 @@ def parse_args(argv=None):
     p.add_argument("--append", type=_positive(int), default=4,
                    help="online: transitions appended per loop step (default 4)")
     p.add_argument("--start-method", choices=("fork", "spawn", "forkserver"), default="fork")
-    p.add_argument("--impl", default=",".join(compare.IMPLEMENTATIONS),
+    p.add_argument("--impl", default=",".join(compare.DEFAULT_IMPLEMENTATIONS),
                    help="comma-separated subset of: " + ", ".join(compare.IMPLEMENTATIONS)
-                   + " (default: all; each case runs those of its rows that are listed; "
-                   "index_select: torch.index_select of the StepSampler's "
+                   + " (default: all but ray; each case runs those of its rows that are "
+                   "listed; index_select: torch.index_select of the StepSampler's "
                    "indices into reused tensors, in process; torchrl: TorchRL "
-                   "ReplayBuffer(prefetch=4), skipped if torchrl is not installed)")
+                   "ReplayBuffer(prefetch=4), skipped if torchrl is not installed; ray: "
+                   "unienv_mp's RaySampler on a local Ray, in the image, state and jpeg "
+                   "cases, skipped if ray is not installed.  --impl ray alone adds the "
+                   "ray row to the default rows)")
     p.add_argument("--seconds", type=_positive(float), default=6.0,
                    help="measuring time per row (default 6)")
     p.add_argument("--quick", action="store_true",
@@ -113,6 +116,8 @@ def parse_args(argv=None):
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     impls = [x.strip() for x in args.impl.split(",") if x.strip()]
+    if impls == ["ray"]:
+        impls = list(compare.DEFAULT_IMPLEMENTATIONS) + impls
     bad = [x for x in impls if x not in compare.IMPLEMENTATIONS]
     if bad or not impls:
         p.error(f"--impl: unknown {bad}; choose from {', '.join(compare.IMPLEMENTATIONS)}")

@@ -32,7 +32,9 @@ The implementations (``IMPLEMENTATIONS``):
   into one set of output tensors allocated up front and reused for every batch (so a batch
   is only valid until the next one);
 * ``torchrl``: a TorchRL ``ReplayBuffer(prefetch=4)`` (uniform ``RandomSampler``, 4
-  prefetch threads) over the same rows; needs ``torchrl``, which is optional.
+  prefetch threads) over the same rows; needs ``torchrl``, which is optional;
+* ``ray``: unienv_mp's RaySampler on a local Ray (``ray_locally``), one actor per worker;
+  needs ``ray``, which is optional.  Not in ``DEFAULT_IMPLEMENTATIONS``: asked for by name.
 
 Each measurement returns a result object (``Result``, ``OnlineResult``,
 ``LatencyResult``); the main job turns each case's results into one table.
@@ -52,7 +54,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 IMPLEMENTATIONS = ("unienv_mp", "unienv_mp_generic", "unienv", "unienv_shm", "in_process",
-                   "dataloader", "index_select", "torchrl")
+                   "dataloader", "index_select", "torchrl", "ray")
+#: What runs unless others are asked for ("ray" starts a Ray: asked for by name only).
+DEFAULT_IMPLEMENTATIONS = IMPLEMENTATIONS[:-1]
 LABELS = {
     "unienv_mp": "unienv_mp MultiprocessingSampler",
     "unienv_mp_generic": "unienv_mp, direct_gather=False",
@@ -62,11 +66,12 @@ LABELS = {
     "dataloader": "torch DataLoader",
     "index_select": "index_select into reused memory, in process",
     "torchrl": "TorchRL ReplayBuffer(prefetch=4)",
+    "ray": "unienv_mp RaySampler (local Ray)",
 }
 TORCHRL_PREFETCH = 4
 # The implementations whose speed depends on the number of workers (a worker sweep times
 # them at each count; the others run once).
-USES_WORKERS = ("unienv_mp", "unienv_mp_generic", "unienv", "unienv_shm", "dataloader")
+USES_WORKERS = ("unienv_mp", "unienv_mp_generic", "unienv", "unienv_shm", "dataloader", "ray")
 
 
 @dataclass
@@ -108,7 +113,7 @@ CASES = {
                   "batches of 32 {state, action} from an in-memory ReplayBuffer",
                   {"batch_size": 32, "image_shape": ()}),
     "jpeg": Case("jpeg", "throughput",
-                 ("unienv_mp", "unienv", "unienv_shm", "in_process", "dataloader"),
+                 ("unienv_mp", "unienv", "unienv_shm", "in_process", "dataloader", "ray"),
                  "batches of 64 {state, action, 128x128x3 image} whose images are JPEG "
                  "files in UniEnv's ImageStorage, decoded for every batch (needs Pillow)",
                  {"transitions": 4000, "batch_size": 64}, quick_transitions=1000),
@@ -228,6 +233,8 @@ def available():
         missing["torchrl"] = "torchrl is not installed (pip install torchrl)"
     elif importlib.util.find_spec("tensordict") is None:
         missing["torchrl"] = "tensordict (needed by torchrl) is not installed"
+    if importlib.util.find_spec("ray") is None:
+        missing["ray"] = "ray is not installed (pip install \"unienv_mp[ray]\")"
     return missing
 
 
@@ -427,7 +434,22 @@ def _sampler_object(name: str, rb, cfg: Config, seed: int = 0):
                              shared_memory=name == "unienv_shm")
     if name == "in_process":
         return base
+    if name == "ray":
+        ray_locally(cfg)
+        from .ray import RaySampler
+        return RaySampler(base, n_workers=cfg.workers, n_buffers=cfg.buffers)
     raise ValueError(f"{name!r} is not one of the UniEnv-API samplers")
+
+
+def ray_locally(cfg: Config):
+    """Start a local Ray for the ``ray`` row, quietly, with a CPU for each of its actors
+    (as many as ``cfg.workers``, however many cores the machine has: the other rows'
+    workers share the cores the same way), unless this process is connected to one."""
+    import ray
+    if not ray.is_initialized():
+        import logging
+        ray.init(num_cpus=max(os.cpu_count() or 1, cfg.workers), include_dashboard=False,
+                 log_to_driver=False, logging_level=logging.ERROR)
 
 
 def _close(sampler):
@@ -438,7 +460,7 @@ def _close(sampler):
 
 def make_sampler(name: str, rb, cfg: Config, seed: int = 0):
     """(next_batch, close) for implementation ``name``."""
-    if name in ("unienv_mp", "unienv_mp_generic", "unienv", "unienv_shm"):
+    if name in ("unienv_mp", "unienv_mp_generic", "unienv", "unienv_shm", "ray"):
         s = _sampler_object(name, rb, cfg, seed)
         return s.sample, s.close
     from unienv_data.samplers import StepSampler
@@ -615,8 +637,8 @@ def measure(name: str, rb, cfg: Config, progress: Callable[[float], None] = lamb
 
 
 def _is_unienv_mp_sampler(obj):
-    from .sampler import MultiprocessingSampler
-    return isinstance(obj, MultiprocessingSampler)
+    from .sampler import SamplerBase
+    return isinstance(obj, SamplerBase)
 
 
 def _guarded(res, make, run):
