@@ -355,6 +355,7 @@ def test_stats_count_what_was_sampled():
         take(r, 10)
         s = r.stats(reset=True)
         assert s.batches == 10 and s.gather_path == "generic"
+        assert 0 < s.wait_seconds <= s.wall_seconds and 0 < s.wait_fraction <= 1
         assert sum(w.batches for w in s.workers) >= 10
         assert all(w.pid is not None and w.seconds_per_batch_mean for w in s.workers)
         assert r.stats().batches == 0

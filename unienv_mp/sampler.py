@@ -206,6 +206,8 @@ class SamplerBase(BatchSampler):
         if ready and len(ready) + k * len(tickets) > n_buffers:
             self._handed += 1
             return ready.popleft()
+        if self._since_ns is None:
+            self._start_clock()   # (a manager made before the first request)
         try:
             stream.top_up(manager.submit, n_buffers)
             if ready:
