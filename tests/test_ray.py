@@ -358,6 +358,8 @@ def test_stats_count_what_was_sampled():
         assert 0 < s.wait_seconds <= s.wall_seconds and 0 < s.wait_fraction <= 1
         assert sum(w.batches for w in s.workers) >= 10
         assert all(w.pid is not None and w.seconds_per_batch_mean for w in s.workers)
+        assert all(0 <= w.cpu_fraction <= 1 for w in s.workers)
+        assert s.machine_idle_fraction is not None   # (the local Ray is this machine)
         assert r.stats().batches == 0
 
 

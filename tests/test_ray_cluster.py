@@ -62,6 +62,7 @@ def test_batches_made_on_other_nodes_are_the_multiprocessing_samplers(cluster):
                     assert b[k].dtype == a[k].dtype and torch.equal(a[k], b[k])
             epoch = [indices_of(b) for b in r.epoch_iter()]
             assert epoch == want_epoch
+            assert r.stats().machine_idle_fraction is None   # (other nodes: not measured)
             assert sorted(i for b in epoch for i in b) == list(range(90))
 
 

@@ -51,17 +51,19 @@ class SamplerActor:
             self.failure = error_payload(e)
 
     def run(self, work):
-        """``(status, value, seconds_ns, pid)``: the work function's result on ``work``,
+        """``(status, value, ns, pid, cpu)``: the work function's result on ``work``,
         packed for the trip (status ``OK``), or its exception as
-        ``worker.error_payload`` describes it (``ERROR``), and how long that took."""
+        ``worker.error_payload`` describes it (``ERROR``); how long that took, in
+        nanoseconds; and this process's id and CPU seconds so far."""
         start = time.monotonic_ns()
         if self.failure is not None:
-            return COULD_NOT_START, self.failure, 0, os.getpid()
+            return COULD_NOT_START, self.failure, 0, os.getpid(), time.process_time()
         try:
             status, value = OK, pack(self.target(work))
         except Exception as e:
             status, value = ERROR, error_payload(e)
-        return status, value, time.monotonic_ns() - start, os.getpid()
+        return (status, value, time.monotonic_ns() - start, os.getpid(),
+                time.process_time())
 
     def describe(self):
         """What the training process needs to know of a sampler made by ``factory``: its

@@ -60,13 +60,14 @@ class _Task:
 class _Lane:
     """One worker index: its actor (replaced when it dies), the tickets sent to it and not
     delivered yet, in order, and its counters (see :mod:`unienv_mp.stats`)."""
-    __slots__ = ("index", "actor", "pid", "inflight", "deaths_in_a_row", "counters",
+    __slots__ = ("index", "actor", "pid", "cpu", "inflight", "deaths_in_a_row", "counters",
                  "record", "incarnation")
 
     def __init__(self, index, now_ns):
         self.index = index
         self.actor = None
         self.pid = None
+        self.cpu = None   # the actor's CPU seconds at its last result
         self.inflight = collections.deque()
         self.deaths_in_a_row = 0
         self.counters = None
@@ -162,7 +163,7 @@ class RayManager:
     def _start(self, lane):
         now = time.monotonic_ns()
         lane.actor = self._actor_class.remote(lane.index, self._target, self._factory)
-        lane.pid = None
+        lane.pid = lane.cpu = None
         # (this process keeps the actor's counters: they move when a result is collected)
         lane.counters = _stats.WorkerCounters([0] * _stats.COUNTERS, now)
         lane.incarnation += 1
@@ -281,17 +282,17 @@ class RayManager:
             if not ready:
                 raise TimeoutError(f"no result within {limit} s")
             try:
-                status, value, elapsed_ns, pid = ray.get(task.ref)
+                status, value, elapsed_ns, pid, cpu = ray.get(task.ref)
             except _LOST as e:
                 self._replace(task.lane, e)   # (the task is sent again: wait for it)
                 continue
-            return self._deliver(task, status, value, elapsed_ns, pid)
+            return self._deliver(task, status, value, elapsed_ns, pid, cpu)
 
-    def _deliver(self, task, status, value, elapsed_ns, pid):
+    def _deliver(self, task, status, value, elapsed_ns, pid, cpu):
         lane = task.lane
         del self._tasks[task.ticket]
         lane.inflight.remove(task.ticket)
-        lane.pid = pid
+        lane.pid, lane.cpu = pid, cpu
         counters = lane.counters
         if status == _actor.OK:
             lane.deaths_in_a_row = 0
@@ -353,7 +354,8 @@ class RayManager:
         """Where the time went since the first request (or the last ``stats(reset=True)``),
         as a :class:`~unienv_mp.SamplerStats`.  Each actor's time per task is measured in
         the actor and counted here when its result is collected; ``pid`` is the actor's
-        process (None until its first result), ``cpu_fraction`` is not known."""
+        process (None until its first result), and ``cpu_fraction`` its CPU time, as of
+        its last result, over its time alive."""
         now = time.monotonic_ns()
         since = self._since_ns
         wall = 0.0 if since is None else (now - since) / 1e9
@@ -366,9 +368,9 @@ class RayManager:
         workers = []
         for lane in self._lanes:
             counters = lane.counters.view
-            workers.append(lane.record.report(lane.index, lane.pid, counters, now))
+            workers.append(lane.record.report(lane.index, lane.pid, counters, now, lane.cpu))
             if reset:
-                lane.record.reset(list(counters), now)
+                lane.record.reset(list(counters), now, lane.cpu)
         batches = self._delivered
         wait_fraction = min(1.0, wait / wall) if wall > 0 else 0.0
         busy = sum(w.busy_fraction for w in workers) / len(workers) if workers else 0.0

@@ -1,5 +1,6 @@
 """RaySampler: :class:`~unienv_mp.MultiprocessingSampler`'s API and stream of batches, with
 its workers on a Ray cluster."""
+import dataclasses
 import math
 import os
 import threading
@@ -283,6 +284,18 @@ class RaySampler(SamplerBase):
                 f"RaySampler was made: make a new RaySampler to sample the data as it is "
                 f"now")
         return super()._epoch(getter)
+
+    def stats(self, reset: bool = False):
+        """As :meth:`MultiprocessingSampler.stats <unienv_mp.MultiprocessingSampler.stats>`;
+        ``machine_idle_fraction`` is this machine's only while the Ray cluster is this
+        machine alone (else None: the actors' machines are not measured)."""
+        out = super().stats(reset)
+        try:
+            alive = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+            here = alive == [ray.get_runtime_context().get_node_id()]
+        except Exception:   # (not connected to Ray any more)
+            here = False
+        return out if here else dataclasses.replace(out, machine_idle_fraction=None)
 
     def _close_manager(self):
         manager, self._manager = self._manager, None
