@@ -300,6 +300,10 @@ def test_the_main_job_says_where_the_time_went(capsys):
     text = capsys.readouterr().out
     line = next(x for x in text.splitlines() if x.startswith("Where unienv_mp"))
     assert "workers busy" in line and "the caller waiting" in line and "bottleneck:" in line
+    bottleneck = line.split("bottleneck: ")[1].split(".")[0]
+    advice = {"workers": "Workers are the bottleneck", "balanced": "Balanced: the workers",
+              "consumer": "The caller is the bottleneck"}[bottleneck]
+    assert line.split(".  ", 1)[1].startswith(advice)   # one line of advice, after the figures
     assert main_mod.main(small + ["--json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["results"]}
     st = rows["unienv_mp"]["stats"]
