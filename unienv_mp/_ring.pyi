@@ -11,7 +11,7 @@ from _typeshed import ReadableBuffer
 from typing_extensions import Self, disjoint_base
 
 __all__ = ["Segment", "RingBuffer", "Event", "DEFAULT_POLL_INTERVAL", "DEFAULT_SPIN",
-           "now_ns"]
+           "ENTRY_HEADER", "now_ns"]
 
 _T = TypeVar("_T")
 _T_contra = TypeVar("_T_contra", contravariant=True)
@@ -24,6 +24,9 @@ class _Appendable(Protocol[_T_contra]):
 DEFAULT_POLL_INTERVAL: Final[float]
 #: Default time a blocked call spins (polls the ring without sleeping) before it sleeps.
 DEFAULT_SPIN: Final[float]
+#: Bytes of the header of a tagged entry (RingBuffer.push_tagged): tag u32, aux u32,
+#: value u64, in this process's byte order.
+ENTRY_HEADER: Final[int]
 
 def now_ns() -> int:
     """CLOCK_MONOTONIC in nanoseconds (the clock every deadline here is measured on)."""
@@ -213,9 +216,9 @@ class RingBuffer:
                     block: bool = True, timeout: float | None = None, *,
                     check: Callable[[], object] | None = None,
                     record: _Appendable[int] | None = None) -> None:
-        """Push one entry made of a 16-byte header (``tag``, ``aux``, ``value``) followed by
-        ``payload`` (bytes-like, at most ``entry_size - 16`` bytes).  Same blocking rules
-        as :meth:`push`.  The queue and the sampler describe messages this way: what kind,
+        """Push one entry made of a header of ``ENTRY_HEADER`` bytes (``tag``, ``aux``,
+        ``value``) followed by ``payload`` (bytes-like, at most ``entry_size -
+        ENTRY_HEADER`` bytes).  Same blocking rules as :meth:`push`.  The queue and the sampler describe messages this way: what kind,
         which slot, how many bytes, and small payloads inline.
 
         ``record``: if given (a list or deque), ``record.append(value)`` runs inside this

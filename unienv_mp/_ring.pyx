@@ -30,12 +30,24 @@ from . import _headroom
 from .errors import RingClosed, PeerGoneError
 
 __all__ = ["Segment", "RingBuffer", "Event", "DEFAULT_POLL_INTERVAL", "DEFAULT_SPIN",
-           "now_ns"]
+           "ENTRY_HEADER", "now_ns"]
 
 #: Default longest sleep before a blocked call re-checks liveness and the closed flag.
 DEFAULT_POLL_INTERVAL = 0.1
 #: Default time a blocked call spins (polls the ring without sleeping) before it sleeps.
 DEFAULT_SPIN = 20e-6
+
+cpdef enum:
+    # Bytes of the header of a tagged entry (RingBuffer.push_tagged): tag u32, aux u32,
+    # value u64, in this process's byte order.  Exported as a Python int.
+    ENTRY_HEADER = 16
+
+cdef enum:
+    # pop_tagged copies an entry of up to this many bytes through a buffer on its stack, a
+    # larger one through a malloc of the entry size, which would be most of the cost of the
+    # pop.  The manager pops one result entry per batch, of ENTRY_HEADER + RESULT_INLINE
+    # (unienv_mp._worker_handle) bytes: those fit.
+    _POP_ON_STACK = 4608
 
 cdef extern from "Python.h":
     int PyBytes_CheckExact(object o)
@@ -862,9 +874,9 @@ cdef class RingBuffer:
 
     def push_tagged(self, uint32_t tag, uint32_t aux, uint64_t value, payload=b"",
                     block=True, timeout=None, *, check=None, record=None):
-        """Push one entry made of a 16-byte header (``tag``, ``aux``, ``value``) followed by
-        ``payload`` (bytes-like, at most ``entry_size - 16`` bytes).  Same blocking rules
-        as :meth:`push`.  The queue and the sampler describe messages this way: what kind,
+        """Push one entry made of a header of ``ENTRY_HEADER`` bytes (``tag``, ``aux``,
+        ``value``) followed by ``payload`` (bytes-like, at most ``entry_size -
+        ENTRY_HEADER`` bytes).  Same blocking rules as :meth:`push`.  The queue and the sampler describe messages this way: what kind,
         which slot, how many bytes, and small payloads inline.
 
         ``record``: if given (a list or deque), ``record.append(value)`` runs inside this
@@ -886,20 +898,20 @@ cdef class RingBuffer:
             src = <const char *>view.buf
             n = view.len
         try:
-            if n + 16 > self.r.entry_size:
+            if n + ENTRY_HEADER > self.r.entry_size:
+                room = self.r.entry_size - ENTRY_HEADER if self.r.entry_size > ENTRY_HEADER else 0
                 raise ValueError(f"payload of {n} bytes does not fit: entries of this ring "
-                                 f"hold {self.r.entry_size - 16 if self.r.entry_size > 16 else 0}"
-                                 f" payload bytes")
-            if n + 16 > <Py_ssize_t>sizeof(stackbuf):
-                buf = <char *>malloc(n + 16)
+                                 f"hold {room} payload bytes")
+            if n + ENTRY_HEADER > <Py_ssize_t>sizeof(stackbuf):
+                buf = <char *>malloc(n + ENTRY_HEADER)
                 if buf == NULL:
                     raise MemoryError
             memcpy(buf, &tag, 4)
             memcpy(buf + 4, &aux, 4)
             memcpy(buf + 8, &value, 8)
             if n:
-                memcpy(buf + 16, src, n)
-            self._push(buf, n + 16, block, timeout, check)
+                memcpy(buf + ENTRY_HEADER, src, n)
+            self._push(buf, n + ENTRY_HEADER, block, timeout, check)
             if record is not None:
                 record.append(value)
         finally:
@@ -917,9 +929,7 @@ cdef class RingBuffer:
         landing right after the call returns (see ``record`` of :meth:`push_tagged`)."""
         cdef uint32_t length = 0, tag, aux
         cdef uint64_t value
-        # (large enough for the manager's result entries, 16 + 4096 bytes: one is popped
-        # per batch, and a malloc of the entry size would be most of the cost of the pop)
-        cdef char stackbuf[4608]
+        cdef char stackbuf[_POP_ON_STACK]
         cdef char *buf = stackbuf
         cdef uint32_t cap = self.r.entry_size
         self._ensure_open()
@@ -929,12 +939,14 @@ cdef class RingBuffer:
                 raise MemoryError
         try:
             self._pop(buf, &length, block, timeout, check)
-            if length < 16:
-                raise ValueError(f"entry of {length} bytes has no 16-byte tagged header")
+            if length < ENTRY_HEADER:
+                raise ValueError(f"entry of {length} bytes has no tagged header of "
+                                 f"{ENTRY_HEADER} bytes")
             memcpy(&tag, buf, 4)
             memcpy(&aux, buf + 4, 4)
             memcpy(&value, buf + 8, 8)
-            entry = (tag, aux, value, PyBytes_FromStringAndSize(buf + 16, length - 16))
+            entry = (tag, aux, value,
+                     PyBytes_FromStringAndSize(buf + ENTRY_HEADER, length - ENTRY_HEADER))
             if into is not None:
                 into.append(entry)
             return entry
