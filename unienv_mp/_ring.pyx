@@ -30,7 +30,7 @@ from . import _headroom
 from .errors import RingClosed, PeerGoneError
 
 __all__ = ["Segment", "RingBuffer", "Event", "DEFAULT_POLL_INTERVAL", "DEFAULT_SPIN",
-           "ENTRY_HEADER", "now_ns"]
+           "ENTRY_HEADER", "now_ns", "segment_from_peer"]
 
 #: Default longest sleep before a blocked call re-checks liveness and the closed flag.
 DEFAULT_POLL_INTERVAL = 0.1
@@ -128,8 +128,14 @@ def _segment_from_dupfd(dupfd, size, ino, name, copy_on_write=False):
     return seg
 
 
-def _segment_from_peer(pid, fd, ino, size, name, copy_on_write=False):
-    """Unpickle a Segment described by a live process as (pid, fd, inode)."""
+def segment_from_peer(pid, fd, ino, size, name, copy_on_write=False):
+    """Attach the segment that live process ``pid`` holds as its descriptor ``fd``
+    (through ``/proc/<pid>/fd``), checking that it is the one of inode ``ino`` and at least
+    ``size`` bytes; ``name`` names it in errors.  This is how a process maps a segment that
+    another one described in a message, and how a pickled :class:`Segment` is unpickled
+    while its sender lives.  Raises :class:`~unienv_mp.errors.PeerGoneError` if that
+    process has exited or closed the descriptor.  ``copy_on_write``: map it copy-on-write
+    (see :meth:`Segment.create`)."""
     cdef int ours = umr_shm_open_peer(pid, fd, ino, size)
     if ours < 0:
         if -ours in (_errno.ENOENT, _errno.ESRCH, _errno.ESTALE):
@@ -339,7 +345,7 @@ cdef class Segment:
             # itself to the child.
             return (_segment_from_dupfd, (_mpreduction.DupFd(self.fd), self.size, self.ino,
                                           self.name, self.copy_on_write))
-        return (_segment_from_peer, (_os.getpid(), self.fd, self.ino, self.size, self.name,
+        return (segment_from_peer, (_os.getpid(), self.fd, self.ino, self.size, self.name,
                                      self.copy_on_write))
 
     def __repr__(self):
@@ -489,7 +495,7 @@ cdef int64_t _wait(RingBuffer ring, _wait_fn wait, const _WaitArgs *a, int64_t d
 # ---------------------------------------------------------------------------------------
 
 def _ring_from_segment(Segment segment not None, offset, poll_interval, spin):
-    return RingBuffer._attach(segment, offset, poll_interval, spin)
+    return RingBuffer.attach(segment, offset, poll_interval, spin)
 
 
 cdef class RingBuffer:
@@ -531,18 +537,23 @@ cdef class RingBuffer:
         return umr_ring_footprint(capacity, entry_size)
 
     @staticmethod
-    def _create_in(Segment segment not None, offset, capacity, entry_size,
-                   poll_interval=DEFAULT_POLL_INTERVAL, spin=DEFAULT_SPIN):
-        """Lay out a new ring at ``offset`` of an existing segment."""
+    def create_in(Segment segment not None, offset, capacity, entry_size,
+                  poll_interval=DEFAULT_POLL_INTERVAL, spin=DEFAULT_SPIN):
+        """Lay out a new, empty ring at ``offset`` (a multiple of 64) of ``segment``, which
+        must hold :meth:`footprint` bytes from there, and return it.  Several rings (and
+        other data) can share one segment this way; processes handed the segment attach to
+        the ring with :meth:`attach`."""
         cdef RingBuffer self = RingBuffer.__new__(RingBuffer)
         self._set_timing(poll_interval, spin)
         self._init_in(segment, offset, capacity, entry_size)
         return self
 
     @staticmethod
-    def _attach(Segment segment not None, offset, poll_interval=DEFAULT_POLL_INTERVAL,
-                spin=DEFAULT_SPIN):
-        """Attach to the ring that already lies at ``offset`` of ``segment``."""
+    def attach(Segment segment not None, offset, poll_interval=DEFAULT_POLL_INTERVAL,
+               spin=DEFAULT_SPIN):
+        """The ring that :meth:`create_in` laid out at ``offset`` of ``segment`` (in this
+        process or another one that handed the segment over).  Raises ``ValueError`` if no
+        ring lies there."""
         cdef RingBuffer self = RingBuffer.__new__(RingBuffer)
         self._set_timing(poll_interval, spin)
         if offset < 0 or offset % 64 or offset >= segment.size:
@@ -954,9 +965,11 @@ cdef class RingBuffer:
             if buf != stackbuf:
                 free(buf)
 
-    def _give_back(self, data):
-        """Non-blocking push that works as long as the memory is mapped in this process,
-        even after :meth:`close` (how slots held past a close are returned)."""
+    def push_while_mapped(self, data):
+        """Push ``data`` without waiting (``queue.Full`` if the ring is full) as long as the
+        ring's memory is mapped in this process, even after :meth:`close`: a close while
+        views of the segment are alive leaves it mapped until they are released, and what
+        they held (a queue's slot) can still be handed back to the other processes."""
         if self.segment is None or self.segment.addr == NULL:
             raise ValueError("ring is unmapped in this process")
         cdef const unsigned char[::1] v = data

@@ -22,7 +22,7 @@ import time
 from . import _process
 from . import _protocol as P
 from . import stats as _stats
-from ._ring import RingBuffer, Segment, _segment_from_peer
+from ._ring import RingBuffer, Segment, segment_from_peer
 from ._transfer import Parcel
 from .errors import PeerGoneError
 from .worker import worker_main
@@ -230,10 +230,10 @@ class WorkerHandle:
                 P.WORKER_HEADER.pack_into(mv, 0, P.WORKER_MAGIC, P.WORKER_VERSION, t_off,
                                           TASK_CAPACITY, task_entry, r_off, r_cap,
                                           result_entry)
-            tasks = RingBuffer._create_in(seg, t_off, TASK_CAPACITY, task_entry,
-                                          launch.poll_interval, launch.spin)
-            results = RingBuffer._create_in(seg, r_off, r_cap, result_entry,
-                                            launch.poll_interval, launch.spin)
+            tasks = RingBuffer.create_in(seg, t_off, TASK_CAPACITY, task_entry,
+                                         launch.poll_interval, launch.spin)
+            results = RingBuffer.create_in(seg, r_off, r_cap, result_entry,
+                                           launch.poll_interval, launch.spin)
             options = {"poll_interval": launch.poll_interval, "done_event": launch.done_event,
                        # PR_SET_PDEATHSIG fires when the *thread* that started the worker
                        # ends: only worth it from the main thread (a watchdog covers the rest)
@@ -424,7 +424,7 @@ class WorkerHandle:
         if mapped is not None and mapped[0] == gen:
             return mapped[1], nbytes
         try:
-            seg = _segment_from_peer(self.pid, fd, ino, size, f"slot{self.index}")
+            seg = segment_from_peer(self.pid, fd, ino, size, f"slot{self.index}")
         except PeerGoneError:
             raise WorkerDied(self) from None
         seg.unlink()  # no descriptor needed: the mapping is what we use
