@@ -18,8 +18,6 @@ from cpython.ref cimport Py_INCREF
 
 import errno as _errno
 import itertools as _itertools
-import math as _math
-import numbers as _numbers
 import os as _os
 import queue as _queue
 
@@ -27,6 +25,7 @@ from multiprocessing import context as _mpcontext
 from multiprocessing import reduction as _mpreduction
 
 from . import _headroom
+from ._validate import check_int, check_timeout
 from .errors import RingClosed, PeerGoneError
 
 __all__ = ["Segment", "RingBuffer", "Event", "DEFAULT_POLL_INTERVAL", "DEFAULT_SPIN",
@@ -67,22 +66,16 @@ def now_ns():
 
 
 cdef int64_t _seconds_to_ns(object seconds, str what) except -2:
+    """``seconds`` (see _validate.check_timeout) in nanoseconds; UMR_NO_DEADLINE for None or
+    more than 1e9 s (about 31 years: no limit)."""
     if seconds is None:
         return UMR_NO_DEADLINE
     cdef type t = type(seconds)
-    if (t is float or t is int) and seconds >= 0:   # the common case, without ABC checks
-        if seconds > 1e9:
-            return UMR_NO_DEADLINE
-        return <int64_t>(<double>seconds * 1e9)
-    if not isinstance(seconds, _numbers.Real) or isinstance(seconds, bool):
-        raise TypeError(f"{what} must be a number of seconds or None, got "
-                        f"{type(seconds).__name__} {seconds!r}")
-    value = float(seconds)
-    if _math.isnan(value) or value < 0:
-        raise ValueError(f"{what} must be a non-negative number of seconds, got {seconds!r}")
-    if value > 1e9:  # about 31 years: treat as "no limit"
+    if not ((t is float or t is int) and seconds >= 0):   # (the common case needs no check)
+        seconds = check_timeout(seconds, what)
+    if seconds > 1e9:
         return UMR_NO_DEADLINE
-    return <int64_t>(value * 1e9)
+    return <int64_t>(<double>seconds * 1e9)
 
 
 cdef inline int64_t _deadline_in(int64_t timeout_ns) noexcept:
@@ -94,17 +87,6 @@ cdef inline int64_t _deadline_in(int64_t timeout_ns) noexcept:
 
 cdef int64_t _deadline(object timeout) except -2:
     return _deadline_in(_seconds_to_ns(timeout, "timeout"))
-
-
-cdef object _positive_int(object value, str what, object maximum=None):
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}")
-    value = value.__index__()
-    if value < 1:
-        raise ValueError(f"{what} must be >= 1, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{what} must be <= {maximum}, got {value}")
-    return value
 
 
 cdef int _raise_os(int neg_errno, str what) except -1:
@@ -193,7 +175,7 @@ cdef class Segment:
         into a page it has read).  The ``copy_on_write`` attribute says which kind a
         segment is: the process that made it maps it shared, every other one
         copy-on-write."""
-        size = _positive_int(size, "size")
+        size = check_int(size, "size")
         name = f"unienv_mp_{tag}_{_os.getpid()}_{next(_names)}"
         cdef bytes cname = name.encode()
         cdef const char *c_name = cname
@@ -520,8 +502,8 @@ cdef class RingBuffer:
 
     def __init__(self, capacity, entry_size, *, poll_interval=DEFAULT_POLL_INTERVAL,
                  spin=DEFAULT_SPIN):
-        capacity = _positive_int(capacity, "capacity", 1 << 32)
-        entry_size = _positive_int(entry_size, "entry_size", 1 << 30)
+        capacity = check_int(capacity, "capacity", 1, 1 << 32)
+        entry_size = check_int(entry_size, "entry_size", 1, 1 << 30)
         self._set_timing(poll_interval, spin)
         cdef size_t need = umr_ring_footprint(capacity, entry_size)
         if need == 0:
@@ -532,8 +514,8 @@ cdef class RingBuffer:
     @staticmethod
     def footprint(capacity, entry_size):
         """Bytes of shared memory a ring of this geometry occupies (a multiple of 64)."""
-        capacity = _positive_int(capacity, "capacity", 1 << 32)
-        entry_size = _positive_int(entry_size, "entry_size", 1 << 30)
+        capacity = check_int(capacity, "capacity", 1, 1 << 32)
+        entry_size = check_int(entry_size, "entry_size", 1, 1 << 30)
         return umr_ring_footprint(capacity, entry_size)
 
     @staticmethod
@@ -581,8 +563,8 @@ cdef class RingBuffer:
     def _init_in(self, Segment segment not None, offset, capacity, entry_size):
         if self.segment is not None:
             raise RuntimeError("ring already initialised")
-        capacity = _positive_int(capacity, "capacity", 1 << 32)
-        entry_size = _positive_int(entry_size, "entry_size", 1 << 30)
+        capacity = check_int(capacity, "capacity", 1, 1 << 32)
+        entry_size = check_int(entry_size, "entry_size", 1, 1 << 30)
         cdef size_t need = umr_ring_footprint(capacity, entry_size)
         if offset < 0 or offset % 64:
             raise ValueError(f"ring offset {offset} is not a non-negative multiple of 64")
@@ -838,7 +820,7 @@ cdef class RingBuffer:
         them as a list of ``bytes``.  When ``block``, waits until at least one is there
         (raising :class:`queue.Empty` if ``timeout`` expires); otherwise the list may be
         empty.  Raises :class:`RingClosed` once the ring is shut down and empty."""
-        max_items = _positive_int(max_items, "max_items")
+        max_items = check_int(max_items, "max_items")
         cdef size_t stride = self.r.entry_size
         # at most one lap, and at most ~64 MiB of scratch per call
         cdef uint64_t n = min(<uint64_t>max_items, self.r.capacity,

@@ -16,7 +16,6 @@ with the parent however the parent ends (see :mod:`unienv_mp._process`).
 """
 import collections
 import multiprocessing as mp
-import numbers
 import os
 import queue as _queue
 import signal
@@ -33,7 +32,7 @@ from . import _protocol as P
 from . import stats as _stats
 from ._ring import DEFAULT_SPIN as _DEFAULT_SPIN
 from ._ring import Event, Segment
-from ._validate import check_int, check_seconds
+from ._validate import check_index, check_int, check_seconds, check_spin
 from ._work_encoder import WorkEncoder, spill_entry
 from ._worker_handle import (RESULT_INLINE, TASK_CAPACITY, TASK_INLINE, Launch, WorkerDied,
                              WorkerHandle, WorkerStalled)
@@ -268,9 +267,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         self.max_respawns = max_respawns
         if spin is None:
             spin = _DEFAULT_SPIN if len(os.sched_getaffinity(0)) > n_workers else 0.0
-        if isinstance(spin, bool) or not isinstance(spin, (int, float)) or not 0 <= spin < 1:
-            raise ValueError(f"spin must be a number of seconds in [0, 1), got {spin!r}")
-        self.spin = float(spin)
+        self.spin = check_spin(spin)
         self.max_leases = 2 * n_workers + 8 if max_leases is None else check_int(
             max_leases, "max_leases", 0)
         self._seeds = worker_seeds
@@ -464,10 +461,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             self._machine_since = _process.machine_cpu_ticks()
         lanes = self._lanes
         if worker is not None:
-            if isinstance(worker, bool) or not isinstance(worker, numbers.Integral) \
-                    or not 0 <= worker < len(lanes):
-                raise ValueError(f"worker must be an index below {len(lanes)}, got {worker!r}")
-            lane = lanes[int(worker)]
+            lane = lanes[check_index(worker, "worker", len(lanes))]
         elif self.in_order:
             i = self._next_worker
             lane = lanes[i]
