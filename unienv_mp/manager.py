@@ -288,10 +288,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         self._doorbell = Event(resources.doorbell_seg, 0, True)
         self._finalizer = _mputil.Finalize(self, resources.close, exitpriority=100)
         self._batches_in = getattr(target_fn, "batches_in", None)
-        self._delivered = 0       # batches handed out (see stats)
-        self._wait_ns = 0         # time callers spent waiting for them
-        self._since_ns = None     # monotonic ns of the first request (since the last reset)
-        self._machine_since = None   # the machine's CPU ticks then (_process.machine_cpu_ticks)
+        self._caller = _stats.CallerRecord()   # batches handed out, time waited (see stats)
         launch = Launch(target_fn, worker_init_fn, ctx, daemon, resources.doorbell_seg,
                         done_event, doze_time, self.spin, self.stall_timeout)
         self.closed = False
@@ -456,9 +453,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             self._ensure_open()   # raises
         if self._released:
             self._give_back_released_slots()
-        if self._since_ns is None:
-            self._since_ns = time.monotonic_ns()
-            self._machine_since = _process.machine_cpu_ticks()
+        if self._caller.since_ns is None:
+            self._caller.begin()
         lanes = self._lanes
         if worker is not None:
             lane = lanes[check_index(worker, "worker", len(lanes))]
@@ -659,12 +655,12 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 self._give_back_slot(task)
 
     def _wait(self, task, timeout):
-        """Block until ``task`` has a result (or raise); the time goes to ``_wait_ns``."""
+        """Block until ``task`` has a result (or raise); the time is counted (see stats)."""
         t0 = time.monotonic_ns()
         try:
             self._wait_for(task, timeout)
         finally:
-            self._wait_ns += time.monotonic_ns() - t0
+            self._caller.wait_ns += time.monotonic_ns() - t0
 
     def _wait_for(self, task, timeout):
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -718,7 +714,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             self._give_back_slot(task)
         if status == _ST_ERROR:
             raise WorkerError.from_payload(value, task.worker)
-        self._delivered += 1 if self._batches_in is None else self._batches_in(task.work)
+        self._caller.batches += 1 if self._batches_in is None else self._batches_in(task.work)
         return value
 
     def result(self, ticket: int, timeout: Optional[float] = None):
@@ -857,7 +853,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 found = self._doorbell.wait_until(find, limit, self.doze_time,
                                                   check=self._check_all_alive)
             finally:
-                self._wait_ns += time.monotonic_ns() - t0
+                self._caller.wait_ns += time.monotonic_ns() - t0
         return None if found is None else found[0]
 
     def _any_pending(self, tickets):
@@ -894,43 +890,21 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         from zero once this is read.  A result counts as ``batches_in(work)`` batches if
         the work function has that method, else one."""
         now = time.monotonic_ns()
-        since = self._since_ns
-        wall = 0.0 if since is None else (now - since) / 1e9
-        wait = self._wait_ns / 1e9
         count = (lambda work: 1) if self._batches_in is None else self._batches_in
-        ready = 0
-        for task in self._tasks.values():
-            if (task.arrived and not task.cancelled and task.status == _ST_OK
-                    and task.error is None):
-                ready += count(task.work)
+        tasks = self._tasks
+        ready = sum(count(task.work) for task in tasks.values() if task.arrived
+                    and not task.cancelled and task.status == _ST_OK and task.error is None)
         workers = []
         for lane in self._lanes:
             w = lane.worker
             counters = w.counters()
             if w.has_process:   # published, not yet taken off the ring: in flight order
                 for ticket in list(lane.inflight)[:w.results_published]:
-                    task = self._tasks.get(ticket)
+                    task = tasks.get(ticket)
                     if task is not None and not task.arrived and not task.cancelled:
                         ready += count(task.work)
-            cpu = None if w.pid is None else _process.cpu_seconds(w.pid)
-            workers.append(lane.record.report(w.index, w.pid, counters, now, cpu))
-            if reset:
-                lane.record.reset(counters, now, cpu)
-        batches = self._delivered
-        wait_fraction = min(1.0, wait / wall) if wall > 0 else 0.0
-        busy = sum(x.busy_fraction for x in workers) / len(workers) if workers else 0.0
-        machine = _process.machine_cpu_ticks()
-        out = _stats.SamplerStats(
-            batches=batches, wait_seconds=wait, wall_seconds=wall,
-            wait_fraction=wait_fraction, ready=ready, workers=workers,
-            bottleneck=_stats.bottleneck(wait_fraction, busy, batches),
-            machine_idle_fraction=_stats.idle_between(self._machine_since, machine))
-        if reset:
-            self._delivered = 0
-            self._wait_ns = 0
-            self._since_ns = now
-            self._machine_since = machine
-        return out
+            workers.append(lane.record.read(w.index, w.pid, counters, now, reset))
+        return self._caller.report(ready, workers, now, reset)
 
     # -- lifecycle ------------------------------------------------------------------------
 
