@@ -201,6 +201,19 @@ class WorkerHandle:
         proc = self.proc
         return proc is not None and _process.has_exited(proc)
 
+    def kill(self):
+        """Send the process SIGKILL, if it has one that has not exited (through its pidfd:
+        see :func:`_process.send_signal`).  Its rings and slots stay with the handle until
+        :meth:`detach`."""
+        if self.proc is not None:
+            _process.send_signal(self.proc, signal.SIGKILL)
+
+    def exit_code(self, wait=0.0):
+        """The exit code of the process, waiting up to ``wait`` seconds for its exit status;
+        None without a process, or if it is unknown (see :func:`_process.exit_code`)."""
+        proc = self.proc
+        return None if proc is None else _process.exit_code(proc, wait)
+
     # -- process --------------------------------------------------------------------------
 
     def start(self, seed):

@@ -18,7 +18,6 @@ import collections
 import multiprocessing as mp
 import os
 import queue as _queue
-import signal
 import time
 import warnings
 from multiprocessing import util as _mputil
@@ -333,9 +332,9 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         if isinstance(cause, WorkerStalled):
             stacks = w.stacks()
             lane.stall = (cause, stacks)   # (before the kill: its death is this stall)
-            _process.send_signal(w.proc, signal.SIGKILL)
+            w.kill()
         stalled, stacks = lane.stall if lane.stall is not None else (None, None)
-        code = _process.exit_code(w.proc, 1.0) if w.proc is not None else None
+        code = w.exit_code(1.0)
         pid = w.pid
         if w.has_process:
             try:
