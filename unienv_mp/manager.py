@@ -19,7 +19,6 @@ import multiprocessing as mp
 import os
 import queue as _queue
 import time
-import warnings
 from multiprocessing import util as _mputil
 from typing import Callable, Generic, Optional, Sequence, TypeVar
 
@@ -31,11 +30,12 @@ from . import _protocol as P
 from . import stats as _stats
 from ._ring import DEFAULT_SPIN as _DEFAULT_SPIN
 from ._ring import Event, Segment
+from ._stalls import Stall
 from ._validate import check_index, check_int, check_seconds, check_spin
 from ._work_encoder import WorkEncoder, spill_entry
 from ._worker_handle import (RESULT_INLINE, TASK_CAPACITY, TASK_INLINE, Launch, WorkerDied,
                              WorkerHandle, WorkerStalled)
-from .errors import RingClosed, WorkerDiedError, WorkerError, WorkerStalledError
+from .errors import RingClosed, WorkerDiedError, WorkerError
 
 __all__ = ["MultiProcessingSampleManager", "TaskInfoT", "ResultT", "TASK_CAPACITY",
            "TASK_INLINE", "RESULT_INLINE"]
@@ -124,7 +124,7 @@ class _Lane:
         self.waiting = []
         self.deaths_in_a_row = 0
         self.record = _stats.WorkerRecord(time.monotonic_ns())
-        self.stall = None   # (WorkerStalled, stacks) of a process killed for it, not buried
+        self.stall = None   # the Stall of a process killed for stalling, not yet buried
 
 
 class _Resources:
@@ -330,10 +330,10 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         fails with WorkerStalledError unless it may be tried again (see stall_timeout)."""
         w = lane.worker
         if isinstance(cause, WorkerStalled):
-            stacks = w.stacks()
-            lane.stall = (cause, stacks)   # (before the kill: its death is this stall)
+            # (kept before the kill: its death is this stall)
+            lane.stall = Stall(w, cause, self.stall_timeout)
             w.kill()
-        stalled, stacks = lane.stall if lane.stall is not None else (None, None)
+        stall = lane.stall
         code = w.exit_code(1.0)
         pid = w.pid
         if w.has_process:
@@ -345,22 +345,15 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         how = _process.describe_exit(code)
         deaths = lane.deaths_in_a_row + 1
         failed = None   # a stalled task whose result is its stall
-        if stalled is not None:
-            message = (f"worker {w.index} (pid {pid}) was on one task for "
-                       f"{stalled.seconds:.1f} s, longer than stall_timeout="
-                       f"{self.stall_timeout} s; it was killed and replaced.  Its stacks:\n"
-                       f"{stacks}")
+        if stall is not None:
+            task = self._tasks.get(stall.ticket)
             if not self.respawn or deaths > self.max_respawns:
-                failed = self._tasks.get(stalled.ticket)
-                if failed is not None and (failed.arrived or failed.worker != w.index):
-                    failed = None
+                if task is not None and not task.arrived and task.worker == w.index:
+                    failed = task
                 deaths = 0   # (the task that kept stalling is given up)
-                error = WorkerStalledError(message, stacks, w.index, stalled.seconds)
+                error = stall.error()
             else:
-                task = self._tasks.get(stalled.ticket)
-                fate = ("Its task is given to the replacement." if task is not None
-                        and not task.cancelled else "Its task was no longer wanted.")
-                warnings.warn(f"{message}\n{fate}", RuntimeWarning, stacklevel=4)
+                stall.warn(task is not None and not task.cancelled, stacklevel=4)
         elif not self.respawn:
             lane.deaths_in_a_row = deaths
             raise WorkerDiedError(f"worker {w.index} (pid {pid}) {how}; respawn=False",
