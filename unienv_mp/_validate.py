@@ -4,6 +4,7 @@ argument.
 
 An integer is anything Python accepts as an index (``operator.index``: ``int``, numpy's
 integers, ...), but not a bool."""
+import multiprocessing as mp
 import numbers
 import operator
 
@@ -63,6 +64,19 @@ def check_timeout(value, what):
     if seconds != seconds or seconds < 0:   # (NaN, or negative)
         raise ValueError(f"{what} must be a non-negative number of seconds, got {value!r}")
     return seconds
+
+
+def check_context(ctx):
+    """``ctx``, a multiprocessing context or the name of a start method (``"fork"``,
+    ``"spawn"``, ``"forkserver"``), as a context; None: the default context."""
+    if ctx is None:
+        return mp.get_context()
+    if isinstance(ctx, str):
+        return mp.get_context(ctx)
+    if not hasattr(ctx, "Process"):
+        raise TypeError(f"ctx must be a multiprocessing context or a start method name, "
+                        f"got {ctx!r}")
+    return ctx
 
 
 def check_spin(value):

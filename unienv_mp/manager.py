@@ -15,7 +15,6 @@ given to the replacement (or :class:`~unienv_mp.WorkerDiedError` is raised).  Wo
 with the parent however the parent ends (see :mod:`unienv_mp._process`).
 """
 import collections
-import multiprocessing as mp
 import os
 import queue as _queue
 import time
@@ -31,7 +30,7 @@ from . import stats as _stats
 from ._ring import DEFAULT_SPIN as _DEFAULT_SPIN
 from ._ring import Event, Segment
 from ._stalls import Stall
-from ._validate import check_index, check_int, check_seconds, check_spin
+from ._validate import check_context, check_index, check_int, check_seconds, check_spin
 from ._work_encoder import WorkEncoder, spill_entry
 from ._worker_handle import (RESULT_INLINE, TASK_CAPACITY, TASK_INLINE, Launch, WorkerDied,
                              WorkerHandle, WorkerStalled)
@@ -249,12 +248,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             if len(worker_seeds) != n_workers:
                 raise ValueError(f"worker_seeds must have n_workers={n_workers} entries, "
                                  f"got {len(worker_seeds)}")
-        if ctx is None:
-            ctx = mp.get_context()
-        elif isinstance(ctx, str):
-            ctx = mp.get_context(ctx)
-        if not hasattr(ctx, "Process"):
-            raise TypeError(f"ctx must be a multiprocessing context, got {ctx!r}")
+        ctx = check_context(ctx)
         self.target_fn = target_fn
         self.doze_time = doze_time
         self.done_event = done_event
