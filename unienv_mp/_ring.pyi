@@ -37,7 +37,7 @@ def segment_from_peer(pid: int, fd: int, ino: int, size: int, name: str,
     (through ``/proc/<pid>/fd``), checking that it is the one of inode ``ino`` and at least
     ``size`` bytes; ``name`` names it in errors.  This is how a process maps a segment that
     another one described in a message, and how a pickled :class:`Segment` is unpickled
-    while its sender lives.  Raises :class:`~unienv_mp.errors.PeerGoneError` if that
+    while its sender lives.  Raises :class:`~unienv_mp.PeerGoneError` if that
     process has exited or closed the descriptor.  ``copy_on_write``: map it copy-on-write
     (see :meth:`Segment.create`)."""
 
