@@ -82,8 +82,6 @@ int umr_ring_is_closed(const umr_ring_t *r);
 /* Mark the ring closed and wake every sleeper.  Pushes then fail with UMR_CLOSED; pops
  * still return what was published, then UMR_CLOSED once the ring is empty. */
 void umr_ring_shutdown(umr_ring_t *r);
-umr_event_t *umr_ring_not_empty(umr_ring_t *r);
-umr_event_t *umr_ring_not_full(umr_ring_t *r);
 
 /* Non-blocking.  UMR_OK, UMR_FULL / UMR_EMPTY, UMR_CLOSED, UMR_TOOBIG. */
 int umr_ring_try_push(umr_ring_t *r, const void *data, uint32_t len);

@@ -273,9 +273,6 @@ int umr_ring_attach(umr_ring_t *r, void *mem, size_t mem_size) {
     return UMR_OK;
 }
 
-umr_event_t *umr_ring_not_empty(umr_ring_t *r) { return &r->hdr->not_empty; }
-umr_event_t *umr_ring_not_full(umr_ring_t *r) { return &r->hdr->not_full; }
-
 uint64_t umr_ring_count(const umr_ring_t *r) {
     /* Positions claimed by producers and not yet by consumers.  A snapshot of two
      * counters read one after the other: clamped to [0, capacity]. */

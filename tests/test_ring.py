@@ -189,7 +189,7 @@ def test_bad_call_arguments():
 
 def test_none_segment_is_a_type_error():
     with pytest.raises(TypeError):
-        RingBuffer._attach(None, 0)
+        RingBuffer.attach(None, 0)
     with pytest.raises(TypeError):
         Event(None, 0)
 

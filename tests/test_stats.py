@@ -347,7 +347,7 @@ def test_a_ctrl_c_while_a_stalled_worker_is_killed_leaves_the_sampler_working():
                                 respawn=False) as m:
         for _ in range(4):
             m.sample()
-        killed = line_of(Manager._bury, "code = _process.exit_code(w.proc, 1.0)")
+        killed = line_of(Manager._bury, "code = w.exit_code(1.0)")
         with interrupt_at(Manager._bury, killed) as i:
             assert interrupted(m.sample)
         assert i.fired

@@ -41,8 +41,7 @@ error description made by :func:`unienv_mp.worker.error_payload`.
 """
 import struct
 
-#: Bytes of a tagged entry's header, as RingBuffer.push_tagged writes it.
-ENTRY_HEADER = 16
+from ._ring import ENTRY_HEADER   # the size of a tagged entry's header is the ring's
 
 # where the bytes of a message are (low byte of the tag)
 AT_INLINE = 1

@@ -30,8 +30,6 @@ cdef extern from "umr.h" nogil:
     uint64_t umr_ring_count(const umr_ring_t *r)
     int umr_ring_is_closed(const umr_ring_t *r)
     void umr_ring_shutdown(umr_ring_t *r)
-    umr_event_t *umr_ring_not_empty(umr_ring_t *r)
-    umr_event_t *umr_ring_not_full(umr_ring_t *r)
     int umr_ring_try_push(umr_ring_t *r, const void *data, uint32_t len)
     int umr_ring_try_pop(umr_ring_t *r, void *out, uint32_t out_cap, uint32_t *len)
     int64_t umr_ring_try_push_many(umr_ring_t *r, const void *const *datas,

@@ -11,7 +11,7 @@ from _typeshed import ReadableBuffer
 from typing_extensions import Self, disjoint_base
 
 __all__ = ["Segment", "RingBuffer", "Event", "DEFAULT_POLL_INTERVAL", "DEFAULT_SPIN",
-           "now_ns"]
+           "ENTRY_HEADER", "now_ns", "segment_from_peer"]
 
 _T = TypeVar("_T")
 _T_contra = TypeVar("_T_contra", contravariant=True)
@@ -24,13 +24,22 @@ class _Appendable(Protocol[_T_contra]):
 DEFAULT_POLL_INTERVAL: Final[float]
 #: Default time a blocked call spins (polls the ring without sleeping) before it sleeps.
 DEFAULT_SPIN: Final[float]
+#: Bytes of the header of a tagged entry (RingBuffer.push_tagged): tag u32, aux u32,
+#: value u64, in this process's byte order.
+ENTRY_HEADER: Final[int]
 
 def now_ns() -> int:
     """CLOCK_MONOTONIC in nanoseconds (the clock every deadline here is measured on)."""
 
-def _segment_from_peer(pid: int, fd: int, ino: int, size: int, name: str,
-                       copy_on_write: bool = False) -> Segment:
-    """Unpickle a Segment described by a live process as (pid, fd, inode)."""
+def segment_from_peer(pid: int, fd: int, ino: int, size: int, name: str,
+                      copy_on_write: bool = False) -> Segment:
+    """Attach the segment that live process ``pid`` holds as its descriptor ``fd``
+    (through ``/proc/<pid>/fd``), checking that it is the one of inode ``ino`` and at least
+    ``size`` bytes; ``name`` names it in errors.  This is how a process maps a segment that
+    another one described in a message, and how a pickled :class:`Segment` is unpickled
+    while its sender lives.  Raises :class:`~unienv_mp.PeerGoneError` if that
+    process has exited or closed the descriptor.  ``copy_on_write``: map it copy-on-write
+    (see :meth:`Segment.create`)."""
 
 @disjoint_base
 class Segment:
@@ -141,13 +150,18 @@ class RingBuffer:
     def footprint(capacity: int, entry_size: int) -> int:
         """Bytes of shared memory a ring of this geometry occupies (a multiple of 64)."""
     @staticmethod
-    def _create_in(segment: Segment, offset: int, capacity: int, entry_size: int,
-                   poll_interval: float = 0.1, spin: float = 20e-6) -> RingBuffer:
-        """Lay out a new ring at ``offset`` of an existing segment."""
+    def create_in(segment: Segment, offset: int, capacity: int, entry_size: int,
+                  poll_interval: float = 0.1, spin: float = 20e-6) -> RingBuffer:
+        """Lay out a new, empty ring at ``offset`` (a multiple of 64) of ``segment``, which
+        must hold :meth:`footprint` bytes from there, and return it.  Several rings (and
+        other data) can share one segment this way; processes handed the segment attach to
+        the ring with :meth:`attach`."""
     @staticmethod
-    def _attach(segment: Segment, offset: int, poll_interval: float = 0.1,
-                spin: float = 20e-6) -> RingBuffer:
-        """Attach to the ring that already lies at ``offset`` of ``segment``."""
+    def attach(segment: Segment, offset: int, poll_interval: float = 0.1,
+               spin: float = 20e-6) -> RingBuffer:
+        """The ring that :meth:`create_in` laid out at ``offset`` of ``segment`` (in this
+        process or another one that handed the segment over).  Raises ``ValueError`` if no
+        ring lies there."""
     @property
     def segment(self) -> Segment: ...
     @property
@@ -213,9 +227,9 @@ class RingBuffer:
                     block: bool = True, timeout: float | None = None, *,
                     check: Callable[[], object] | None = None,
                     record: _Appendable[int] | None = None) -> None:
-        """Push one entry made of a 16-byte header (``tag``, ``aux``, ``value``) followed by
-        ``payload`` (bytes-like, at most ``entry_size - 16`` bytes).  Same blocking rules
-        as :meth:`push`.  The queue and the sampler describe messages this way: what kind,
+        """Push one entry made of a header of ``ENTRY_HEADER`` bytes (``tag``, ``aux``,
+        ``value``) followed by ``payload`` (bytes-like, at most ``entry_size -
+        ENTRY_HEADER`` bytes).  Same blocking rules as :meth:`push`.  The queue and the sampler describe messages this way: what kind,
         which slot, how many bytes, and small payloads inline.
 
         ``record``: if given (a list or deque), ``record.append(value)`` runs inside this
@@ -232,9 +246,11 @@ class RingBuffer:
         ``into``: if given (a list or deque), the entry is also appended to it inside this
         call, so that an entry taken off the ring is never lost to a ``KeyboardInterrupt``
         landing right after the call returns (see ``record`` of :meth:`push_tagged`)."""
-    def _give_back(self, data: ReadableBuffer) -> None:
-        """Non-blocking push that works as long as the memory is mapped in this process,
-        even after :meth:`close` (how slots held past a close are returned)."""
+    def push_while_mapped(self, data: ReadableBuffer) -> None:
+        """Push ``data`` without waiting (``queue.Full`` if the ring is full) as long as the
+        ring's memory is mapped in this process, even after :meth:`close`: a close while
+        views of the segment are alive leaves it mapped until they are released, and what
+        they held (a queue's slot) can still be handed back to the other processes."""
     def shutdown(self) -> None:
         """Mark the ring closed for every process and wake every blocked caller."""
     def close(self) -> None:

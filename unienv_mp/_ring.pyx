@@ -18,8 +18,6 @@ from cpython.ref cimport Py_INCREF
 
 import errno as _errno
 import itertools as _itertools
-import math as _math
-import numbers as _numbers
 import os as _os
 import queue as _queue
 
@@ -27,15 +25,28 @@ from multiprocessing import context as _mpcontext
 from multiprocessing import reduction as _mpreduction
 
 from . import _headroom
+from ._validate import check_int, check_timeout
 from .errors import RingClosed, PeerGoneError
 
 __all__ = ["Segment", "RingBuffer", "Event", "DEFAULT_POLL_INTERVAL", "DEFAULT_SPIN",
-           "now_ns"]
+           "ENTRY_HEADER", "now_ns", "segment_from_peer"]
 
 #: Default longest sleep before a blocked call re-checks liveness and the closed flag.
 DEFAULT_POLL_INTERVAL = 0.1
 #: Default time a blocked call spins (polls the ring without sleeping) before it sleeps.
 DEFAULT_SPIN = 20e-6
+
+cpdef enum:
+    # Bytes of the header of a tagged entry (RingBuffer.push_tagged): tag u32, aux u32,
+    # value u64, in this process's byte order.  Exported as a Python int.
+    ENTRY_HEADER = 16
+
+cdef enum:
+    # pop_tagged copies an entry of up to this many bytes through a buffer on its stack, a
+    # larger one through a malloc of the entry size, which would be most of the cost of the
+    # pop.  The manager pops one result entry per batch, of ENTRY_HEADER + RESULT_INLINE
+    # (unienv_mp._worker_handle) bytes: those fit.
+    _POP_ON_STACK = 4608
 
 cdef extern from "Python.h":
     int PyBytes_CheckExact(object o)
@@ -55,22 +66,16 @@ def now_ns():
 
 
 cdef int64_t _seconds_to_ns(object seconds, str what) except -2:
+    """``seconds`` (see _validate.check_timeout) in nanoseconds; UMR_NO_DEADLINE for None or
+    more than 1e9 s (about 31 years: no limit)."""
     if seconds is None:
         return UMR_NO_DEADLINE
     cdef type t = type(seconds)
-    if (t is float or t is int) and seconds >= 0:   # the common case, without ABC checks
-        if seconds > 1e9:
-            return UMR_NO_DEADLINE
-        return <int64_t>(<double>seconds * 1e9)
-    if not isinstance(seconds, _numbers.Real) or isinstance(seconds, bool):
-        raise TypeError(f"{what} must be a number of seconds or None, got "
-                        f"{type(seconds).__name__} {seconds!r}")
-    value = float(seconds)
-    if _math.isnan(value) or value < 0:
-        raise ValueError(f"{what} must be a non-negative number of seconds, got {seconds!r}")
-    if value > 1e9:  # about 31 years: treat as "no limit"
+    if not ((t is float or t is int) and seconds >= 0):   # (the common case needs no check)
+        seconds = check_timeout(seconds, what)
+    if seconds > 1e9:
         return UMR_NO_DEADLINE
-    return <int64_t>(value * 1e9)
+    return <int64_t>(<double>seconds * 1e9)
 
 
 cdef inline int64_t _deadline_in(int64_t timeout_ns) noexcept:
@@ -82,17 +87,6 @@ cdef inline int64_t _deadline_in(int64_t timeout_ns) noexcept:
 
 cdef int64_t _deadline(object timeout) except -2:
     return _deadline_in(_seconds_to_ns(timeout, "timeout"))
-
-
-cdef object _positive_int(object value, str what, object maximum=None):
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}")
-    value = value.__index__()
-    if value < 1:
-        raise ValueError(f"{what} must be >= 1, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{what} must be <= {maximum}, got {value}")
-    return value
 
 
 cdef int _raise_os(int neg_errno, str what) except -1:
@@ -116,8 +110,14 @@ def _segment_from_dupfd(dupfd, size, ino, name, copy_on_write=False):
     return seg
 
 
-def _segment_from_peer(pid, fd, ino, size, name, copy_on_write=False):
-    """Unpickle a Segment described by a live process as (pid, fd, inode)."""
+def segment_from_peer(pid, fd, ino, size, name, copy_on_write=False):
+    """Attach the segment that live process ``pid`` holds as its descriptor ``fd``
+    (through ``/proc/<pid>/fd``), checking that it is the one of inode ``ino`` and at least
+    ``size`` bytes; ``name`` names it in errors.  This is how a process maps a segment that
+    another one described in a message, and how a pickled :class:`Segment` is unpickled
+    while its sender lives.  Raises :class:`~unienv_mp.PeerGoneError` if that
+    process has exited or closed the descriptor.  ``copy_on_write``: map it copy-on-write
+    (see :meth:`Segment.create`)."""
     cdef int ours = umr_shm_open_peer(pid, fd, ino, size)
     if ours < 0:
         if -ours in (_errno.ENOENT, _errno.ESRCH, _errno.ESTALE):
@@ -175,7 +175,7 @@ cdef class Segment:
         into a page it has read).  The ``copy_on_write`` attribute says which kind a
         segment is: the process that made it maps it shared, every other one
         copy-on-write."""
-        size = _positive_int(size, "size")
+        size = check_int(size, "size")
         name = f"unienv_mp_{tag}_{_os.getpid()}_{next(_names)}"
         cdef bytes cname = name.encode()
         cdef const char *c_name = cname
@@ -327,7 +327,7 @@ cdef class Segment:
             # itself to the child.
             return (_segment_from_dupfd, (_mpreduction.DupFd(self.fd), self.size, self.ino,
                                           self.name, self.copy_on_write))
-        return (_segment_from_peer, (_os.getpid(), self.fd, self.ino, self.size, self.name,
+        return (segment_from_peer, (_os.getpid(), self.fd, self.ino, self.size, self.name,
                                      self.copy_on_write))
 
     def __repr__(self):
@@ -477,7 +477,7 @@ cdef int64_t _wait(RingBuffer ring, _wait_fn wait, const _WaitArgs *a, int64_t d
 # ---------------------------------------------------------------------------------------
 
 def _ring_from_segment(Segment segment not None, offset, poll_interval, spin):
-    return RingBuffer._attach(segment, offset, poll_interval, spin)
+    return RingBuffer.attach(segment, offset, poll_interval, spin)
 
 
 cdef class RingBuffer:
@@ -502,8 +502,8 @@ cdef class RingBuffer:
 
     def __init__(self, capacity, entry_size, *, poll_interval=DEFAULT_POLL_INTERVAL,
                  spin=DEFAULT_SPIN):
-        capacity = _positive_int(capacity, "capacity", 1 << 32)
-        entry_size = _positive_int(entry_size, "entry_size", 1 << 30)
+        capacity = check_int(capacity, "capacity", 1, 1 << 32)
+        entry_size = check_int(entry_size, "entry_size", 1, 1 << 30)
         self._set_timing(poll_interval, spin)
         cdef size_t need = umr_ring_footprint(capacity, entry_size)
         if need == 0:
@@ -514,23 +514,28 @@ cdef class RingBuffer:
     @staticmethod
     def footprint(capacity, entry_size):
         """Bytes of shared memory a ring of this geometry occupies (a multiple of 64)."""
-        capacity = _positive_int(capacity, "capacity", 1 << 32)
-        entry_size = _positive_int(entry_size, "entry_size", 1 << 30)
+        capacity = check_int(capacity, "capacity", 1, 1 << 32)
+        entry_size = check_int(entry_size, "entry_size", 1, 1 << 30)
         return umr_ring_footprint(capacity, entry_size)
 
     @staticmethod
-    def _create_in(Segment segment not None, offset, capacity, entry_size,
-                   poll_interval=DEFAULT_POLL_INTERVAL, spin=DEFAULT_SPIN):
-        """Lay out a new ring at ``offset`` of an existing segment."""
+    def create_in(Segment segment not None, offset, capacity, entry_size,
+                  poll_interval=DEFAULT_POLL_INTERVAL, spin=DEFAULT_SPIN):
+        """Lay out a new, empty ring at ``offset`` (a multiple of 64) of ``segment``, which
+        must hold :meth:`footprint` bytes from there, and return it.  Several rings (and
+        other data) can share one segment this way; processes handed the segment attach to
+        the ring with :meth:`attach`."""
         cdef RingBuffer self = RingBuffer.__new__(RingBuffer)
         self._set_timing(poll_interval, spin)
         self._init_in(segment, offset, capacity, entry_size)
         return self
 
     @staticmethod
-    def _attach(Segment segment not None, offset, poll_interval=DEFAULT_POLL_INTERVAL,
-                spin=DEFAULT_SPIN):
-        """Attach to the ring that already lies at ``offset`` of ``segment``."""
+    def attach(Segment segment not None, offset, poll_interval=DEFAULT_POLL_INTERVAL,
+               spin=DEFAULT_SPIN):
+        """The ring that :meth:`create_in` laid out at ``offset`` of ``segment`` (in this
+        process or another one that handed the segment over).  Raises ``ValueError`` if no
+        ring lies there."""
         cdef RingBuffer self = RingBuffer.__new__(RingBuffer)
         self._set_timing(poll_interval, spin)
         if offset < 0 or offset % 64 or offset >= segment.size:
@@ -558,8 +563,8 @@ cdef class RingBuffer:
     def _init_in(self, Segment segment not None, offset, capacity, entry_size):
         if self.segment is not None:
             raise RuntimeError("ring already initialised")
-        capacity = _positive_int(capacity, "capacity", 1 << 32)
-        entry_size = _positive_int(entry_size, "entry_size", 1 << 30)
+        capacity = check_int(capacity, "capacity", 1, 1 << 32)
+        entry_size = check_int(entry_size, "entry_size", 1, 1 << 30)
         cdef size_t need = umr_ring_footprint(capacity, entry_size)
         if offset < 0 or offset % 64:
             raise ValueError(f"ring offset {offset} is not a non-negative multiple of 64")
@@ -815,7 +820,7 @@ cdef class RingBuffer:
         them as a list of ``bytes``.  When ``block``, waits until at least one is there
         (raising :class:`queue.Empty` if ``timeout`` expires); otherwise the list may be
         empty.  Raises :class:`RingClosed` once the ring is shut down and empty."""
-        max_items = _positive_int(max_items, "max_items")
+        max_items = check_int(max_items, "max_items")
         cdef size_t stride = self.r.entry_size
         # at most one lap, and at most ~64 MiB of scratch per call
         cdef uint64_t n = min(<uint64_t>max_items, self.r.capacity,
@@ -862,9 +867,9 @@ cdef class RingBuffer:
 
     def push_tagged(self, uint32_t tag, uint32_t aux, uint64_t value, payload=b"",
                     block=True, timeout=None, *, check=None, record=None):
-        """Push one entry made of a 16-byte header (``tag``, ``aux``, ``value``) followed by
-        ``payload`` (bytes-like, at most ``entry_size - 16`` bytes).  Same blocking rules
-        as :meth:`push`.  The queue and the sampler describe messages this way: what kind,
+        """Push one entry made of a header of ``ENTRY_HEADER`` bytes (``tag``, ``aux``,
+        ``value``) followed by ``payload`` (bytes-like, at most ``entry_size -
+        ENTRY_HEADER`` bytes).  Same blocking rules as :meth:`push`.  The queue and the sampler describe messages this way: what kind,
         which slot, how many bytes, and small payloads inline.
 
         ``record``: if given (a list or deque), ``record.append(value)`` runs inside this
@@ -886,20 +891,20 @@ cdef class RingBuffer:
             src = <const char *>view.buf
             n = view.len
         try:
-            if n + 16 > self.r.entry_size:
+            if n + ENTRY_HEADER > self.r.entry_size:
+                room = self.r.entry_size - ENTRY_HEADER if self.r.entry_size > ENTRY_HEADER else 0
                 raise ValueError(f"payload of {n} bytes does not fit: entries of this ring "
-                                 f"hold {self.r.entry_size - 16 if self.r.entry_size > 16 else 0}"
-                                 f" payload bytes")
-            if n + 16 > <Py_ssize_t>sizeof(stackbuf):
-                buf = <char *>malloc(n + 16)
+                                 f"hold {room} payload bytes")
+            if n + ENTRY_HEADER > <Py_ssize_t>sizeof(stackbuf):
+                buf = <char *>malloc(n + ENTRY_HEADER)
                 if buf == NULL:
                     raise MemoryError
             memcpy(buf, &tag, 4)
             memcpy(buf + 4, &aux, 4)
             memcpy(buf + 8, &value, 8)
             if n:
-                memcpy(buf + 16, src, n)
-            self._push(buf, n + 16, block, timeout, check)
+                memcpy(buf + ENTRY_HEADER, src, n)
+            self._push(buf, n + ENTRY_HEADER, block, timeout, check)
             if record is not None:
                 record.append(value)
         finally:
@@ -917,9 +922,7 @@ cdef class RingBuffer:
         landing right after the call returns (see ``record`` of :meth:`push_tagged`)."""
         cdef uint32_t length = 0, tag, aux
         cdef uint64_t value
-        # (large enough for the manager's result entries, 16 + 4096 bytes: one is popped
-        # per batch, and a malloc of the entry size would be most of the cost of the pop)
-        cdef char stackbuf[4608]
+        cdef char stackbuf[_POP_ON_STACK]
         cdef char *buf = stackbuf
         cdef uint32_t cap = self.r.entry_size
         self._ensure_open()
@@ -929,12 +932,14 @@ cdef class RingBuffer:
                 raise MemoryError
         try:
             self._pop(buf, &length, block, timeout, check)
-            if length < 16:
-                raise ValueError(f"entry of {length} bytes has no 16-byte tagged header")
+            if length < ENTRY_HEADER:
+                raise ValueError(f"entry of {length} bytes has no tagged header of "
+                                 f"{ENTRY_HEADER} bytes")
             memcpy(&tag, buf, 4)
             memcpy(&aux, buf + 4, 4)
             memcpy(&value, buf + 8, 8)
-            entry = (tag, aux, value, PyBytes_FromStringAndSize(buf + 16, length - 16))
+            entry = (tag, aux, value,
+                     PyBytes_FromStringAndSize(buf + ENTRY_HEADER, length - ENTRY_HEADER))
             if into is not None:
                 into.append(entry)
             return entry
@@ -942,9 +947,11 @@ cdef class RingBuffer:
             if buf != stackbuf:
                 free(buf)
 
-    def _give_back(self, data):
-        """Non-blocking push that works as long as the memory is mapped in this process,
-        even after :meth:`close` (how slots held past a close are returned)."""
+    def push_while_mapped(self, data):
+        """Push ``data`` without waiting (``queue.Full`` if the ring is full) as long as the
+        ring's memory is mapped in this process, even after :meth:`close`: a close while
+        views of the segment are alive leaves it mapped until they are released, and what
+        they held (a queue's slot) can still be handed back to the other processes."""
         if self.segment is None or self.segment.addr == NULL:
             raise ValueError("ring is unmapped in this process")
         cdef const unsigned char[::1] v = data

@@ -22,7 +22,7 @@ import time
 from . import _process
 from . import _protocol as P
 from . import stats as _stats
-from ._ring import RingBuffer, Segment, _segment_from_peer
+from ._ring import RingBuffer, Segment, segment_from_peer
 from ._transfer import Parcel
 from .errors import PeerGoneError
 from .worker import worker_main
@@ -201,6 +201,19 @@ class WorkerHandle:
         proc = self.proc
         return proc is not None and _process.has_exited(proc)
 
+    def kill(self):
+        """Send the process SIGKILL, if it has one that has not exited (through its pidfd:
+        see :func:`_process.send_signal`).  Its rings and slots stay with the handle until
+        :meth:`detach`."""
+        if self.proc is not None:
+            _process.send_signal(self.proc, signal.SIGKILL)
+
+    def exit_code(self, wait=0.0):
+        """The exit code of the process, waiting up to ``wait`` seconds for its exit status;
+        None without a process, or if it is unknown (see :func:`_process.exit_code`)."""
+        proc = self.proc
+        return None if proc is None else _process.exit_code(proc, wait)
+
     # -- process --------------------------------------------------------------------------
 
     def start(self, seed):
@@ -230,10 +243,10 @@ class WorkerHandle:
                 P.WORKER_HEADER.pack_into(mv, 0, P.WORKER_MAGIC, P.WORKER_VERSION, t_off,
                                           TASK_CAPACITY, task_entry, r_off, r_cap,
                                           result_entry)
-            tasks = RingBuffer._create_in(seg, t_off, TASK_CAPACITY, task_entry,
-                                          launch.poll_interval, launch.spin)
-            results = RingBuffer._create_in(seg, r_off, r_cap, result_entry,
-                                            launch.poll_interval, launch.spin)
+            tasks = RingBuffer.create_in(seg, t_off, TASK_CAPACITY, task_entry,
+                                         launch.poll_interval, launch.spin)
+            results = RingBuffer.create_in(seg, r_off, r_cap, result_entry,
+                                           launch.poll_interval, launch.spin)
             options = {"poll_interval": launch.poll_interval, "done_event": launch.done_event,
                        # PR_SET_PDEATHSIG fires when the *thread* that started the worker
                        # ends: only worth it from the main thread (a watchdog covers the rest)
@@ -424,7 +437,7 @@ class WorkerHandle:
         if mapped is not None and mapped[0] == gen:
             return mapped[1], nbytes
         try:
-            seg = _segment_from_peer(self.pid, fd, ino, size, f"slot{self.index}")
+            seg = segment_from_peer(self.pid, fd, ino, size, f"slot{self.index}")
         except PeerGoneError:
             raise WorkerDied(self) from None
         seg.unlink()  # no descriptor needed: the mapping is what we use

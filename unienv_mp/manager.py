@@ -15,13 +15,9 @@ given to the replacement (or :class:`~unienv_mp.WorkerDiedError` is raised).  Wo
 with the parent however the parent ends (see :mod:`unienv_mp._process`).
 """
 import collections
-import multiprocessing as mp
-import numbers
 import os
 import queue as _queue
-import signal
 import time
-import warnings
 from multiprocessing import util as _mputil
 from typing import Callable, Generic, Optional, Sequence, TypeVar
 
@@ -33,11 +29,12 @@ from . import _protocol as P
 from . import stats as _stats
 from ._ring import DEFAULT_SPIN as _DEFAULT_SPIN
 from ._ring import Event, Segment
-from ._validate import check_int, check_seconds
+from ._stalls import Stall
+from ._validate import check_context, check_index, check_int, check_seconds, check_spin
 from ._work_encoder import WorkEncoder, spill_entry
 from ._worker_handle import (RESULT_INLINE, TASK_CAPACITY, TASK_INLINE, Launch, WorkerDied,
                              WorkerHandle, WorkerStalled)
-from .errors import RingClosed, WorkerDiedError, WorkerError, WorkerStalledError
+from .errors import RingClosed, WorkerDiedError, WorkerError
 
 __all__ = ["MultiProcessingSampleManager", "TaskInfoT", "ResultT", "TASK_CAPACITY",
            "TASK_INLINE", "RESULT_INLINE"]
@@ -126,7 +123,7 @@ class _Lane:
         self.waiting = []
         self.deaths_in_a_row = 0
         self.record = _stats.WorkerRecord(time.monotonic_ns())
-        self.stall = None   # (WorkerStalled, stacks) of a process killed for it, not buried
+        self.stall = None   # the Stall of a process killed for stalling, not yet buried
 
 
 class _Resources:
@@ -251,12 +248,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             if len(worker_seeds) != n_workers:
                 raise ValueError(f"worker_seeds must have n_workers={n_workers} entries, "
                                  f"got {len(worker_seeds)}")
-        if ctx is None:
-            ctx = mp.get_context()
-        elif isinstance(ctx, str):
-            ctx = mp.get_context(ctx)
-        if not hasattr(ctx, "Process"):
-            raise TypeError(f"ctx must be a multiprocessing context, got {ctx!r}")
+        ctx = check_context(ctx)
         self.target_fn = target_fn
         self.doze_time = doze_time
         self.done_event = done_event
@@ -268,9 +260,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         self.max_respawns = max_respawns
         if spin is None:
             spin = _DEFAULT_SPIN if len(os.sched_getaffinity(0)) > n_workers else 0.0
-        if isinstance(spin, bool) or not isinstance(spin, (int, float)) or not 0 <= spin < 1:
-            raise ValueError(f"spin must be a number of seconds in [0, 1), got {spin!r}")
-        self.spin = float(spin)
+        self.spin = check_spin(spin)
         self.max_leases = 2 * n_workers + 8 if max_leases is None else check_int(
             max_leases, "max_leases", 0)
         self._seeds = worker_seeds
@@ -291,10 +281,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         self._doorbell = Event(resources.doorbell_seg, 0, True)
         self._finalizer = _mputil.Finalize(self, resources.close, exitpriority=100)
         self._batches_in = getattr(target_fn, "batches_in", None)
-        self._delivered = 0       # batches handed out (see stats)
-        self._wait_ns = 0         # time callers spent waiting for them
-        self._since_ns = None     # monotonic ns of the first request (since the last reset)
-        self._machine_since = None   # the machine's CPU ticks then (_process.machine_cpu_ticks)
+        self._caller = _stats.CallerRecord()   # batches handed out, time waited (see stats)
         launch = Launch(target_fn, worker_init_fn, ctx, daemon, resources.doorbell_seg,
                         done_event, doze_time, self.spin, self.stall_timeout)
         self.closed = False
@@ -337,11 +324,11 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         fails with WorkerStalledError unless it may be tried again (see stall_timeout)."""
         w = lane.worker
         if isinstance(cause, WorkerStalled):
-            stacks = w.stacks()
-            lane.stall = (cause, stacks)   # (before the kill: its death is this stall)
-            _process.send_signal(w.proc, signal.SIGKILL)
-        stalled, stacks = lane.stall if lane.stall is not None else (None, None)
-        code = _process.exit_code(w.proc, 1.0) if w.proc is not None else None
+            # (kept before the kill: its death is this stall)
+            lane.stall = Stall(w, cause, self.stall_timeout)
+            w.kill()
+        stall = lane.stall
+        code = w.exit_code(1.0)
         pid = w.pid
         if w.has_process:
             try:
@@ -352,22 +339,15 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         how = _process.describe_exit(code)
         deaths = lane.deaths_in_a_row + 1
         failed = None   # a stalled task whose result is its stall
-        if stalled is not None:
-            message = (f"worker {w.index} (pid {pid}) was on one task for "
-                       f"{stalled.seconds:.1f} s, longer than stall_timeout="
-                       f"{self.stall_timeout} s; it was killed and replaced.  Its stacks:\n"
-                       f"{stacks}")
+        if stall is not None:
+            task = self._tasks.get(stall.ticket)
             if not self.respawn or deaths > self.max_respawns:
-                failed = self._tasks.get(stalled.ticket)
-                if failed is not None and (failed.arrived or failed.worker != w.index):
-                    failed = None
+                if task is not None and not task.arrived and task.worker == w.index:
+                    failed = task
                 deaths = 0   # (the task that kept stalling is given up)
-                error = WorkerStalledError(message, stacks, w.index, stalled.seconds)
+                error = stall.error()
             else:
-                task = self._tasks.get(stalled.ticket)
-                fate = ("Its task is given to the replacement." if task is not None
-                        and not task.cancelled else "Its task was no longer wanted.")
-                warnings.warn(f"{message}\n{fate}", RuntimeWarning, stacklevel=4)
+                stall.warn(task is not None and not task.cancelled, stacklevel=4)
         elif not self.respawn:
             lane.deaths_in_a_row = deaths
             raise WorkerDiedError(f"worker {w.index} (pid {pid}) {how}; respawn=False",
@@ -459,15 +439,11 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             self._ensure_open()   # raises
         if self._released:
             self._give_back_released_slots()
-        if self._since_ns is None:
-            self._since_ns = time.monotonic_ns()
-            self._machine_since = _process.machine_cpu_ticks()
+        if self._caller.since_ns is None:
+            self._caller.begin()
         lanes = self._lanes
         if worker is not None:
-            if isinstance(worker, bool) or not isinstance(worker, numbers.Integral) \
-                    or not 0 <= worker < len(lanes):
-                raise ValueError(f"worker must be an index below {len(lanes)}, got {worker!r}")
-            lane = lanes[int(worker)]
+            lane = lanes[check_index(worker, "worker", len(lanes))]
         elif self.in_order:
             i = self._next_worker
             lane = lanes[i]
@@ -665,12 +641,12 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 self._give_back_slot(task)
 
     def _wait(self, task, timeout):
-        """Block until ``task`` has a result (or raise); the time goes to ``_wait_ns``."""
+        """Block until ``task`` has a result (or raise); the time is counted (see stats)."""
         t0 = time.monotonic_ns()
         try:
             self._wait_for(task, timeout)
         finally:
-            self._wait_ns += time.monotonic_ns() - t0
+            self._caller.wait_ns += time.monotonic_ns() - t0
 
     def _wait_for(self, task, timeout):
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -724,7 +700,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             self._give_back_slot(task)
         if status == _ST_ERROR:
             raise WorkerError.from_payload(value, task.worker)
-        self._delivered += 1 if self._batches_in is None else self._batches_in(task.work)
+        self._caller.batches += 1 if self._batches_in is None else self._batches_in(task.work)
         return value
 
     def result(self, ticket: int, timeout: Optional[float] = None):
@@ -863,7 +839,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 found = self._doorbell.wait_until(find, limit, self.doze_time,
                                                   check=self._check_all_alive)
             finally:
-                self._wait_ns += time.monotonic_ns() - t0
+                self._caller.wait_ns += time.monotonic_ns() - t0
         return None if found is None else found[0]
 
     def _any_pending(self, tickets):
@@ -900,43 +876,21 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         from zero once this is read.  A result counts as ``batches_in(work)`` batches if
         the work function has that method, else one."""
         now = time.monotonic_ns()
-        since = self._since_ns
-        wall = 0.0 if since is None else (now - since) / 1e9
-        wait = self._wait_ns / 1e9
         count = (lambda work: 1) if self._batches_in is None else self._batches_in
-        ready = 0
-        for task in self._tasks.values():
-            if (task.arrived and not task.cancelled and task.status == _ST_OK
-                    and task.error is None):
-                ready += count(task.work)
+        tasks = self._tasks
+        ready = sum(count(task.work) for task in tasks.values() if task.arrived
+                    and not task.cancelled and task.status == _ST_OK and task.error is None)
         workers = []
         for lane in self._lanes:
             w = lane.worker
             counters = w.counters()
             if w.has_process:   # published, not yet taken off the ring: in flight order
                 for ticket in list(lane.inflight)[:w.results_published]:
-                    task = self._tasks.get(ticket)
+                    task = tasks.get(ticket)
                     if task is not None and not task.arrived and not task.cancelled:
                         ready += count(task.work)
-            cpu = None if w.pid is None else _process.cpu_seconds(w.pid)
-            workers.append(lane.record.report(w.index, w.pid, counters, now, cpu))
-            if reset:
-                lane.record.reset(counters, now, cpu)
-        batches = self._delivered
-        wait_fraction = min(1.0, wait / wall) if wall > 0 else 0.0
-        busy = sum(x.busy_fraction for x in workers) / len(workers) if workers else 0.0
-        machine = _process.machine_cpu_ticks()
-        out = _stats.SamplerStats(
-            batches=batches, wait_seconds=wait, wall_seconds=wall,
-            wait_fraction=wait_fraction, ready=ready, workers=workers,
-            bottleneck=_stats.bottleneck(wait_fraction, busy, batches),
-            machine_idle_fraction=_stats.idle_between(self._machine_since, machine))
-        if reset:
-            self._delivered = 0
-            self._wait_ns = 0
-            self._since_ns = now
-            self._machine_since = machine
-        return out
+            workers.append(lane.record.read(w.index, w.pid, counters, now, reset))
+        return self._caller.report(ready, workers, now, reset)
 
     # -- lifecycle ------------------------------------------------------------------------
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from . import _codec
 from . import _protocol as P
-from ._ring import DEFAULT_POLL_INTERVAL, DEFAULT_SPIN, RingBuffer, Segment, _segment_from_peer
+from ._ring import DEFAULT_POLL_INTERVAL, DEFAULT_SPIN, RingBuffer, Segment, segment_from_peer
 from ._validate import check_int
 from .errors import CodecError, PeerGoneError, RingClosed
 
@@ -119,9 +119,9 @@ class ShmQueue:
                                      n_slots, slot_size, inline_size, msg_off, free_off,
                                      slots_off)
             mv.release()
-            msgs = RingBuffer._create_in(seg, msg_off, capacity, msg_entry, poll_interval,
-                                         spin)
-            free = RingBuffer._create_in(seg, free_off, n_slots, 8, poll_interval, spin)
+            msgs = RingBuffer.create_in(seg, msg_off, capacity, msg_entry, poll_interval,
+                                        spin)
+            free = RingBuffer.create_in(seg, free_off, n_slots, 8, poll_interval, spin)
             free.push_many([i.to_bytes(8, "little") for i in range(n_slots)], block=False)
         except BaseException:
             seg.close()
@@ -146,10 +146,10 @@ class ShmQueue:
         self._slot_size = slot_size
         self._inline = inline_size
         self._slots_off = slots_off
-        self._msgs = msgs if msgs is not None else RingBuffer._attach(seg, msg_off,
-                                                                      poll_interval, spin)
-        self._free = free if free is not None else RingBuffer._attach(seg, free_off,
-                                                                      poll_interval, spin)
+        self._msgs = msgs if msgs is not None else RingBuffer.attach(seg, msg_off,
+                                                                     poll_interval, spin)
+        self._free = free if free is not None else RingBuffer.attach(seg, free_off,
+                                                                     poll_interval, spin)
         self._reset_local()
         _mputil.register_after_fork(self, ShmQueue._reset_local)
 
@@ -513,7 +513,7 @@ def _give_back(free, slot):
     try:
         # Works even after this process closed the queue (the lease still maps it), so
         # that a slot held past close() is not lost to the other processes.
-        free._give_back(slot.to_bytes(8, "little"))
+        free.push_while_mapped(slot.to_bytes(8, "little"))
     except Exception:
         pass  # unmapped here: nothing to give the slot back to
 
@@ -559,7 +559,7 @@ class _SlotReleaser:
 
 
 def _open_spill(pid, fd, ino, size):
-    seg = _segment_from_peer(pid, fd, ino, size, "spill")
+    seg = segment_from_peer(pid, fd, ino, size, "spill")
     with memoryview(seg) as mv:
         P.QUEUE_SPILL_ACK.pack_into(mv, 0, 1)  # mapped: the sender may let go of it
     return seg

@@ -11,7 +11,6 @@ back through shared-memory slots as zero-copy views (see
 :class:`~unienv_mp.manager.MultiProcessingSampleManager`).
 """
 import collections
-import multiprocessing as mp
 import time
 from typing import Any, Optional
 
@@ -22,7 +21,7 @@ from . import gather as _gather
 from . import stats as _stats
 from ._sampling import SamplerTarget, epoch_order, split_epoch
 from ._streams import EpochProgress, Stream, base_seed
-from ._validate import check_int, check_seconds
+from ._validate import check_context, check_int, check_seconds
 from .errors import WorkerError
 from .manager import MultiProcessingSampleManager
 
@@ -668,11 +667,8 @@ class MultiprocessingSampler(SamplerBase):
         self._manager = None
         check_seconds(doze_time, "doze_time", allow_none=False)
         check_seconds(stall_timeout, "stall_timeout")
-        if isinstance(ctx, str):
-            ctx = mp.get_context(ctx)
-        elif ctx is not None and not hasattr(ctx, "Process"):
-            raise TypeError(f"ctx must be a multiprocessing context or a start method name, "
-                            f"got {ctx!r}")
+        if ctx is not None:
+            ctx = check_context(ctx)
         if direct_gather is not None and type(direct_gather) is not bool:
             raise TypeError(f"direct_gather must be None, True or False, got {direct_gather!r}")
         not_direct = "direct_gather=False" if direct_gather is False else None

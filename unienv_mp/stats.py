@@ -6,8 +6,9 @@ block laid out below, written with plain stores by that worker alone and read by
 parent whenever ``stats()`` is called: no system call, lock or message per batch.  A
 64-bit aligned store is a single store on the machines this runs on (x86-64, aarch64),
 so the parent reads each counter whole, possibly a task out of date.  The caller's side
-(batches handed out, time spent waiting) is counted in the calling process.  Counters of
-a worker's earlier processes (before it was replaced) are kept by the parent and added.
+(batches handed out, time spent waiting) is counted in the calling process, in a
+:class:`CallerRecord`.  Counters of a worker's earlier processes (before it was replaced)
+are kept by the parent, in a :class:`WorkerRecord` per worker index, and added.
 
 The counter block (``COUNTERS`` 64-bit words at ``_protocol.STATS_AT`` of a worker's
 segment)::
@@ -27,8 +28,11 @@ shorter, the last anything longer than about 15 s), so a quantile read as the mi
 its bucket is within 12 % of the true one.
 """
 import math
+import time
 from dataclasses import dataclass, field
 from typing import List, Optional
+
+from . import _process
 
 __all__ = ["SamplerStats", "WorkerStats"]
 
@@ -169,6 +173,16 @@ class WorkerRecord:
         self.cpu_baseline = (None if counters is None or cpu_seconds is None
                              else (counters[STARTED], cpu_seconds))
 
+    def read(self, index, pid, counters, now_ns, reset=False):
+        """:meth:`report`, with the CPU time of process ``pid`` (None: it has none now)
+        read from ``/proc``; ``reset=True``: then :meth:`reset`, so that the counters
+        start again from zero."""
+        cpu = None if pid is None else _process.cpu_seconds(pid)
+        out = self.report(index, pid, counters, now_ns, cpu)
+        if reset:
+            self.reset(counters, now_ns, cpu)
+        return out
+
     def report(self, index, pid, counters, now_ns, cpu_seconds=None):
         """The :class:`WorkerStats` of this index, its current process's ``counters``
         being as given (None: it has none now), and the CPU time that process used since
@@ -199,6 +213,45 @@ class WorkerRecord:
             seconds_per_batch_mean=c[MADE] / batches / 1e9 if batches else None,
             seconds_per_batch_p99=quantile(c, 0.99), respawns=self.respawns,
             errors=c[ERRORS], task_seconds=task_seconds, cpu_fraction=cpu_fraction)
+
+
+class CallerRecord:
+    """What a manager counts of the caller's side: ``batches`` handed out, ``wait_ns`` spent
+    waiting for them, since the first request (:meth:`begin`) or the last reset."""
+    __slots__ = ("batches", "wait_ns", "since_ns", "machine_since")
+
+    def __init__(self):
+        self.batches = 0
+        self.wait_ns = 0
+        self.since_ns = None        # monotonic ns of the first request (None: none yet)
+        self.machine_since = None   # the machine's CPU ticks then (machine_cpu_ticks)
+
+    def begin(self):
+        """The first request is made now (call it once, while ``since_ns`` is None)."""
+        self.since_ns = time.monotonic_ns()
+        self.machine_since = _process.machine_cpu_ticks()
+
+    def report(self, ready, workers, now_ns, reset=False):
+        """The :class:`SamplerStats` of the caller's side and ``workers`` (their
+        :class:`WorkerStats`), ``ready`` batches waiting to be handed out; ``reset=True``:
+        then the counts start again from zero, from now."""
+        since = self.since_ns
+        wall = 0.0 if since is None else (now_ns - since) / 1e9
+        wait = self.wait_ns / 1e9
+        wait_fraction = min(1.0, wait / wall) if wall > 0 else 0.0
+        busy = sum(x.busy_fraction for x in workers) / len(workers) if workers else 0.0
+        machine = _process.machine_cpu_ticks()
+        out = SamplerStats(
+            batches=self.batches, wait_seconds=wait, wall_seconds=wall,
+            wait_fraction=wait_fraction, ready=ready, workers=workers,
+            bottleneck=bottleneck(wait_fraction, busy, self.batches),
+            machine_idle_fraction=idle_between(self.machine_since, machine))
+        if reset:
+            self.batches = 0
+            self.wait_ns = 0
+            self.since_ns = now_ns
+            self.machine_since = machine
+        return out
 
 
 # -- what stats() returns ------------------------------------------------------------------

@@ -13,7 +13,7 @@ from . import _codec
 from . import _process
 from . import _protocol as P
 from . import stats as _stats
-from ._ring import Event, RingBuffer, Segment, _segment_from_peer
+from ._ring import Event, RingBuffer, Segment, segment_from_peer
 from .errors import RingClosed
 
 _ST_OK = P.ST_OK
@@ -137,8 +137,8 @@ def worker_main(index, target_fn, seg, doorbell_seg, parent_pid, init_fn, seed, 
     magic, version, t_off, _, _, r_off, _, _ = P.WORKER_HEADER.unpack_from(seg, 0)
     if magic != P.WORKER_MAGIC or version != P.WORKER_VERSION:
         os._exit(3)
-    tasks = RingBuffer._attach(seg, t_off, poll, spin)
-    results = RingBuffer._attach(seg, r_off, poll, spin)
+    tasks = RingBuffer.attach(seg, t_off, poll, spin)
+    results = RingBuffer.attach(seg, r_off, poll, spin)
     doorbell = Event(doorbell_seg, 0)
     inline_max = results.entry_size - P.ENTRY_HEADER
     stack_pipe = options.get("stack_pipe")
@@ -243,7 +243,7 @@ def _read_work(where, payload, parent_pid):
     if where == P.AT_INLINE:
         return _codec.decode(payload, copy=True)
     pid, fd, ino, size, nbytes = P.TASK_SPILL_DESC.unpack(payload)
-    seg = _segment_from_peer(pid, fd, ino, size, "task spill")
+    seg = segment_from_peer(pid, fd, ino, size, "task spill")
     try:
         with memoryview(seg) as mv:
             return _codec.decode(mv[:nbytes], copy=True)

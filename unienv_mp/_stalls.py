@@ -1,0 +1,47 @@
+"""Stalled workers: what the manager keeps of a worker process it kills for having been on
+one task longer than ``stall_timeout``, and what it tells the caller.
+
+The handle finds the stall (``WorkerHandle.check_stall`` raises ``WorkerStalled``).  The
+manager then makes a :class:`Stall`, which takes the process's Python stacks, keeps it on
+the worker's lane, and only then kills the process: however a Ctrl-C cuts the burial
+short, the death that follows is known to be this stall.  The stalled task goes to the
+replacement, with a ``RuntimeWarning`` (:meth:`Stall.warn`), or is given up, its result
+being :meth:`Stall.error` (a :class:`~unienv_mp.WorkerStalledError`).
+"""
+import warnings
+
+from .errors import WorkerStalledError
+
+__all__ = ["Stall"]
+
+
+class Stall:
+    """Process ``pid`` of worker ``index`` was found on the task of ``ticket`` for
+    ``seconds``, longer than ``stall_timeout``; ``stacks`` are its Python stacks, taken
+    from it (``WorkerHandle.stacks``) when this is made."""
+    __slots__ = ("index", "pid", "ticket", "seconds", "stall_timeout", "stacks")
+
+    def __init__(self, handle, found, stall_timeout):
+        self.index = handle.index
+        self.pid = handle.pid
+        self.ticket = found.ticket
+        self.seconds = found.seconds
+        self.stall_timeout = stall_timeout
+        self.stacks = handle.stacks()
+
+    def _message(self):
+        return (f"worker {self.index} (pid {self.pid}) was on one task for "
+                f"{self.seconds:.1f} s, longer than stall_timeout={self.stall_timeout} s; "
+                f"it was killed and replaced.  Its stacks:\n{self.stacks}")
+
+    def error(self):
+        """The result of the stalled task when it is given up."""
+        return WorkerStalledError(self._message(), self.stacks, self.index, self.seconds)
+
+    def warn(self, task_wanted, stacklevel):
+        """Warn that the process stalled and was replaced, and that its task is given to
+        the replacement (``task_wanted``) or was no longer wanted.  ``stacklevel`` as for
+        ``warnings.warn`` called by the caller of this."""
+        fate = ("Its task is given to the replacement." if task_wanted
+                else "Its task was no longer wanted.")
+        warnings.warn(f"{self._message()}\n{fate}", RuntimeWarning, stacklevel=stacklevel + 1)
