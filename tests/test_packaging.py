@@ -61,3 +61,21 @@ def test_classifiers_say_linux_cpython_and_cython():
                       if c.startswith("Programming Language :: Python :: 3.")
                       and c.count("::") == 2)
     assert versions[0] == low and project["keywords"]
+
+
+def test_only_unienv_mp_ray_imports_ray():
+    """ray is optional: every other module imports without it, and no other module
+    imports it (the main job's Ray row included, until it runs)."""
+    import subprocess
+    code = (
+        "import importlib, pkgutil, sys, unienv_mp\n"
+        "names = [m.name for m in pkgutil.iter_modules(unienv_mp.__path__, 'unienv_mp.')\n"
+        "         if m.name != 'unienv_mp.ray']\n"
+        "for name in names:\n"
+        "    importlib.import_module(name)\n"
+        "assert 'unienv_mp.compare' in names and 'unienv_mp.sampler' in names, names\n"
+        "print('ray' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"

@@ -33,7 +33,7 @@ The implementations (``IMPLEMENTATIONS``):
   is only valid until the next one);
 * ``torchrl``: a TorchRL ``ReplayBuffer(prefetch=4)`` (uniform ``RandomSampler``, 4
   prefetch threads) over the same rows; needs ``torchrl``, which is optional;
-* ``ray``: unienv_mp's RaySampler on a local Ray (``ray_locally``), one actor per worker;
+* ``ray``: unienv_mp's RaySampler on a local Ray that it starts, one actor per worker;
   needs ``ray``, which is optional.  Not in ``DEFAULT_IMPLEMENTATIONS``: asked for by name.
 
 Each measurement returns a result object (``Result``, ``OnlineResult``,
@@ -435,21 +435,11 @@ def _sampler_object(name: str, rb, cfg: Config, seed: int = 0):
     if name == "in_process":
         return base
     if name == "ray":
-        ray_locally(cfg)
+        # (a RaySampler starts a local Ray, with a CPU for each actor, unless this
+        # process is connected to one; it shuts it down when closed)
         from .ray import RaySampler
         return RaySampler(base, n_workers=cfg.workers, n_buffers=cfg.buffers)
     raise ValueError(f"{name!r} is not one of the UniEnv-API samplers")
-
-
-def ray_locally(cfg: Config):
-    """Start a local Ray for the ``ray`` row, quietly, with a CPU for each of its actors
-    (as many as ``cfg.workers``, however many cores the machine has: the other rows'
-    workers share the cores the same way), unless this process is connected to one."""
-    import ray
-    if not ray.is_initialized():
-        import logging
-        ray.init(num_cpus=max(os.cpu_count() or 1, cfg.workers), include_dashboard=False,
-                 log_to_driver=False, logging_level=logging.ERROR)
 
 
 def _close(sampler):
