@@ -11,6 +11,7 @@ back through shared-memory slots as zero-copy views (see
 :class:`~unienv_mp.manager.MultiProcessingSampleManager`).
 """
 import collections
+import dataclasses
 import time
 from typing import Any, Optional
 
@@ -104,9 +105,7 @@ class SamplerBase(BatchSampler):
         self.timeout = timeout
         self.respawn = bool(respawn)
         self.batches_per_task = batches_per_task
-        self._handed = 0            # batches handed out (see stats)
-        self._since_ns = None       # monotonic ns of the first request (or the last reset)
-        self._machine_since = None  # the machine's CPU ticks then
+        self._caller = _stats.CallerRecord()   # batches handed out (see stats)
         self._ended_wait_ns = 0     # the waits of epoch managers closed since
         self._base = base_seed(sampler)
         self._streams = {}          # method -> Stream
@@ -182,9 +181,8 @@ class SamplerBase(BatchSampler):
 
     def _start_clock(self):
         """stats() counts from the first request."""
-        if self._since_ns is None:
-            self._since_ns = time.monotonic_ns()
-            self._machine_since = _process.machine_cpu_ticks()
+        if self._caller.since_ns is None:
+            self._caller.begin()
 
     def _sample(self, name):
         # Runs once per batch.  Every attribute read on this class goes through
@@ -203,14 +201,14 @@ class SamplerBase(BatchSampler):
         # soon as fewer are left, so between n_buffers and n_buffers + k - 1 after a call
         n_buffers = self.n_buffers
         if ready and len(ready) + k * len(tickets) > n_buffers:
-            self._handed += 1
+            self._caller.batches += 1
             return ready.popleft()
-        if self._since_ns is None:
+        if self._caller.since_ns is None:
             self._start_clock()   # (a manager made before the first request)
         try:
             stream.top_up(manager.submit, n_buffers)
             if ready:
-                self._handed += 1
+                self._caller.batches += 1
                 return ready.popleft()
             ticket = tickets[0] if self.in_order else manager.wait_any(tickets)
             try:
@@ -222,7 +220,7 @@ class SamplerBase(BatchSampler):
                 raise
             tickets.remove(ticket)
             stream.arrived(ticket, value)
-            self._handed += 1
+            self._caller.batches += 1
             return ready.popleft()
         except WorkerError:
             raise
@@ -287,7 +285,7 @@ class SamplerBase(BatchSampler):
                 ticket = pending[0] if self.in_order else manager.wait_any(pending)
                 value = self._collect(manager, pending, ticket)
                 progress.handed_out(number.pop(ticket))
-                self._handed += 1
+                self._caller.batches += 1
                 yield value
         finally:
             # Also on an early break (generator closed) or an error: drop what is in flight.
@@ -322,25 +320,12 @@ class SamplerBase(BatchSampler):
             ready += part.ready
             if workers is None:
                 workers = part.workers
-        workers = workers or []
-        since = self._since_ns
-        wall = 0.0 if since is None else (now - since) / 1e9
-        wait = wait_ns / 1e9
-        wait_fraction = min(1.0, wait / wall) if wall > 0 else 0.0
-        busy = sum(w.busy_fraction for w in workers) / len(workers) if workers else 0.0
-        machine = _process.machine_cpu_ticks()
-        out = _stats.SamplerStats(
-            batches=self._handed, wait_seconds=wait, wall_seconds=wall,
-            wait_fraction=wait_fraction, ready=ready, workers=workers,
-            gather_path=self.gather_path,
-            bottleneck=_stats.bottleneck(wait_fraction, busy, self._handed),
-            machine_idle_fraction=_stats.idle_between(self._machine_since, machine))
+        caller = self._caller
+        caller.wait_ns = wait_ns
+        out = caller.report(ready, workers or [], now, reset)
         if reset:
-            self._handed = 0
             self._ended_wait_ns = 0
-            self._since_ns = now
-            self._machine_since = machine
-        return out
+        return dataclasses.replace(out, gather_path=self.gather_path)
 
     @property
     def gather_path(self):

@@ -32,24 +32,25 @@ class TensorLeaf:
         return (TensorLeaf, (self.array, self.dtype))
 
 
+def _walk(v, leaf):
+    """``v`` with ``leaf`` applied to everything in its dicts, tuples and lists."""
+    t = type(v)
+    if t is dict:
+        return {k: _walk(x, leaf) for k, x in v.items()}
+    if t is tuple:
+        return tuple([_walk(x, leaf) for x in v])
+    if t is list:
+        return [_walk(x, leaf) for x in v]
+    return leaf(v)
+
+
 def pack(value):
     """``value`` with every torch tensor in its dicts, tuples and lists replaced by a
     :class:`TensorLeaf` (in the actor)."""
     torch = sys.modules.get("torch")
-    return _pack(value, torch) if torch is not None else value
-
-
-def _pack(v, torch):
-    t = type(v)
-    if t is dict:
-        return {k: _pack(x, torch) for k, x in v.items()}
-    if t is tuple:
-        return tuple([_pack(x, torch) for x in v])
-    if t is list:
-        return [_pack(x, torch) for x in v]
-    if isinstance(v, torch.Tensor):
-        return _leaf(v, torch)
-    return v
+    if torch is None:
+        return value
+    return _walk(value, lambda v: _leaf(v, torch) if isinstance(v, torch.Tensor) else v)
 
 
 def _leaf(tensor, torch):
@@ -72,26 +73,27 @@ def unpack(value, copy):
     :class:`~unienv_mp.ray.RaySampler`).  ``copy=True``: each is copied into memory of
     its own, writable."""
     if copy:
-        return _unpack(value, True)
+        return _walk(value, _copied)
     with warnings.catch_warnings():
         # torch warns (once per process) that a tensor over a read-only array is writable
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return _unpack(value, False)
+        return _walk(value, _as_is)
 
 
-def _unpack(v, copy):
+def _as_is(v):
+    if type(v) is TensorLeaf:
+        import torch
+        tensor = torch.from_numpy(v.array)
+        return tensor if v.dtype is None else tensor.view(v.dtype)
+    return v
+
+
+def _copied(v):
     t = type(v)
-    if t is dict:
-        return {k: _unpack(x, copy) for k, x in v.items()}
-    if t is tuple:
-        return tuple([_unpack(x, copy) for x in v])
-    if t is list:
-        return [_unpack(x, copy) for x in v]
     if t is TensorLeaf:
         import torch
-        array = v.array.copy() if copy else v.array
-        tensor = torch.from_numpy(array)
+        tensor = torch.from_numpy(v.array.copy())
         return tensor if v.dtype is None else tensor.view(v.dtype)
-    if copy and t is np.ndarray:
+    if t is np.ndarray:
         return v.copy()
     return v

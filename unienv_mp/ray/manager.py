@@ -139,9 +139,7 @@ class RayManager:
         self._tasks = {}             # ticket -> _Task, until delivered or cancelled
         self._next_ticket = 0
         self._next_worker = 0
-        self._delivered = 0          # batches handed out (see stats)
-        self._wait_ns = 0
-        self._since_ns = None
+        self._caller = _stats.CallerRecord()   # batches handed out, time waited (stats)
         now = time.monotonic_ns()
         self._lanes = [_Lane(i, now) for i in range(n_workers)]
         self.closed = False
@@ -230,8 +228,8 @@ class RayManager:
         the one with the fewest tasks.  ``record``: a list or deque the ticket is
         appended to as the last step."""
         self._ensure_open()
-        if self._since_ns is None:
-            self._since_ns = time.monotonic_ns()
+        if self._caller.since_ns is None:
+            self._caller.begin()
         lanes = self._lanes
         if worker is not None:
             worker = check_int(worker, "worker", 0)
@@ -278,7 +276,7 @@ class RayManager:
             try:
                 ready, _ = ray.wait([task.ref], timeout=left)
             finally:
-                self._wait_ns += time.monotonic_ns() - start
+                self._caller.wait_ns += time.monotonic_ns() - start
             if not ready:
                 raise TimeoutError(f"no result within {limit} s")
             try:
@@ -298,7 +296,7 @@ class RayManager:
             lane.deaths_in_a_row = 0
             batches = self._batches_in(task.work)
             counters.end(batches, False, elapsed_ns)
-            self._delivered += batches
+            self._caller.batches += batches
             return unpack(value, self.copy)
         counters.end(0, True, elapsed_ns)
         prefix = "could not start: " if status == _actor.COULD_NOT_START else ""
@@ -328,7 +326,7 @@ class RayManager:
         try:
             ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=limit)
         finally:
-            self._wait_ns += time.monotonic_ns() - start
+            self._caller.wait_ns += time.monotonic_ns() - start
         if not ready:
             raise TimeoutError(f"no result within {limit} s")
         return by_ref[ready[0]]
@@ -357,9 +355,6 @@ class RayManager:
         process (None until its first result), and ``cpu_fraction`` its CPU time, as of
         its last result, over its time alive."""
         now = time.monotonic_ns()
-        since = self._since_ns
-        wall = 0.0 if since is None else (now - since) / 1e9
-        wait = self._wait_ns / 1e9
         refs = {task.ref: task for task in self._tasks.values()}
         ready = 0
         if refs:
@@ -371,18 +366,7 @@ class RayManager:
             workers.append(lane.record.report(lane.index, lane.pid, counters, now, lane.cpu))
             if reset:
                 lane.record.reset(list(counters), now, lane.cpu)
-        batches = self._delivered
-        wait_fraction = min(1.0, wait / wall) if wall > 0 else 0.0
-        busy = sum(w.busy_fraction for w in workers) / len(workers) if workers else 0.0
-        out = _stats.SamplerStats(
-            batches=batches, wait_seconds=wait, wall_seconds=wall,
-            wait_fraction=wait_fraction, ready=ready, workers=workers,
-            bottleneck=_stats.bottleneck(wait_fraction, busy, batches))
-        if reset:
-            self._delivered = 0
-            self._wait_ns = 0
-            self._since_ns = now
-        return out
+        return self._caller.report(ready, workers, now, reset)
 
     # -- lifecycle ------------------------------------------------------------------------
 
