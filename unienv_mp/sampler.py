@@ -139,8 +139,6 @@ class SamplerBase(BatchSampler):
     def __dir__(self):
         return sorted(set(super().__dir__()) | set(self.__dict__.get("_extra", ())))
 
-    # -- the manager ------------------------------------------------------------------------
-
     # -- what a backend gives ---------------------------------------------------------------
 
     def _new_manager(self):
