@@ -28,7 +28,7 @@ extensions = [
     ),
     Extension(
         "unienv_mp._rows",
-        sources=["unienv_mp/_rows.pyx", "csrc/umr_rows.c"],
+        sources=["unienv_mp/_rows.pyx", "csrc/umr_rows.c", "csrc/umr_window.c"],
         include_dirs=["csrc"],
         extra_compile_args=CFLAGS,
     ),

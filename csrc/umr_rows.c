@@ -24,6 +24,11 @@
  * not be enough to make them visible first.  umr_gather_rows therefore ends with an
  * sfence, after which every streaming store is globally visible before any later store
  * (in particular the ring's publishing store).
+ *
+ * umr_scatter_rows is the same copy with a destination position per row: dst[pos[i]] =
+ * src[rows[i]].  A batch of a combined dataset (UniEnv's CombinedBatch) takes each of its
+ * rows from one of several tables; each table's rows go to the positions of the batch that
+ * belong to it.
  */
 #include "umr_rows.h"
 
@@ -79,5 +84,32 @@ int64_t umr_gather_rows(const unsigned char *src, uint64_t n_src, uint64_t row_b
 #endif
     for (i = 0; i < n; i++)
         memcpy(dst + i * row_bytes, src + (uint64_t)rows[i] * row_bytes, row_bytes);
+    return -1;
+}
+
+int64_t umr_scatter_rows(const unsigned char *src, uint64_t n_src, uint64_t row_bytes,
+                         const int64_t *rows, const int64_t *pos, uint64_t n,
+                         unsigned char *dst, uint64_t n_dst)
+{
+    uint64_t i;
+    /* As in umr_gather_rows: every index is checked before anything is written. */
+    for (i = 0; i < n; i++)
+        if (rows[i] < 0 || (uint64_t)rows[i] >= n_src || pos[i] < 0
+                || (uint64_t)pos[i] >= n_dst)
+            return (int64_t)i;
+    if (row_bytes == 0)
+        return -1;
+#if UMR_HAVE_STREAM
+    if (row_bytes >= STREAM_MIN_ROW && ((uintptr_t)dst & 15) == 0 && (row_bytes & 15) == 0) {
+        for (i = 0; i < n; i++)
+            stream_row(dst + (uint64_t)pos[i] * row_bytes,
+                       src + (uint64_t)rows[i] * row_bytes, row_bytes);
+        _mm_sfence();   /* see "Ordering" above */
+        return -1;
+    }
+#endif
+    for (i = 0; i < n; i++)
+        memcpy(dst + (uint64_t)pos[i] * row_bytes, src + (uint64_t)rows[i] * row_bytes,
+               row_bytes);
     return -1;
 }

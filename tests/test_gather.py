@@ -346,7 +346,7 @@ def test_direct_gather_true_refuses_what_it_cannot_gather_and_says_why():
         (_data.SlowSampler(rb, 4), "overrides get_at"),
         (_data.VaryingSampler(rb, 4), "overrides sample"),
         (StepSampler(ToBackendOrDeviceBatch(rb, backend=NumpyComputeBackend), 4),
-         "not a UniEnv ReplayBuffer"),
+         "not a batch that the direct path reproduces"),
     ]
     for sampler, words in cases:
         with pytest.raises(ValueError, match=words):

@@ -34,7 +34,7 @@ import sys
 
 import numpy as np
 
-from . import _codec, _rows
+from . import _codec, _rows, _unienv
 from .worker import SlotWriter
 
 __all__ = ["NotDirect", "check", "row_nbytes", "Gatherer", "DIRECT_METHODS"]
@@ -49,7 +49,7 @@ DIRECT_METHODS = {
 }
 _GETTERS = {g: s for s, g in DIRECT_METHODS.items()}
 _SAMPLER_METHODS = ("sample_index", *DIRECT_METHODS, *_GETTERS)
-_BUFFER_METHODS = ("get_at", "get_at_with_metadata", "get_flattened_at",
+BUFFER_METHODS = ("get_at", "get_at_with_metadata", "get_flattened_at",
                    "get_flattened_at_with_metadata", "_logical_to_physical_index")
 
 
@@ -64,7 +64,11 @@ def check(sampler):
         import torch  # noqa: F401
     except ImportError:
         raise NotDirect("torch is not installed") from None
-    _Planner(sampler).structure("get_at")
+    planner = Planner(sampler)
+    planner.structure("get_at")
+    if planner.view is not None:
+        from . import _views
+        _views.layout_check(planner.view, sampler)
 
 
 def row_nbytes(sampler, method):
@@ -78,16 +82,15 @@ def row_nbytes(sampler, method):
         return None
     try:
         import torch  # noqa: F401
-        tree = _Planner(sampler).structure(getter)
+        tree = Planner(sampler).structure(getter)
     except Exception:
         return None
     total = 0
     stack = [tree]
     while stack:
         node = stack.pop()
-        if isinstance(node, _Leaf):
-            total += (int(np.prod(node.tail, dtype=np.int64))
-                      * torch.empty((), dtype=node.dtype).element_size())
+        if hasattr(node, "element_nbytes"):   # a Leaf, or a view's Spec
+            total += node.element_nbytes()
         elif isinstance(node, dict):
             stack.extend(node.values())
         elif isinstance(node, tuple):
@@ -95,7 +98,7 @@ def row_nbytes(sampler, method):
     return total
 
 
-def _unchanged(obj, base, names):
+def overridden(obj, base, names):
     """The first of ``names`` that ``obj`` overrides from ``base`` (in its class, or as an
     attribute of the instance itself), or None."""
     attrs = getattr(obj, "__dict__", {})
@@ -105,12 +108,12 @@ def _unchanged(obj, base, names):
     return None
 
 
-def _qualname(obj):
+def qualname(obj):
     t = type(obj)
     return f"{t.__module__}.{t.__qualname__}"
 
 
-class _Leaf:
+class Leaf:
     """One array of the batch: ``(B, *tail)`` of ``dtype``, made of ``parts``: column
     ranges ``[a, b)`` of the output viewed as ``(B, -1)``, each filled with the rows of a
     2-D source ``(N, b - a)`` (or, for a single part, rows of an N-D source of the output's
@@ -128,25 +131,38 @@ class _Leaf:
         self.direct = (len(parts) == 1 and tuple(parts[0][0].shape[1:]) == self.tail
                        and parts[0][0].dtype == dtype)
 
+    def element_nbytes(self):
+        """Bytes per batch row."""
+        return (int(np.prod(self.tail, dtype=np.int64))
+                * sys.modules["torch"].empty((), dtype=self.dtype).element_size())
 
-class _Planner:
-    """Reads a wrapped sampler's structure: which tensor each leaf of a batch comes from."""
+
+class Planner:
+    """Reads a wrapped sampler's structure: which tensor each leaf of a batch comes from.
+    Over a ReplayBuffer it plans flat rows (this module); over a view of ReplayBuffers
+    (frame stacks, columns, combined datasets: :mod:`unienv_mp._views`) ``view`` is the
+    plan of the view, and this planner plans the storages under it."""
 
     def __init__(self, sampler):
         import torch
         from unienv_data.replay_buffer.replay_buffer import ReplayBuffer
         from unienv_data.samplers.step_sampler import StepSampler
         self.torch = torch
-        self._require(sampler, StepSampler, _SAMPLER_METHODS, "the wrapped sampler")
+        self.require(sampler, StepSampler, _SAMPLER_METHODS, "the wrapped sampler")
         device = getattr(sampler, "_device", None)
         if device is not None and torch.device(device).type != "cpu":
             raise NotDirect(f"the sampler moves batches to {device}")
-        rb = sampler.data
-        self._require(rb, ReplayBuffer, _BUFFER_METHODS, "the sampler's data")
+        data = sampler.data
         self.sampler = sampler
-        self.buffer = rb
+        self.buffer = self.view = None
+        if isinstance(data, ReplayBuffer):
+            self.require(data, ReplayBuffer, BUFFER_METHODS, "the sampler's data")
+            self.buffer = data
+        else:
+            from . import _views   # (which builds on this module)
+            self.view = _views.plan(data, self)
 
-    # -- what storage.get(rows) returns: a tree of _Leaf ------------------------------------
+    # -- what storage.get(rows) returns: a tree of Leaf ------------------------------------
 
     def rows(self, storage):
         from unienv_data.storages.dict_storage import DictStorage, map_transform
@@ -155,7 +171,7 @@ class _Planner:
         if isinstance(storage, PytorchTensorStorage):
             self._no_override(storage, PytorchTensorStorage, ("get",))
             src = self._source(storage.data, storage)
-            return _Leaf(src.shape[1:], src.dtype, [(src, 0, self._width(src))])
+            return Leaf(src.shape[1:], src.dtype, [(src, 0, self._width(src))])
         if isinstance(storage, DictStorage):
             self._no_override(storage, DictStorage, ("get", "get_flattened"))
             tree, residual = map_transform(
@@ -169,7 +185,7 @@ class _Planner:
             self._no_override(storage, FlattenedStorage, ("get", "get_flattened"))
             flat = self.flat_rows(storage)
             return self._unflatten(storage.single_instance_space, flat.parts[0][0], [0])
-        raise NotDirect(f"storage {_qualname(storage)} is not one that keeps its rows in one "
+        raise NotDirect(f"storage {qualname(storage)} is not one that keeps its rows in one "
                         f"in-memory tensor (PytorchTensorStorage, DictStorage or "
                         f"FlattenedStorage of those)")
 
@@ -178,22 +194,22 @@ class _Planner:
         from unienv_data.storages.pytorch import PytorchTensorStorage
         inner = storage.inner_storage
         if not isinstance(inner, PytorchTensorStorage):
-            raise NotDirect(f"FlattenedStorage over {_qualname(inner)}")
+            raise NotDirect(f"FlattenedStorage over {qualname(inner)}")
         leaf = self.rows(inner)
         if len(leaf.tail) != 1:
             raise NotDirect("FlattenedStorage whose inner rows are not 1-D")
         return leaf
 
-    def _require(self, obj, base, names, role):
+    def require(self, obj, base, names, role):
         """``obj`` is a ``base`` that overrides none of ``names``, or NotDirect."""
         if not isinstance(obj, base):
-            raise NotDirect(f"{role} is a {_qualname(obj)}, not a UniEnv {base.__name__}")
+            raise NotDirect(f"{role} is a {qualname(obj)}, not a UniEnv {base.__name__}")
         self._no_override(obj, base, names)
 
     def _no_override(self, storage, base, names):
-        name = _unchanged(storage, base, names)
+        name = overridden(storage, base, names)
         if name is not None:
-            raise NotDirect(f"{_qualname(storage)} overrides {name}()")
+            raise NotDirect(f"{qualname(storage)} overrides {name}()")
 
     def _source(self, data, storage):
         torch = self.torch
@@ -201,15 +217,15 @@ class _Planner:
         if type(data) is not torch.Tensor and type(data) is not MemoryMappedTensor:
             # a subclass may compute what indexing returns: only a plain or memory-mapped
             # tensor is known to return its rows' bytes
-            raise NotDirect(f"{_qualname(storage)} holds a {_qualname(data)}, not a plain "
+            raise NotDirect(f"{qualname(storage)} holds a {qualname(data)}, not a plain "
                             f"or memory-mapped tensor")
         if data.device.type != "cpu":
-            raise NotDirect(f"{_qualname(storage)} holds its rows on {data.device}")
+            raise NotDirect(f"{qualname(storage)} holds its rows on {data.device}")
         if data.dim() < 1 or data.layout != torch.strided or data.is_quantized:
-            raise NotDirect(f"{_qualname(storage)} holds a tensor that is not a strided "
+            raise NotDirect(f"{qualname(storage)} holds a tensor that is not a strided "
                             f"array of rows")
         if data.requires_grad or data.is_conj() or data.is_neg():
-            raise NotDirect(f"{_qualname(storage)} holds a tensor that requires grad or "
+            raise NotDirect(f"{qualname(storage)} holds a tensor that requires grad or "
                             f"has a lazy conjugate/negative bit")
         if type(data) is not torch.Tensor:
             # a MemoryMappedTensor: the same memory as a plain tensor, without the
@@ -232,7 +248,6 @@ class _Planner:
         """Mirror of UniEnv's ``unflatten_data(space, rows, start_dim=1)``: the columns of
         the flat rows each leaf is cut from (``col``: the next column, a 1-list)."""
         from unienv_interface.space import BinarySpace, BoxSpace, DictSpace, TupleSpace
-        from unienv_interface.space.space_utils.flatten_utils import _dict_items
         if type(space) is BoxSpace:
             n = int(np.prod(space.shape, dtype=np.int64))
             a = col[0]
@@ -240,9 +255,9 @@ class _Planner:
             dtype = space.dtype
             if not isinstance(dtype, self.torch.dtype):
                 raise NotDirect(f"a space whose dtype {dtype!r} is not a torch dtype")
-            return _Leaf(space.shape, dtype, [(flat[:, a:a + n], 0, n)], (flat, a, a + n))
+            return Leaf(space.shape, dtype, [(flat[:, a:a + n], 0, n)], (flat, a, a + n))
         if type(space) is DictSpace:
-            return {k: self._unflatten(sub, flat, col) for k, sub in _dict_items(space)}
+            return {k: self._unflatten(sub, flat, col) for k, sub in _unienv.dict_items(space)}
         if type(space) is TupleSpace:
             return tuple(self._unflatten(sub, flat, col) for sub in space.spaces)
         if isinstance(space, BinarySpace):
@@ -253,11 +268,9 @@ class _Planner:
         """Mirror of UniEnv's ``flatten_data(space, tree, start_dim=1)``: append to
         ``parts`` the 2-D source of each column range of the flat rows."""
         from unienv_interface.space import BoxSpace, DictSpace, TupleSpace
-        # UniEnv's own key order for flattening (sorted, or insertion order if unsortable)
-        from unienv_interface.space.space_utils.flatten_utils import _dict_items
         if type(space) is BoxSpace:
             # (a batched space: its first dimension is the batch's)
-            if not isinstance(tree, _Leaf) or tree.tail != tuple(space.shape[1:]):
+            if not isinstance(tree, Leaf) or tree.tail != tuple(space.shape[1:]):
                 raise NotDirect("a leaf whose shape differs from its space")
             if len(tree.parts) != 1 or not tree.direct:
                 raise NotDirect("flattening a leaf that is itself cut from flat rows")
@@ -268,7 +281,7 @@ class _Planner:
         elif type(space) is DictSpace:
             if not isinstance(tree, dict):
                 raise NotDirect("a DictSpace whose data is not a dict")
-            for k, sub in _dict_items(space):
+            for k, sub in _unienv.dict_items(space):
                 self._flatten(sub, tree[k], parts, col)
         elif type(space) is TupleSpace:
             for i, sub in enumerate(space.spaces):
@@ -279,7 +292,15 @@ class _Planner:
     # -- what each getter returns ---------------------------------------------------------
 
     def structure(self, getter):
-        """The tree of _Leaf (and None) that ``sampler.<getter>(idx)`` returns."""
+        """The tree of Leaf (and None) that ``sampler.<getter>(idx)`` returns; for a
+        view, of :class:`unienv_mp._views.Spec`."""
+        if self.view is not None:
+            if getter == "get_at":
+                return self.view.specs()[0]
+            if getter == "get_at_with_metadata":
+                return self.view.specs()
+            raise NotDirect("flattened batches of a view (sample_flat*, epoch_flat_iter*) "
+                            "are not gathered directly")
         rb = self.buffer
         storage = rb.storage
         if getter in ("get_at", "get_at_with_metadata"):
@@ -300,13 +321,13 @@ class _Planner:
             return self.flat_rows(storage)
         if isinstance(storage, DictStorage):
             self._no_override(storage, DictStorage, ("get", "get_flattened"))
-            space = storage._batched_instance_space
+            space = _unienv.instance_space(storage)
             tree = self.rows(storage)
         elif hasattr(storage, "get_flattened"):
-            raise NotDirect(f"{_qualname(storage)}.get_flattened")
+            raise NotDirect(f"{qualname(storage)}.get_flattened")
         else:
             # ReplayBuffer: flatten_data(self._batched_space, get_at(idx), start_dim=1)
-            space = self.buffer._batched_space
+            space = _unienv.batched_space(self.buffer)
             tree = self.rows(storage)
         parts = []
         col = [0]
@@ -316,7 +337,7 @@ class _Planner:
         dtype = parts[0][0].dtype
         for src, _, _ in parts[1:]:
             dtype = self.torch.promote_types(dtype, src.dtype)
-        return _Leaf((col[0],), dtype, parts)
+        return Leaf((col[0],), dtype, parts)
 
 
 def _is_index_tensor(arg):
@@ -332,10 +353,14 @@ class Gatherer:
     that gathers the batch into the worker's slot, or None for tasks it does not serve."""
 
     def __init__(self, sampler):
-        self._planner = _Planner(sampler)
+        self._planner = Planner(sampler)
         self.sampler = sampler
         self.buffer = self._planner.buffer
-        self._structures = {}   # getter -> tree of _Leaf, or None (not direct)
+        self._view = None
+        if self._planner.view is not None:
+            from . import _views
+            self._view = _views.ViewGatherer(self._planner.view, sampler)
+        self._structures = {}   # getter -> tree of Leaf, or None (not direct)
         self._plans = {}        # (getter, batch size, batches or None) -> _Plan
 
     def structure(self, getter):
@@ -357,6 +382,8 @@ class Gatherer:
         """A :class:`SlotWriter` for the task, or None to run it the generic way.  For a
         sampling method, ``arg`` is None (one batch) or a count ``k`` (a tuple of ``k``
         batches, drawn one after the other as ``k`` calls would draw them)."""
+        if self._view is not None:
+            return self._view_task(name, arg)
         getter = DIRECT_METHODS.get(name)
         if getter is not None:
             if arg is None:
@@ -375,7 +402,7 @@ class Gatherer:
                 return None
             getter, k = name, None
             # indices from outside: the ReplayBuffer's own mapping, bounds checks included
-            rows = [self.buffer._logical_to_physical_index(arg)]
+            rows = [_unienv.logical_to_physical(self.buffer, arg)]
         n = int(rows[0].shape[0])
         key = (getter, n, k)
         plan = self._plans.get(key)
@@ -383,6 +410,27 @@ class Gatherer:
             plan = self._plans[key] = _Plan(self.structure(getter), n, k)
         return _Batch(plan, rows)
 
+
+    def _view_task(self, name, arg):
+        """A task over a view: the indices, drawn or given, to the view's gatherer."""
+        from ._views import GETTERS
+        getter = DIRECT_METHODS.get(name)
+        if getter is not None:
+            if arg is None:
+                k = None
+            elif type(arg) is int and arg >= 1:
+                k = arg
+            else:
+                return None
+            if getter not in GETTERS:
+                return None
+            sample_index = self.sampler.sample_index   # the RNG advances as in sample*()
+            indices = [sample_index() for _ in range(k or 1)]
+        elif name in GETTERS and _is_index_tensor(arg):
+            getter, k, indices = name, None, [arg]
+        else:
+            return None
+        return self._view(getter, indices, k)
 
     def _sampled_rows(self, idx):
         """Storage rows of indices drawn by ``sample_index()``: the ReplayBuffer's mapping
@@ -392,10 +440,10 @@ class Gatherer:
         ``[0, len)``, and a buffer only grows while it is sampled, so they are in bounds.
         For those indices the mapping is ``(idx + offset) % count``, and ``idx`` itself
         when the offset is 0."""
-        ring = getattr(self.buffer, "_ring_state", None)
+        ring = _unienv.ring_state(self.buffer)
         if ring is None:
-            return self.buffer._logical_to_physical_index(idx)
-        count, offset = ring.read()
+            return _unienv.logical_to_physical(self.buffer, idx)
+        count, offset = ring
         if offset == 0:
             return idx
         return (idx + offset).remainder_(count)
@@ -415,7 +463,7 @@ class _Plan:
         batch = [0]
 
         def template(node):
-            if isinstance(node, _Leaf):
+            if isinstance(node, Leaf):
                 # zero-stride stand-in with the leaf's shape and dtype: the codec reads
                 # shapes and dtypes from it, never its data
                 t = torch.empty((), dtype=node.dtype).expand((n, *node.tail))
@@ -438,11 +486,11 @@ class _Plan:
             whole = tuple(whole)
         self.prepared = _codec.prepare(whole)
         self.nbytes = self.prepared.nbytes
-        # (offset, nbytes, _Leaf, table of byte rows or None, row bytes, batch)
+        # (offset, nbytes, Leaf, table of byte rows or None, row bytes, batch)
         self.leaves = []
         for t, off, nbytes in self.prepared.array_layout():
             b, leaf = fills[id(t)]
-            table = _byte_rows(leaf.parts[0][0]) if leaf.direct and nbytes else None
+            table = byte_rows(leaf.parts[0][0]) if leaf.direct and nbytes else None
             self.leaves.append((off, nbytes, leaf, table,
                                 0 if table is None else table.shape[1], b))
         self.scratch = {}  # (leaf index, part index) -> tensor, for converting parts
@@ -514,7 +562,7 @@ class _Plan:
                 out[:, a:b].copy_(tmp)
 
 
-def _byte_rows(src):
+def byte_rows(src):
     """``src``'s memory as a numpy ``(rows, bytes per row)`` uint8 array, for
     :func:`_rows.gather_rows`; None where it is not one contiguous table (then torch
     gathers it)."""

@@ -1,0 +1,100 @@
+/*
+ * umr_window.c - the row table of a stacked view's batch.
+ *
+ * UniEnv's SliceStackedBatch (and FrameStackedBatch, its sliding-window case) turns each
+ * sampled index into a window of frames at fixed offsets, clipped to the data, marks the
+ * frames of another episode invalid, and (fill_invalid_data) replaces each invalid frame
+ * by the last valid one on its side of the anchor.  UniEnv does it on the data: it gathers
+ * every frame, then the episode column, then computes the mask and gathers the invalid
+ * frames' replacements again.  unienv_mp._views does the same arithmetic on the table of
+ * indices first, so that each frame is gathered once, from its final row, straight into
+ * the slot.  These three loops are that arithmetic; each is a few nanoseconds per frame
+ * where the same steps as tensor operations cost microseconds each, per batch.
+ *
+ * Exactness.  Each function computes exactly what UniEnv's tensor code computes, in the
+ * same integer arithmetic:
+ *   umr_window       SliceStackedBatch.expand_index: where(idx < 0, idx + n, idx), plus
+ *                    the offsets, then clip(., 0, n - 1).
+ *   umr_window_mask  UniEnv's two valid-mask helpers: episode ids equal to the anchor's
+ *                    (the caller passes ids of an integer or bool type, converted to
+ *                    int64, which keeps equality), or the same number of episode ends
+ *                    before the frame as before the anchor (cumulative sum, rolled by one,
+ *                    of the ends converted as UniEnv converts them).
+ *   umr_window_fill  SliceStackedBatch.fill_data_with_stack_mask's time index: before the
+ *                    anchor, first_valid = z - (valid frames before z); after it,
+ *                    last_valid = z + (valid frames after z); note that these are counts,
+ *                    not positions, so a mask with a hole gives what UniEnv gives, not the
+ *                    nearest valid frame.
+ * unienv_mp's tests compare the result with UniEnv's bit for bit over random windows.
+ */
+#include "umr_window.h"
+
+void umr_window(const int64_t *idx, uint64_t m, const int64_t *off, uint64_t t, int64_t n,
+                int64_t *out)
+{
+    uint64_t i, j;
+    for (i = 0; i < m; i++) {
+        int64_t x = idx[i] < 0 ? idx[i] + n : idx[i];
+        for (j = 0; j < t; j++) {
+            int64_t v = x + off[j];
+            if (v < 0)
+                v = 0;
+            if (v > n - 1)
+                v = n - 1;
+            out[i * t + j] = v;
+        }
+    }
+}
+
+uint64_t umr_window_mask(const int64_t *key, uint64_t m, uint64_t t, uint64_t z, int kind,
+                         uint8_t *mask)
+{
+    uint64_t i, j, invalid = 0;
+    for (i = 0; i < m; i++) {
+        const int64_t *k = key + i * t;
+        uint8_t *row = mask + i * t;
+        if (kind == UMR_EPISODE_ID) {
+            for (j = 0; j < t; j++) {
+                row[j] = k[j] == k[z];
+                invalid += !row[j];
+            }
+        } else {
+            /* before[j] = k[0] + ... + k[j-1]; the anchor's first */
+            int64_t anchor = 0, before = 0;
+            for (j = 0; j < z; j++)
+                anchor += k[j];
+            for (j = 0; j < t; j++) {
+                row[j] = before == anchor;
+                invalid += !row[j];
+                before += k[j];
+            }
+        }
+    }
+    return invalid;
+}
+
+void umr_window_fill(int64_t *rows, const uint8_t *mask, uint64_t m, uint64_t t,
+                     uint64_t z)
+{
+    uint64_t i, j;
+    for (i = 0; i < m; i++) {
+        int64_t *r = rows + i * t;
+        const uint8_t *v = mask + i * t;
+        uint64_t before = 0, after = 0;
+        for (j = 0; j < z; j++)
+            before += v[j];
+        for (j = z + 1; j < t; j++)
+            after += v[j];
+        if (before == z && after == t - z - 1)
+            continue;   /* every frame valid */
+        /* both sources are read before anything is written, as UniEnv gathers the
+         * replacements from the window before filling it */
+        int64_t first = r[z - before], last = r[z + after];
+        for (j = 0; j < z; j++)
+            if (!v[j])
+                r[j] = first;
+        for (j = z + 1; j < t; j++)
+            if (!v[j])
+                r[j] = last;
+    }
+}

@@ -1,0 +1,80 @@
+"""Every use of UniEnv's private names, in one place.
+
+The direct gather (:mod:`unienv_mp.gather`, :mod:`unienv_mp._views`) reproduces what
+UniEnv's batches compute, so it reads some of their internals: a ReplayBuffer's ring state,
+the batched spaces UniEnv caches, a stack's anchor position, the functions behind UniEnv's
+valid-mask helpers, the column-stack class.  They are private to UniEnv and may change in
+any release (``pyproject.toml`` pins the one release this package is written for), so they
+are read here only, each through one small function, and nowhere else in the package.
+"""
+__all__ = ["ring_state", "logical_to_physical", "batched_space", "instance_space",
+           "dict_items", "stack_anchor", "stack_mask_key", "column_stack_class"]
+
+
+def ring_state(rb):
+    """A ReplayBuffer's ``(count, offset)``, read once as UniEnv reads them (one snapshot
+    of its shared ring state), or None if the buffer keeps no ring state."""
+    ring = getattr(rb, "_ring_state", None)
+    return None if ring is None else ring.read()
+
+
+def logical_to_physical(rb, idx):
+    """The ReplayBuffer's own mapping of logical indices to storage rows, bounds checks
+    included."""
+    return rb._logical_to_physical_index(idx)
+
+
+def batched_space(obj):
+    """The batched space UniEnv caches on a batch (``_batched_space``)."""
+    return obj._batched_space
+
+
+def instance_space(storage):
+    """A DictStorage's batched instance space (``_batched_instance_space``)."""
+    return storage._batched_instance_space
+
+
+def dict_items(space):
+    """UniEnv's own key order of a DictSpace when it flattens one (sorted, or insertion
+    order if the keys do not sort)."""
+    from unienv_interface.space.space_utils.flatten_utils import _dict_items
+    return _dict_items(space)
+
+
+def stack_anchor(view):
+    """The position of offset 0 in a SliceStackedBatch's window (``_idx_zero``)."""
+    return int(view._idx_zero)
+
+
+def stack_mask_key(view):
+    """What a SliceStackedBatch's valid mask reads: ``None`` without a mask function;
+    ``("episode_id", key)`` or ``("episode_end", key)`` for UniEnv's own helpers
+    (``get_valid_mask_function_with_episodeid_key`` / ``..._with_episode_end_key``) on a
+    data key; otherwise a string saying why the mask cannot be reproduced (a custom
+    function, or a key read from metadata)."""
+    from unienv_data.batches.slicestack_batch import SliceStackedBatch
+    fn = view.get_valid_mask_function
+    if fn is None:
+        return None
+    func = getattr(fn, "func", None)
+    keywords = getattr(fn, "keywords", None) or {}
+    if func is SliceStackedBatch._valid_mask_function_episodeid_key:
+        kind, name = "episode_id", "episode_id_key"
+    elif func is SliceStackedBatch._valid_mask_function_episode_end_key:
+        kind, name = "episode_end", "episode_end_key"
+    else:
+        return "a custom valid mask function"
+    if getattr(fn, "args", ()) or set(keywords) - {name, "is_in_metadata"}:
+        return "a valid mask helper called with extra arguments"
+    if keywords.get("is_in_metadata", False):
+        return "a valid mask read from metadata"
+    if name not in keywords:
+        return "a valid mask helper without its key"
+    return (kind, keywords[name])
+
+
+def column_stack_class():
+    """UniEnv's ``_ColumnSliceStackedBatch``: what ``SliceStackedBatch.get_column``
+    returns, whose valid mask reads a separate episode column (``mask_batch``)."""
+    from unienv_data.batches.slicestack_batch import _ColumnSliceStackedBatch
+    return _ColumnSliceStackedBatch
