@@ -44,7 +44,8 @@ def assert_identical(a, b, where="batch"):
     elif isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape, (
             f"{where}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}")
-        x, y = a.contiguous(), b.contiguous()
+        # (a copy: a contiguous tensor may keep any stride on a dimension of size 1)
+        x, y = (t.clone(memory_format=torch.contiguous_format).reshape(-1) for t in (a, b))
         if x.dtype == torch.bool:
             x, y = x.to(torch.uint8), y.to(torch.uint8)
         assert torch.equal(x.view(torch.uint8) if x.numel() else x,

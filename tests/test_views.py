@@ -1,0 +1,336 @@
+"""Direct gather of UniEnv's views (frame stacks, action chunks, columns, combined
+datasets): the same batches as UniEnv's own methods, bit for bit."""
+import contextlib
+import copy
+
+import numpy as np
+import pytest
+import torch
+from unienv_data.batches.combined_batch import CombinedBatch
+from unienv_data.batches.framestack_batch import FrameStackedBatch
+from unienv_data.batches.slicestack_batch import SliceStackedBatch
+from unienv_data.batches.subitem_batch import SubItemBatch
+from unienv_data.samplers import StepSampler
+
+from unienv_mp import MultiprocessingSampler, _codec, _rows, _views, gather
+from unienv_mp.worker import SlotWriter
+
+import _data
+import _views_data as vd
+from test_gather import assert_identical
+
+# -- the window's loops against UniEnv's tensor code ------------------------------------------
+
+
+def _uniEnv_window(n_data, offsets, idx, mask_kind, key, fill):
+    """What a SliceStackedBatch over ``n_data`` rows computes for ``idx``: its expanded
+    indices, valid mask (from the episode column ``key`` at the expanded rows) and filled
+    indices, by UniEnv's own methods."""
+    view = _stub(n_data, offsets)
+    expanded = SliceStackedBatch.expand_index(view, idx)
+    if mask_kind is None:
+        mask = torch.ones_like(expanded, dtype=torch.bool)
+    else:
+        fn = vd.EPISODE_ID if mask_kind == _rows.EPISODE_ID else vd.EPISODE_END
+        name = "episode_id" if mask_kind == _rows.EPISODE_ID else "episode_end"
+        mask = fn(view, expanded, {name: key[expanded]}, None)
+    filled = view.fill_data_with_stack_mask(None, expanded.clone(), mask) if fill else None
+    return expanded, mask, filled
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_window_loops_compute_what_uniEnv_computes(seed):
+    g = np.random.default_rng(seed)
+    n = int(g.integers(0, 30)) if seed else 0
+    offsets = torch.tensor(sorted(set(g.integers(-6, 7, size=int(g.integers(1, 8))).tolist())
+                                  | {0}), dtype=torch.int64)
+    t, z = len(offsets), int(torch.nonzero(offsets == 0)[0])
+    idx = torch.tensor(g.integers(-max(n, 1), max(n, 1), size=int(g.integers(0, 20))),
+                       dtype=torch.int64)
+    out = torch.empty(len(idx) * t, dtype=torch.int64)
+    _rows.window(idx.numpy(), offsets.numpy(), n, out.numpy())
+    expanded = (SliceStackedBatch.expand_index(_stub(n, offsets), idx) if len(idx)
+                else torch.empty((0, t), dtype=torch.int64))
+    assert torch.equal(out.view(-1, t), expanded)
+    if n == 0 or not len(idx):
+        return
+    ids = torch.tensor(np.sort(g.integers(0, 6, size=n)), dtype=torch.int64)
+    ends = torch.tensor(g.random(n) < 0.3)
+    for kind, key in ((_rows.EPISODE_ID, ids), (_rows.EPISODE_END, ends)):
+        for fill in (True, False):
+            exp, mask, filled = _uniEnv_window(n, offsets, idx, kind, key, fill)
+            ours = torch.empty(exp.numel(), dtype=torch.bool)
+            values = key[exp].reshape(-1).to(torch.int32 if kind == _rows.EPISODE_END
+                                              else torch.int64).to(torch.int64)
+            invalid = _rows.window_mask(values.numpy(), t, z, kind,
+                                        ours.view(torch.uint8).numpy())
+            assert torch.equal(ours.view(exp.shape), mask)
+            assert invalid == int((~mask).sum())
+            if fill:
+                rows = exp.clone().reshape(-1)
+                _rows.window_fill(rows.numpy(), mask.reshape(-1).view(torch.uint8).numpy(),
+                                  t, z)
+                assert torch.equal(rows.view(exp.shape), filled)
+
+
+def test_the_fill_follows_uniEnv_also_for_masks_with_holes():
+    """UniEnv fills an invalid frame from a count of valid frames, not from the nearest
+    valid one: a mask with a hole gives what UniEnv gives."""
+    offsets = torch.arange(-3, 4)
+    mask = torch.tensor([[True, False, True, True, False, True, False]])
+    rows = torch.arange(10, 17)
+    expected = _stub(20, offsets).fill_data_with_stack_mask(None, rows.clone().view(1, -1),
+                                                             mask)
+    _rows.window_fill(rows.numpy(), mask.view(-1).view(torch.uint8).numpy(), 7, 3)
+    assert torch.equal(rows.view(1, -1), expected)
+
+
+def test_the_window_loops_refuse_what_does_not_fit():
+    key = np.zeros(6, dtype=np.int64)
+    mask = np.zeros(6, dtype=np.uint8)
+    with pytest.raises(ValueError, match="not rows of 4"):
+        _rows.window_mask(key, 4, 0, _rows.EPISODE_ID, mask)
+    with pytest.raises(ValueError, match="anchor 3"):
+        _rows.window_fill(key, mask, 3, 3)
+    with pytest.raises(ValueError, match="mask kind"):
+        _rows.window_mask(key, 3, 0, 7, mask)
+    with pytest.raises(ValueError, match="not 2 x 2"):
+        _rows.window(np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64), 5,
+                     np.zeros(3, dtype=np.int64))
+    with pytest.raises(IndexError):
+        _rows.scatter_rows(np.zeros((4, 8), np.uint8), 8, np.array([1, 4]),
+                           np.array([0, 1]), bytearray(16), 0, 2)
+    with pytest.raises(IndexError):
+        _rows.scatter_rows(np.zeros((4, 8), np.uint8), 8, np.array([1, 2]),
+                           np.array([0, 2]), bytearray(16), 0, 2)
+    out = bytearray(24)
+    _rows.scatter_rows(np.arange(32, dtype=np.uint8).reshape(4, 8), 8, np.array([3, 1]),
+                       np.array([2, 0]), out, 0, 3)
+    assert bytes(out[:8]) == bytes(range(8, 16)) and bytes(out[16:]) == bytes(range(24, 32))
+    assert bytes(out[8:16]) == bytes(8)
+
+
+def _stub(n, offsets):
+    from unienv_interface.backends.pytorch import PyTorchComputeBackend as TB
+    view = SliceStackedBatch.__new__(SliceStackedBatch)
+    view.fixed_offset = offsets
+    view._idx_zero = int(torch.nonzero(offsets == 0)[0])
+    view.batch = type("B", (), {"__len__": lambda self: n, "backend": TB, "device": None})()
+    return view
+
+
+# -- in one process: the plan against UniEnv, over many random views -----------------------
+
+def _direct(gatherer, name, arg):
+    """What a worker's direct path puts in its slot for the task, decoded."""
+    writer = gatherer(name, arg)
+    assert isinstance(writer, SlotWriter), f"{name}: not gathered directly"
+    buf = bytearray(writer.nbytes)
+    writer.write_into(buf, {})
+    return _codec.decode(buf, copy=True)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_random_views_are_gathered_as_uniEnv_gives_them(seed):
+    view = vd.random_view(seed)
+    sampler = vd.sampler_of(view, batch_size=int(np.random.default_rng(seed).integers(1, 9)),
+                            seed=seed)
+    gather.check(sampler)
+    reference = copy.deepcopy(sampler)
+    g = gather.Gatherer(sampler)
+    for name in ("sample", "sample_with_metadata"):
+        for _ in range(3):
+            assert_identical(_direct(g, name, None), getattr(reference, name)(), name)
+        assert_identical(_direct(g, name, 3),
+                         tuple(getattr(reference, name)() for _ in range(3)), name)
+    order = torch.randperm(len(view), generator=torch.Generator().manual_seed(seed))
+    for getter in ("get_at", "get_at_with_metadata"):
+        for part in (order[:5], order[5:], order[-1:]):   # the epoch's partial last batch
+            if len(part):
+                assert_identical(_direct(g, getter, part.clone()),
+                                 getattr(view, getter)(part.clone()), getter)
+
+
+def test_the_issue_views_are_planned_directly():
+    rb = vd.buffer()
+    views = {
+        "frame stack": vd.frame_stack(rb, 1),
+        "its image column": vd.frame_stack(rb, 1).get_column(["obs", "image"]),
+        "action chunk": vd.action_chunk(rb),
+        "state history": vd.state_history(rb),
+        "combined stacks": vd.combined_stacks(vd.buffer(), vd.buffer(start=1000)),
+    }
+    for name, view in views.items():
+        sampler = vd.sampler_of(view, 16, seed=3)
+        gather.check(sampler)
+        reference = copy.deepcopy(sampler)
+        g = gather.Gatherer(sampler)
+        for method in ("sample", "sample_with_metadata"):
+            assert_identical(_direct(g, method, None), getattr(reference, method)(),
+                             f"{name}: {method}")
+
+
+def test_a_view_whose_indices_leave_the_data_raises_uniEnvs_error():
+    """Indices outside the data are UniEnv's to refuse: the generic getter runs them."""
+    view = CombinedBatch([vd.buffer(), vd.buffer(start=1000)])
+    g = gather.Gatherer(vd.sampler_of(view))
+    with pytest.raises(AssertionError, match="out of bounds"):
+        g("get_at", torch.tensor([0, len(view)]))
+    ok = g("get_at", torch.tensor([0, len(view) - 1]))
+    assert isinstance(ok, SlotWriter)
+
+
+# -- what takes the generic path, and why -----------------------------------------------------
+
+def _custom_mask(batch, expanded_idx, data, metadata):
+    return torch.ones_like(expanded_idx, dtype=torch.bool)
+
+
+def _reasons():
+    rb = vd.buffer()
+    in_meta = SliceStackedBatch.get_valid_mask_function_with_episodeid_key(
+        "episode_id", is_in_metadata=True)
+    return [
+        (FrameStackedBatch(rb, 1, get_valid_mask_function=_custom_mask),
+         "FrameStackedBatch > a custom valid mask function"),
+        (FrameStackedBatch(CombinedBatch([rb, vd.buffer(start=500)]), 1,
+                           get_valid_mask_function=in_meta),
+         "FrameStackedBatch > a valid mask read from metadata"),
+        (CombinedBatch([vd.frame_stack(rb), FrameStackedBatch(
+            vd.buffer(start=500), 1, get_valid_mask_function=_custom_mask)]),
+         "CombinedBatch > part 1: FrameStackedBatch > a custom valid mask function"),
+        (SubItemBatch(FrameStackedBatch(_Unknown(rb), 1), ["obs"]),
+         "SubItemBatch > FrameStackedBatch > test_views._Unknown is not a batch"),
+    ]
+
+
+class _Unknown(SubItemBatch):
+    """A batch of a type the direct path does not know."""
+
+    def __init__(self, rb):
+        super().__init__(rb, [])
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_what_the_direct_path_cannot_reproduce_takes_the_generic_path_and_says_where(case):
+    view, words = _reasons()[case]
+    sampler = vd.sampler_of(view)
+    with pytest.raises(gather.NotDirect) as e:
+        gather.check(sampler)
+    assert str(e.value).startswith(words), str(e.value)
+    m = MultiprocessingSampler(sampler, n_workers=1)
+    try:
+        assert m.gather_path == "generic" and m.gather_path_reason.startswith(words)
+    finally:
+        m.close()
+
+
+def test_flattened_batches_of_views_take_the_generic_path():
+    sampler = vd.sampler_of(vd.frame_stack(vd.buffer()), seed=1)
+    assert gather.Gatherer(sampler)("sample_flat", None) is None
+    assert gather.Gatherer(sampler)("get_flattened_at", torch.arange(3)) is None
+
+
+# -- through the sampler: workers, start methods, epochs, a growing buffer --------------------
+
+@contextlib.contextmanager
+def view_getters_refused(active=True):
+    """StepSampler's get_at and get_at_with_metadata raise while this lasts, in this
+    process and in workers forked meanwhile: the getters a view's direct path replaces
+    (its flattened getters stay generic)."""
+    saved = {name: StepSampler.__dict__[name] for name in _views.GETTERS}
+    if active:
+        for name in saved:
+            setattr(StepSampler, name, _data.refuse)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(StepSampler, name, fn)
+
+
+def _through_sampler(make_view, direct, ctx="fork", batches_per_task=None, rounds=3):
+    refuse = direct is None and ctx == "fork"
+    with view_getters_refused(refuse), MultiprocessingSampler(
+            vd.sampler_of(make_view(), 7, seed=11), n_workers=2, n_buffers=3, ctx=ctx,
+            direct_gather=direct, batches_per_task=batches_per_task) as m:
+        assert m.gather_path == ("direct" if direct is None else "generic"), (
+            m.gather_path_reason)
+        out = []
+        for _ in range(rounds):
+            out += [m.sample(), m.sample_with_metadata(), m.sample_flat()]
+        out += list(m.epoch_iter()) + list(m.epoch_iter_with_metadata())
+        return out
+
+
+def _issue_combined():
+    return vd.combined_stacks(vd.buffer((7, 1, 12, 3)), vd.buffer((5, 5, 1), start=100))
+
+
+def _wrapped_chunk():
+    return vd.action_chunk(vd.buffer((9, 1, 14, 6, 2), capacity=25), horizon=5)
+
+
+@pytest.mark.parametrize("make_view", [_issue_combined, _wrapped_chunk],
+                         ids=["combined", "wrapped_chunk"])
+@pytest.mark.parametrize("ctx", ["fork", "spawn", "forkserver"])
+def test_the_sampler_gives_the_same_batches_both_ways(make_view, ctx):
+    """Every start method; epochs of 7 over 31 or 25 rows end with a partial batch."""
+    direct = _through_sampler(make_view, None, ctx)
+    generic = _through_sampler(make_view, False, ctx)
+    assert len(direct) == len(generic)
+    for i, (a, b) in enumerate(zip(direct, generic)):
+        assert_identical(a, b, f"batch {i}")
+
+
+@pytest.mark.parametrize("batches_per_task", [1, 4])
+def test_views_are_grouped_by_the_same_rule_on_both_paths(batches_per_task):
+    make = lambda: vd.state_history(vd.buffer((4, 1, 9, 30)))  # noqa: E731
+    for a, b in zip(_through_sampler(make, None, batches_per_task=batches_per_task, rounds=5),
+                    _through_sampler(make, False, batches_per_task=batches_per_task,
+                                     rounds=5)):
+        assert_identical(a, b)
+    sampler = vd.sampler_of(make(), 7)
+    assert gather.row_nbytes(sampler, "sample") == 16 * 10 * 4
+    assert gather.row_nbytes(sampler, "sample_with_metadata") == 16 * 10 * 4 + 16
+
+
+def test_a_view_of_a_buffer_the_parent_appends_to_while_workers_sample():
+    """multiprocessing=True: the workers' stacks see the rows the parent appends, and the
+    batches are UniEnv's for the buffer as it is (the buffer grows, then wraps)."""
+    chunks = [vd.steps(s, [3, 1, 6, 5]) for s in range(15, 150, 15)]
+
+    def batches(direct):
+        rb = vd.buffer((5, 1, 9), capacity=60, multiprocessing=True)
+        view = vd.frame_stack(rb, 2, 1)
+        out = []
+        with view_getters_refused(direct is None), MultiprocessingSampler(
+                vd.sampler_of(view, 6, seed=0), n_workers=2, n_buffers=3, ctx="fork",
+                direct_gather=direct) as m:
+            for k, chunk in enumerate(chunks):
+                rb.extend(chunk)
+                m.manual_seed(k)
+                out += [m.sample_with_metadata() for _ in range(3)]
+                out.append(list(m.epoch_iter()))
+            assert rb.offset != 0
+        return out
+
+    for a, b in zip(batches(None), batches(False)):
+        assert_identical(a, b)
+
+
+def test_worker_memory_stays_flat_over_many_view_batches():
+    """No per-batch allocation that lasts: a worker's RSS after 2,000 more batches is
+    what it was after the first 300 (within a few pages of allocator noise)."""
+    import psutil
+    rb = vd.buffer((50,) * 40, img=(3, 16, 16))
+    with MultiprocessingSampler(vd.sampler_of(vd.frame_stack(rb, 2), 32, seed=0),
+                                n_workers=1, ctx="fork") as m:
+        for _ in range(300):
+            m.sample()
+        pid = m.stats().workers[0].pid
+        before = psutil.Process(pid).memory_info().rss
+        for _ in range(2000):
+            m.sample()
+        after = psutil.Process(pid).memory_info().rss
+    assert after - before < 4 << 20, (before, after)
