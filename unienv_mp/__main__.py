@@ -18,6 +18,7 @@ rows one after the other, in one run, over the same data, and prints one table p
 ``--workers 1,2,4,8`` times every worker count (a sweep).
 """
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -152,8 +153,10 @@ def make_config(args, case=None):
     if args.transitions:
         cfg.transitions = args.transitions
     cfg.transitions = max(cfg.transitions, cfg.batch_size)
-    in_memory = case in ("image", "state", "latency")   # jpeg: images on disk; online: none
+    # jpeg: images on disk; online: none; views: the buffer and its two halves, twice it
+    in_memory = case in ("image", "state", "latency", "views")
     row = 17 * 4 + (int(_prod(cfg.image_shape)) if cfg.image_shape and in_memory else 0)
+    row *= 2 if case == "views" else 1
     mem = _available_memory()
     note = None
     if mem is not None and args.transitions is None and row * cfg.transitions > mem // 4:
@@ -381,6 +384,58 @@ def latency_table(points, cfg):
     return Table(title, head, rows, notes)
 
 
+_VIEW_PEERS = (("in_process", "in process"), ("unienv_shm", "UniEnv shm"),
+               ("index_select", "bare limit"))
+
+
+def views_table(results, cfg):
+    """``results``: {view name: {implementation: ``compare.Result`` or None}}: a row per
+    view, a column of ms/batch per implementation, then how unienv_mp compares."""
+    names = list(dict.fromkeys(n for row in results.values() for n, r in row.items()
+                               if r is not None))
+    short = {"unienv_mp": "unienv_mp", "unienv_mp_generic": "generic path",
+             "unienv_shm": "UniEnv shm", "in_process": "in process",
+             "index_select": "bare limit", "torchrl": "TorchRL SliceSampler"}
+    head = (["view"] + [f"{short.get(n, n)} ms" for n in names]
+            + [f"unienv_mp vs {label}" for key, label in _VIEW_PEERS if key in names])
+    rows = []
+    failed = []
+    for view, row in results.items():
+        cells = [compare.VIEWS[view].label]
+        for n in names:
+            r = row.get(n)
+            if r is None:
+                cells.append("-")
+            elif r.error:
+                cells.append("failed")
+                failed.append(f"{compare.VIEWS[view].label}, {compare.LABELS[n]}: {r.error}")
+            else:
+                cells.append(f"{r.ms_per_batch:.3f}")
+        ours = row.get("unienv_mp")
+        for key, _ in _VIEW_PEERS:
+            if key not in names:
+                continue
+            other = row.get(key)
+            if (ours is None or other is None or ours.error or other.error
+                    or not ours.batches or not other.batches):
+                cells.append("n/a")
+            else:
+                cells.append(_versus(other.ms_per_batch / ours.ms_per_batch))
+        rows.append(cells)
+    title = (f"views: batches of {cfg.batch_size} from {cfg.transitions} steps "
+             f"({compare.describe('views', cfg)}), {_setup(cfg)}; {_TOUCH}")
+    notes = ["ms/batch: wall-clock time per batch of sample() in a loop that only reads "
+             "batches.  bare limit: the view's final rows and valid mask worked out in this "
+             "process as unienv_mp's workers work them out, then torch.index_select into "
+             "memory allocated once (a batch valid until the next).  TorchRL SliceSampler: "
+             "ReplayBuffer(prefetch=4) over the action and episode_id columns, slices of 16 "
+             "within an episode (its only row)."]
+    ours = [dataclasses.replace(row["unienv_mp"], label=f"{view}: unienv_mp")
+            for view, row in results.items() if row.get("unienv_mp") is not None]
+    return Table(title, head, rows, notes + [f"failed: {x}" for x in failed]
+                 + where_time_went(ours))
+
+
 def sweep_table(points, cfg, case):
     """``points``: (worker count or None, ``compare.Result``) pairs; None for rows that
     use no workers (run once)."""
@@ -450,6 +505,35 @@ def table_figure(plt, results, case):
                        [("ms per batch (lower is better)", [r.ms_per_batch for r in ok]),
                         ("main CPU ms per batch (lower is better)",
                          [r.main_cpu_ms_per_batch for r in ok])], case)
+
+
+def views_figure(plt, results):
+    """ms per batch of each view (a group of bars per view), log scale: the rows span
+    several orders of magnitude."""
+    names = list(dict.fromkeys(n for row in results.values() for n, r in row.items()
+                               if r is not None and not r.error and r.batches))
+    views = list(results)
+    fig, ax = plt.subplots(figsize=(11, 0.9 * len(views) * max(1, len(names)) / 3 + 2))
+    height = 0.8 / max(1, len(names))
+    cmap = plt.get_cmap("tab10")
+    for j, n in enumerate(names):
+        ys, xs = [], []
+        for i, v in enumerate(views):
+            r = results[v].get(n)
+            if r is not None and not r.error and r.batches:
+                ys.append(i + j * height)
+                xs.append(r.ms_per_batch)
+        ax.barh(ys, xs, height=height, label=compare.LABELS[n],
+                color="tab:green" if n == "unienv_mp" else cmap(j % 10))
+    ax.set_xscale("log")
+    ax.set_yticks([i + 0.4 - height / 2 for i in range(len(views))])
+    ax.set_yticklabels([compare.VIEWS[v].label for v in views], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per batch (log scale; lower is better)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_title("views: batches of 256", fontsize=10)
+    fig.tight_layout()
+    return fig
 
 
 def online_figure(plt, points):
@@ -602,9 +686,29 @@ def _run_case(case, args, missing, progress, say):
                        lambda plt: online_figure(plt, points),
                        any(r.error for _, r in points), skipped)
 
-    bar = progress.bar(cfg.transitions, f"{case}: building the replay buffer", "steps")
+    steps = cfg.transitions * (2 if spec.kind == "views" else 1)
+    bar = progress.bar(steps, f"{case}: building the replay buffer", "steps")
     with compare.case_data(case, cfg, bar.update) as rb:
         bar.close()
+        if spec.kind == "views":
+            if swept:
+                say("the views case runs with the first of --workers only")
+            results = {}
+            for view in compare.VIEWS:
+                results[view] = {}
+                for n in names:
+                    if n == "torchrl" and compare.VIEWS[view].torchrl_slice is None:
+                        continue
+                    results[view][n] = timed(n, None, lambda adv: compare.measure_view(
+                        n, view, rb, cfg, adv), f", {view}")
+            payload = {"results": {v: {n: _row_dict(cfg.workers if n in compare.USES_WORKERS
+                                                    else None, r)
+                                       for n, r in row.items() if r is not None}
+                                   for v, row in results.items()}}
+            return CaseRun(case, cfg, views_table(results, cfg), payload,
+                           lambda plt: views_figure(plt, results),
+                           any(r.error for row in results.values() for r in row.values()
+                               if r is not None), skipped)
         if spec.kind == "latency":
             points = []
             for name in names:

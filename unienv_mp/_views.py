@@ -190,9 +190,11 @@ class _Node:
         returns (metadata None where the batch has none)."""
         raise NotImplementedError
 
-    def evaluate(self, idx, meta):
+    def evaluate(self, idx, meta, within=None):
         """``(data, metadata)`` trees of :class:`Part` lists for the indices ``idx`` (a
-        1-D int64 tensor); metadata only if ``meta``, else None."""
+        1-D int64 tensor); metadata only if ``meta``, else None.  ``within``: a length
+        that the indices are known to be in ``[0, within)`` of (a window clipped to it,
+        say), or None."""
         raise NotImplementedError
 
 
@@ -222,11 +224,11 @@ class _BufferNode(_Node):
     def specs(self):
         return self._specs, None
 
-    def evaluate(self, idx, meta):
-        rows = self._rows(idx)
+    def evaluate(self, idx, meta, within=None):
+        rows = self._rows(idx, within)
         return _map(self.tree, lambda s: [Part(s[0], rows)]), None
 
-    def _rows(self, idx):
+    def _rows(self, idx, within):
         torch = _torch()
         ring = _unienv.ring_state(self.rb)
         if ring is None:
@@ -237,10 +239,13 @@ class _BufferNode(_Node):
         count, offset = ring
         if idx.numel() == 0:
             return idx
-        lo, hi = torch.aminmax(idx)
-        lo, hi = int(lo), int(hi)
-        if lo < -count or hi >= count:
-            raise _OutOfRange()
+        if within is not None and within <= count:
+            lo = 0   # (a buffer's count only grows; cleared, it is checked again)
+        else:
+            lo, hi = torch.aminmax(idx)
+            lo, hi = int(lo), int(hi)
+            if lo < -count or hi >= count:
+                raise _OutOfRange()
         if lo >= 0 and offset == 0:
             return _as_rows(idx)
         # UniEnv's index_with_offset: (idx + count + offset) % count
@@ -320,9 +325,11 @@ class _StackNode(_Node):
         meta["slice_valid_mask"] = Spec(_torch().bool, (t,), ())
         return data, meta
 
-    def evaluate(self, idx, meta):
+    def evaluate(self, idx, meta, within=None):
         torch = _torch()
         n = self.child.length()
+        if n <= 0:
+            raise _OutOfRange()   # (UniEnv's clip gives -1: UniEnv raises)
         idx = _as_rows(idx)
         m, t = int(idx.shape[0]), self.t
         expanded = torch.empty(m * t, dtype=torch.int64)
@@ -330,29 +337,30 @@ class _StackNode(_Node):
         if self.mask_node is None:
             mask = torch.ones((m, t), dtype=torch.bool)
         else:
-            mask = self._mask(expanded, m)
+            mask = self._mask(expanded, m, n)
         if self.fill:
             if mask.dtype != torch.bool or tuple(mask.shape) != (m, t):
                 raise NotDirect("a valid mask that is not one bool per frame")
             _rows.window_fill(expanded.numpy(), mask.reshape(-1).view(torch.uint8).numpy(),
                               t, self.anchor)
-        data, child_meta = self.child.evaluate(expanded, meta and self.stack_meta)
+        # (every index is in [0, n): clipped to it)
+        data, child_meta = self.child.evaluate(expanded, meta and self.stack_meta, n)
         if not meta:
             return data, None
         if not self.stack_meta:
             # the anchor's metadata (the fill leaves the anchor's frame as it is)
             child_meta = (self.child.evaluate(expanded.view(m, t)[:, self.anchor].contiguous(),
-                                              True)[1] if self.child_meta else None)
+                                              True, n)[1] if self.child_meta else None)
         out = {} if child_meta is None else dict(child_meta)
         out["slice_valid_mask"] = [Part(None, mask.reshape(-1))]
         return data, out
 
-    def _mask(self, expanded, m):
-        """The valid mask ``(m, t)`` of the window ``expanded`` from the episode column's
-        values there, read as UniEnv reads them."""
+    def _mask(self, expanded, m, n):
+        """The valid mask ``(m, t)`` of the window ``expanded`` (within ``n``) from the
+        episode column's values there, read as UniEnv reads them."""
         torch = _torch()
         t = self.t
-        values = self.mask_node.evaluate(expanded, False)[0]
+        values = self.mask_node.evaluate(expanded, False, n)[0]
         for k in self.mask_path:
             values = values[k]
         spec = self.mask_spec
@@ -400,7 +408,7 @@ class _CombinedNode(_Node):
         meta["batch_index"] = Spec(self.view.backend.default_integer_dtype, (), ())
         return data, meta
 
-    def evaluate(self, idx, meta):
+    def evaluate(self, idx, meta, within=None):
         torch = _torch()
         caches = self.view.index_caches
         total = int(caches[-1, 1])
@@ -417,10 +425,12 @@ class _CombinedNode(_Node):
         for p in torch.unique(which).tolist():
             sel = which == p
             pos = sel.nonzero().view(-1)
-            d, m = self.parts[p].evaluate(idx[sel] - starts[p], meta)
-            data = _merge(data, _map2(specs[0], d, lambda s, v: _moved(s, v, pos)))
+            d, m = self.parts[p].evaluate(idx[sel] - starts[p], meta, int(caches[p, 2]))
+            bases = {}   # rows per element -> the rows of the part's elements
+            data = _merge(data, _map2(specs[0], d, lambda s, v: _moved(s, v, pos, bases)))
             if meta and m is not None:
-                out_meta = _merge(out_meta, _map2(specs[1], m, lambda s, v: _moved(s, v, pos)))
+                out_meta = _merge(out_meta, _map2(specs[1], m,
+                                                  lambda s, v: _moved(s, v, pos, bases)))
         if not meta:
             return data, None
         out = {} if out_meta is None else dict(out_meta)
@@ -428,12 +438,15 @@ class _CombinedNode(_Node):
         return data, out
 
 
-def _moved(spec, parts, pos):
+def _moved(spec, parts, pos, bases):
     """``parts`` of a part's batch, moved to the positions ``pos`` of its elements in the
-    combined batch (each element owns ``spec.per_element`` consecutive rows)."""
-    torch = _torch()
+    combined batch (each element owns ``spec.per_element`` consecutive rows; ``bases``
+    keeps the rows of those elements by rows per element, for the part's other arrays)."""
     per = spec.per_element
-    base = pos if per == 1 else (pos[:, None] * per + torch.arange(per)).reshape(-1)
+    base = bases.get(per)
+    if base is None:
+        base = bases[per] = (pos if per == 1 else
+                             (pos[:, None] * per + _torch().arange(per)).reshape(-1))
     return [Part(p.source, p.data, base if p.pos is None else base[p.pos]) for p in parts]
 
 
@@ -473,8 +486,8 @@ class _SubItemNode(_Node):
         data, meta = self.child.specs()
         return self._pick(data), meta
 
-    def evaluate(self, idx, meta):
-        data, m = self.child.evaluate(idx, meta)
+    def evaluate(self, idx, meta, within=None):
+        data, m = self.child.evaluate(idx, meta, within)
         return self._pick(data), m
 
 
@@ -501,12 +514,13 @@ class _SubIndexedNode(_Node):
     def specs(self):
         return self.child.specs()
 
-    def evaluate(self, idx, meta):
-        if self.sub is not Ellipsis:
-            try:
-                idx = _as_rows(self.sub[idx])
-            except IndexError:
-                raise _OutOfRange() from None
+    def evaluate(self, idx, meta, within=None):
+        if self.sub is Ellipsis:
+            return self.child.evaluate(idx, meta, within)
+        try:
+            idx = _as_rows(self.sub[idx])
+        except IndexError:
+            raise _OutOfRange() from None
         return self.child.evaluate(idx, meta)
 
 

@@ -16,7 +16,11 @@ The cases (``CASES``):
   (``multiprocessing=True``) ReplayBuffer before every ``sample()`` (``measure_online``):
   time per loop step, and how stale the batches are (``staleness``);
 * ``latency``: the time to one batch when nothing was prefetched (``measure_latency``),
-  for each way of asking for one (``TRIGGERS``).
+  for each way of asking for one (``TRIGGERS``);
+* ``views``: batches per second of ``sample()`` from the views robot learners sample
+  (``VIEWS``: frame stacks, action chunks, columns, a combined dataset) over episodic
+  in-memory ReplayBuffers (``build_episodic_buffer``), a row per view
+  (``measure_view``), with the bare limit of each (``index_select`` below).
 
 The implementations (``IMPLEMENTATIONS``):
 
@@ -30,9 +34,12 @@ The implementations (``IMPLEMENTATIONS``):
 * ``index_select``: the speed limit of in-process sampling: the StepSampler's indices, mapped
   to storage rows as the ReplayBuffer does, gathered with ``torch.index_select(..., out=)``
   into one set of output tensors allocated up front and reused for every batch (so a batch
-  is only valid until the next one);
+  is only valid until the next one); for a view, its final rows and valid mask computed as
+  unienv_mp's workers compute them, then the same gather;
 * ``torchrl``: a TorchRL ``ReplayBuffer(prefetch=4)`` (uniform ``RandomSampler``, 4
-  prefetch threads) over the same rows; needs ``torchrl``, which is optional;
+  prefetch threads) over the same rows; for the action chunks of the views case, its
+  ``SliceSampler`` (slices of 16 by the episode key); needs ``torchrl``, which is
+  optional;
 * ``ray``: unienv_mp's RaySampler on a local Ray that it starts, one actor per worker;
   needs ``ray``, which is optional.  Not in ``DEFAULT_IMPLEMENTATIONS``: asked for by name.
 
@@ -126,6 +133,14 @@ CASES = {
                    "batch's largest clock is the last step whose writes had landed when "
                    "its rows were read",
                    {"image_shape": ()}),
+    "views": Case("views", "views",
+                  ("unienv_mp", "unienv_mp_generic", "unienv_shm", "in_process",
+                   "index_select", "torchrl"),
+                  "batches of 256 from the views robot learners sample (frame stacks, "
+                  "action chunks, columns, a combined dataset) over 20,000 steps in "
+                  "episodes of 200 {obs: {state, 3x128x128 image}, action, reward, "
+                  "episode_id, episode_end}, a row per view",
+                  {"seconds": 4.0}),
     "latency": Case("latency", "latency", ("unienv_mp", "unienv", "in_process"),
                     "the time to one batch of 256 {state, action, 3x128x128 image} from "
                     "an in-memory ReplayBuffer with nothing prefetched, p50 and p99, "
@@ -153,6 +168,9 @@ def describe(case: str, cfg: Config) -> str:
                 f"ImageStorage, decoded for every batch")
     if case == "online":
         return "state 10 f32, action 7 f32, clock i64"
+    if case == "views":
+        return (f"obs.state 10 f32, obs.image {img or 'none'} u8, action 7 f32, reward f32, "
+                f"episode_id i64, episode_end bool; episodes of {EPISODE_STEPS}")
     return f"state 10 f32, action 7 f32, image {img if cfg.image_shape else 'no image'}"
 
 
@@ -288,6 +306,206 @@ def _photo_like(n, shape, gen):
     return img.clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
 
 
+EPISODE_STEPS = 200
+
+
+def build_episodic_buffer(n, cfg: Config, progress: Callable[[int], None] = lambda n: None,
+                          start: int = 0):
+    """An in-memory ReplayBuffer of ``n`` steps numbered from ``start``, in episodes of
+    ``EPISODE_STEPS``: {obs: {state 10 f32, image ``cfg.image_shape`` u8}, action 7 f32,
+    reward f32, episode_id i64, episode_end bool} (the layout of UniEnv's own
+    ``benchmarks/batches/bench_pipeline.py``)."""
+    import torch
+    from unienv_data.replay_buffer import ReplayBuffer
+    from unienv_data.storages.dict_storage import DictStorage
+    from unienv_data.storages.pytorch import PytorchTensorStorage
+    from unienv_interface.backends.pytorch import PyTorchComputeBackend as B
+    from unienv_interface.space import BinarySpace, BoxSpace, DictSpace
+
+    obs = {"state": BoxSpace(B, -1e6, 1e6, torch.float32, shape=(10,))}
+    if cfg.image_shape:
+        obs["image"] = BoxSpace(B, 0, 255, torch.uint8, shape=tuple(cfg.image_shape))
+    space = DictSpace(B, {
+        "obs": DictSpace(B, obs),
+        "action": BoxSpace(B, -1, 1, torch.float32, shape=(7,)),
+        "reward": BoxSpace(B, -1e6, 1e6, torch.float32, shape=()),
+        "episode_id": BoxSpace(B, 0, 10 ** 9, torch.int64, shape=()),
+        "episode_end": BinarySpace(B, shape=()),
+    })
+    keys = [f"obs/{k}" for k in obs] + ["action", "reward", "episode_id", "episode_end"]
+    rb = ReplayBuffer.create(DictStorage, space, {k: PytorchTensorStorage for k in keys},
+                             capacity=n, is_memmap=False)
+    gen = torch.Generator().manual_seed(start)
+    chunk = 500
+    for s in range(0, n, chunk):
+        m = min(chunk, n - s)
+        i = torch.arange(start + s, start + s + m)
+        o = {"state": torch.randn(m, 10, generator=gen)}
+        if cfg.image_shape:
+            o["image"] = torch.randint(0, 256, (m, *cfg.image_shape), dtype=torch.uint8,
+                                       generator=gen)
+        rb.extend({"obs": o, "action": torch.rand(m, 7, generator=gen) * 2 - 1,
+                   "reward": torch.randn(m, generator=gen),
+                   "episode_id": i // EPISODE_STEPS,
+                   "episode_end": (i % EPISODE_STEPS) == EPISODE_STEPS - 1})
+        progress(m)
+    return rb
+
+
+@dataclass(frozen=True)
+class View:
+    """One row of the views case: a UniEnv view over the episodic buffer (``build(rb,
+    halves)``), and whether TorchRL's ``SliceSampler`` samples the same thing (slices of
+    ``torchrl_slice`` steps of the ``action`` column within an episode)."""
+    label: str
+    build: Callable
+    torchrl_slice: Optional[int] = None
+
+
+def _episode_id_mask():
+    from unienv_data.batches import SliceStackedBatch
+    return SliceStackedBatch.get_valid_mask_function_with_episodeid_key("episode_id")
+
+
+def _episode_end_mask():
+    from unienv_data.batches import SliceStackedBatch
+    return SliceStackedBatch.get_valid_mask_function_with_episode_end_key("episode_end")
+
+
+def _frame_stack(rb):
+    from unienv_data.batches import FrameStackedBatch
+    return FrameStackedBatch(rb, 1, get_valid_mask_function=_episode_id_mask())
+
+
+def _action_chunk(rb):
+    import torch
+    from unienv_data.batches import SliceStackedBatch
+    return SliceStackedBatch(rb, torch.arange(16), get_valid_mask_function=_episode_id_mask()
+                             ).get_column(["action"])
+
+
+def _state_history(rb):
+    import torch
+    from unienv_data.batches import SliceStackedBatch
+    return SliceStackedBatch(rb, torch.arange(-1, 15),
+                             get_valid_mask_function=_episode_end_mask()
+                             ).get_column(["obs", "state"])
+
+
+def _combined(halves):
+    from unienv_data.batches import CombinedBatch
+    return CombinedBatch([_frame_stack(h) for h in halves], use_thread_pool=True)
+
+
+#: The views case's rows, in table order (the rows of UniEnv's own pipeline benchmark).
+VIEWS = {
+    "framestack": View("FrameStackedBatch(rb, 1, episode_id mask)",
+                       lambda rb, halves: _frame_stack(rb)),
+    "framestack_image": View("  same, .get_column(['obs', 'image'])",
+                             lambda rb, halves: _frame_stack(rb).get_column(["obs", "image"])),
+    "action_chunk": View("SliceStackedBatch(rb, arange(16), episode_id mask)"
+                         ".get_column(['action'])", lambda rb, halves: _action_chunk(rb), 16),
+    "state_history": View("SliceStackedBatch(rb, arange(-1, 15), episode_end mask)"
+                          ".get_column(['obs', 'state'])",
+                          lambda rb, halves: _state_history(rb)),
+    "combined": View("CombinedBatch of two halves, each FrameStackedBatch(h, 1)",
+                     lambda rb, halves: _combined(halves)),
+}
+
+
+def measure_view(name: str, view_name: str, data, cfg: Config,
+                 progress: Callable[[float], None] = lambda f: None):
+    """Time implementation ``name`` sampling the view ``VIEWS[view_name]`` of ``data``
+    (``(rb, halves)``, from ``case_data("views", ...)``), as ``measure`` times a buffer;
+    None for a row that does not apply (TorchRL has no sampler for most views)."""
+    rb, halves = data
+    spec = VIEWS[view_name]
+    if name == "torchrl" and spec.torchrl_slice is None:
+        return None
+    view = spec.build(rb, halves)
+    make = None
+    if name == "index_select":
+        def make():
+            from unienv_data.samplers import StepSampler
+            return _view_limit_sampler(StepSampler(view, cfg.batch_size, seed=0), cfg)
+    elif name == "torchrl":
+        def make():
+            return _torchrl_slice_sampler(rb, cfg, spec.torchrl_slice)
+    return measure(name, view, cfg, progress, make=make)
+
+
+def _view_limit_sampler(base, cfg: Config):
+    """The speed limit of in-process sampling of a view: ``base``'s own indices, the
+    view's final storage rows and valid mask computed as unienv_mp's workers compute them
+    (``unienv_mp._views``, the same table of rows), and every array gathered by
+    ``torch.index_select`` into output tensors allocated once here and returned (the same
+    ones) for every batch."""
+    from . import gather
+    root = gather.Planner(base).view
+    if root is None:
+        raise TypeError("not a view")
+    n = cfg.batch_size
+
+    def out_of(spec):
+        import torch
+        return torch.empty((n * spec.per_element, *spec.unit), dtype=spec.dtype)
+
+    specs = root.specs()[0]
+    outs = _tree_map(out_of, specs)
+    batch = _tree_map(lambda o, s: o.view(n, *s.shape), outs, specs)
+
+    def next_batch():
+        values = root.evaluate(base.sample_index(), False)[0]
+        _tree_map(_gather_parts, values, outs)
+        return batch
+    return next_batch, lambda: None
+
+
+def _gather_parts(parts, out):
+    """Gather each part's rows into ``out`` with ``index_select``; the rows of a part
+    that go to some positions only (a combined dataset's) go to the next rows of ``out``
+    instead, in one ``index_select`` too: the same rows moved, in another order, which is
+    what the speed limit is about."""
+    import torch
+    at = 0
+    for part in parts:
+        if part.pos is None:
+            torch.index_select(part.source.tensor, 0, part.data, out=out)
+            continue
+        n = int(part.data.shape[0])
+        torch.index_select(part.source.tensor, 0, part.data, out=out[at:at + n])
+        at += n
+
+
+def _tree_map(fn, tree, *others):
+    if isinstance(tree, dict):
+        return {k: _tree_map(fn, v, *(o[k] for o in others)) for k, v in tree.items()}
+    if isinstance(tree, tuple):
+        return tuple(_tree_map(fn, v, *(o[i] for o in others)) for i, v in enumerate(tree))
+    return fn(tree, *others)
+
+
+def _torchrl_slice_sampler(rb, cfg: Config, slice_len: int):
+    """TorchRL's ``ReplayBuffer(prefetch=TORCHRL_PREFETCH)`` with its ``SliceSampler``:
+    ``cfg.batch_size`` slices of ``slice_len`` consecutive steps of one episode (by the
+    ``episode_id`` key) of the ``action`` column, as a TorchRL user samples action
+    chunks.  (TorchRL only samples slices that fit in their episode, where UniEnv's view
+    pads the last steps of an episode with its last action and masks them.)"""
+    import torch
+    from tensordict import TensorDict
+    from torchrl.data import ReplayBuffer, TensorStorage
+    from torchrl.data.replay_buffers.samplers import SliceSampler
+    data = _dict_storage_tensors(rb)
+    n = len(rb)
+    td = TensorDict({"action": data["action"][:n], "episode_id": data["episode_id"][:n]},
+                    batch_size=[n])
+    trb = ReplayBuffer(storage=TensorStorage(td),
+                       sampler=SliceSampler(slice_len=slice_len, traj_key="episode_id"),
+                       batch_size=cfg.batch_size * slice_len, prefetch=TORCHRL_PREFETCH,
+                       generator=torch.Generator().manual_seed(0))
+    return trb.sample, lambda: _shutdown_torchrl(trb)
+
+
 def build_jpeg_buffer(cfg: Config, directory, progress: Callable[[int], None] = lambda n: None):
     """A ReplayBuffer of ``cfg.transitions`` steps of {state: 10 f32, action: 7 f32,
     image: H x W x 3 u8} whose images are JPEG files (quality ``JPEG_QUALITY``), one per
@@ -360,6 +578,11 @@ def case_data(case: str, cfg: Config, progress: Callable[[int], None] = lambda n
     for every row instead (``measure_online``): this yields None for it."""
     if case == "online":
         yield None
+    elif case == "views":
+        # the buffer, and two halves of as many steps for the combined dataset
+        half = cfg.transitions // 2
+        yield (build_episodic_buffer(cfg.transitions, cfg, progress),
+               [build_episodic_buffer(half, cfg, progress, start=i * half) for i in (0, 1)])
     elif case == "jpeg":
         with tempfile.TemporaryDirectory(prefix="unienv_mp-jpeg-") as directory:
             yield build_jpeg_buffer(cfg, directory, progress)
@@ -554,16 +777,18 @@ def _torchrl_sampler(rb, cfg: Config, seed: int = 0):
                        batch_size=cfg.batch_size, prefetch=TORCHRL_PREFETCH,
                        generator=torch.Generator().manual_seed(seed))
 
-    def close():
-        # stops the prefetch thread pool (after its pending samples)
-        shutdown = getattr(trb, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
-        else:   # older torchrl: no shutdown(); its pool is _prefetch_executor
-            executor = getattr(trb, "_prefetch_executor", None)
-            if executor is not None:
-                executor.shutdown(wait=True)
-    return trb.sample, close
+    return trb.sample, lambda: _shutdown_torchrl(trb)
+
+
+def _shutdown_torchrl(trb):
+    """Stop a TorchRL ReplayBuffer's prefetch thread pool (after its pending samples)."""
+    shutdown = getattr(trb, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    else:   # older torchrl: no shutdown(); its pool is _prefetch_executor
+        executor = getattr(trb, "_prefetch_executor", None)
+        if executor is not None:
+            executor.shutdown(wait=True)
 
 
 # Modules an implementation imports when it starts, imported before its clock starts:
@@ -597,9 +822,11 @@ def _time_steps(res, step, cfg: Config, progress: Callable[[float], None]):
     res.main_cpu_s = _process_cpu() - cpu0
 
 
-def measure(name: str, rb, cfg: Config, progress: Callable[[float], None] = lambda f: None):
-    """Time implementation ``name``: start it, take ``cfg.warmup`` batches, then as many as
-    fit in ``cfg.seconds`` (at least ``cfg.min_batches``)."""
+def measure(name: str, rb, cfg: Config, progress: Callable[[float], None] = lambda f: None,
+            make: Optional[Callable] = None):
+    """Time implementation ``name``: start it (``make()``, default
+    ``make_sampler(name, rb, cfg)``: ``(next_batch, close)``), take ``cfg.warmup``
+    batches, then as many as fit in ``cfg.seconds`` (at least ``cfg.min_batches``)."""
     res = Result(name, LABELS.get(name, name))
     try:
         _preimport(name)
@@ -623,7 +850,7 @@ def measure(name: str, rb, cfg: Config, progress: Callable[[float], None] = lamb
         _time_steps(res, lambda: touch(next_batch()), cfg, progress)
         if stats is not None:
             res.stats = stats()
-    return _guarded(res, lambda: make_sampler(name, rb, cfg), run)
+    return _guarded(res, make or (lambda: make_sampler(name, rb, cfg)), run)
 
 
 def _is_unienv_mp_sampler(obj):

@@ -48,6 +48,9 @@ DIRECT_METHODS = {
     "sample_flat_with_metadata": "get_flattened_at_with_metadata",
 }
 _GETTERS = {g: s for s, g in DIRECT_METHODS.items()}
+#: The getters a view's plan serves (:data:`unienv_mp._views.GETTERS`; its flattened
+#: batches take the generic path).
+_VIEW_GETTERS = ("get_at", "get_at_with_metadata")
 _SAMPLER_METHODS = ("sample_index", *DIRECT_METHODS, *_GETTERS)
 BUFFER_METHODS = ("get_at", "get_at_with_metadata", "get_flattened_at",
                    "get_flattened_at_with_metadata", "_logical_to_physical_index")
@@ -413,7 +416,6 @@ class Gatherer:
 
     def _view_task(self, name, arg):
         """A task over a view: the indices, drawn or given, to the view's gatherer."""
-        from ._views import GETTERS
         getter = DIRECT_METHODS.get(name)
         if getter is not None:
             if arg is None:
@@ -422,11 +424,11 @@ class Gatherer:
                 k = arg
             else:
                 return None
-            if getter not in GETTERS:
+            if getter not in _VIEW_GETTERS:
                 return None
             sample_index = self.sampler.sample_index   # the RNG advances as in sample*()
             indices = [sample_index() for _ in range(k or 1)]
-        elif name in GETTERS and _is_index_tensor(arg):
+        elif name in _VIEW_GETTERS and _is_index_tensor(arg):
             getter, k, indices = name, None, [arg]
         else:
             return None
