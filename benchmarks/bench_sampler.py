@@ -16,6 +16,12 @@ per 4 KiB page of every batch.
 * ``online``: a round is one step of a loop that appends 4 transitions to a shared
   (``multiprocessing=True``) buffer, then samples 256 {state, action, clock};
   ``extra_info`` holds the batches' staleness in loop steps (``compare.online_stepper``).
+* ``views, ...``: one group per view of the main job's views case (``compare.VIEWS``:
+  frame stacks, action chunks, columns, a combined dataset, batches of 256 over 20k steps
+  in episodes of 200): unienv_mp (and its generic path), UniEnv's sampler with
+  ``shared_memory=True``, UniEnv's StepSampler in process, the view's bare limit
+  (``index_select`` of its final rows, mask included, into reused memory), and TorchRL's
+  ``SliceSampler`` on the action chunks.  A round is one batch.
 * ``latency, ...``: one group per way of asking for a batch with nothing prefetched
   (``compare.TRIGGERS``); a round is one such batch, its set-up (a pause, closing the
   previous epoch or sampler) untimed.  UniEnv's ``manual_seed()`` keeps the batches its
@@ -38,9 +44,12 @@ ONLINE = compare.case_config("online")
 LATENCY = compare.case_config("latency")
 # Enough rounds, after a warm-up as long as the deepest pipeline (n_buffers batches in flight,
 # each in a slot made and first touched on its first use), for the steady state to dominate
-ROUNDS = {"image": 200, "state": 2000, "jpeg": 100, "online": 2000}
-WARMUP = {"image": 20, "state": 200, "jpeg": 10}
+ROUNDS = {"image": 200, "state": 2000, "jpeg": 100, "online": 2000, "view": 2000,
+          "view_images": 60}
+WARMUP = {"image": 20, "state": 200, "jpeg": 10, "view": 200, "view_images": 10}
 LATENCY_ROUNDS = {"reseed": 40, "epoch": 15, "start": 10}
+VIEWS = compare.case_config("views")
+VIEW_IMAGES = ("framestack", "framestack_image", "combined")   # 25 MB a batch
 MISSING = compare.available()
 
 
@@ -60,6 +69,12 @@ def jpeg_rb():
 
 
 @pytest.fixture(scope="module")
+def views_data():
+    with compare.case_data("views", VIEWS) as data:
+        yield data
+
+
+@pytest.fixture(scope="module")
 def latency_rb():
     return compare.build_buffer(LATENCY)
 
@@ -69,8 +84,8 @@ def _skip_missing(impl):
         pytest.skip(MISSING[impl])
 
 
-def _bench_batches(benchmark, impl, rb, cfg, name):
-    next_batch, close = compare.make_sampler(impl, rb, cfg)
+def _bench_batches(benchmark, impl, rb, cfg, name, made=None):
+    next_batch, close = made or compare.make_sampler(impl, rb, cfg)
     try:
         first = next_batch()
         nbytes = compare.batch_nbytes(first)
@@ -105,6 +120,18 @@ def test_jpeg(benchmark, jpeg_rb, impl):
     _skip_missing(impl)
     benchmark.group = f"sampler jpeg: B={JPEG.batch_size}, decoded per batch, 4 workers, fork"
     _bench_batches(benchmark, impl, jpeg_rb, JPEG, "jpeg")
+
+
+@pytest.mark.parametrize("impl", compare.CASES["views"].rows)
+@pytest.mark.parametrize("view", compare.VIEWS)
+def test_views(benchmark, views_data, view, impl):
+    _skip_missing(impl)
+    made = compare.make_view_sampler(impl, view, views_data, VIEWS)
+    if made is None:
+        pytest.skip(f"{compare.LABELS[impl]} has no sampler for this view")
+    benchmark.group = f"views, {compare.VIEWS[view].label}: B={VIEWS.batch_size}, 4 workers, fork"
+    _bench_batches(benchmark, impl, None, VIEWS,
+                   "view_images" if view in VIEW_IMAGES else "view", made)
 
 
 @pytest.mark.parametrize("impl", compare.CASES["online"].rows)

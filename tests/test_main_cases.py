@@ -342,3 +342,42 @@ def test_ci_runs_every_case_quickly():
         ci = [line.strip() for line in f]
     assert "python -m unienv_mp --case all --quick" in ci
     assert "python -m unienv_mp --quick" not in ci
+
+
+# --- views --------------------------------------------------------------------------------
+
+def test_views_case_times_every_view_and_torchrl_on_the_action_chunks(capsys):
+    argv = SMALL + ["--case", "views", "--impl", "unienv_mp,in_process,index_select,torchrl"]
+    rc, out = _json_run(capsys, argv)
+    assert rc == 0
+    assert list(out["results"]) == list(compare.VIEWS)
+    for view, row in out["results"].items():
+        expected = ["unienv_mp", "in_process", "index_select"]
+        if view == "action_chunk" and "torchrl" not in compare.available():
+            expected.append("torchrl")
+        assert list(row) == expected, view
+        for r in row.values():
+            assert r["error"] is None and r["batches"] > 0, (view, r)
+    assert main_mod.main(argv) == 0
+    table = capsys.readouterr().out
+    for spec in compare.VIEWS.values():
+        assert spec.label in table
+    assert "unienv_mp vs bare limit" in table and "episodes of 200" in table
+
+
+def test_the_bare_limit_of_a_view_gathers_uniEnvs_batch():
+    """(In another order for a combined dataset, whose parts' rows it gathers one after
+    the other.)"""
+    from unienv_data.samplers import StepSampler
+    from test_gather import assert_identical
+    cfg = compare.replace(compare.case_config("views"), **TINY)
+    with compare.case_data("views", cfg) as (rb, halves):
+        for name, spec in compare.VIEWS.items():
+            if name == "combined":
+                continue
+            view = spec.build(rb, halves)
+            limit, close = compare._view_limit_sampler(StepSampler(view, 16, seed=4), cfg)
+            reference = StepSampler(view, 16, seed=4)
+            for _ in range(3):
+                assert_identical(limit(), reference.sample(), name)
+            close()

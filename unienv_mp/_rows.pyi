@@ -1,13 +1,15 @@
 """Row gathering for the direct gather (:mod:`unienv_mp.gather`): the rows a batch samples,
 copied from a table of rows into a slot, with the GIL released and streaming stores for
-large rows (see ``csrc/umr_rows.c`` for why)."""
+large rows (see ``csrc/umr_rows.c`` for why); and the row table of a stacked view's batch,
+its window, valid mask and fill (:mod:`unienv_mp._views`, ``csrc/umr_window.c``)."""
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 from _typeshed import ReadableBuffer, WriteableBuffer
 
-__all__ = ["gather_rows", "scatter_rows"]
+__all__ = ["gather_rows", "scatter_rows", "window", "window_mask", "window_fill",
+           "EPISODE_ID", "EPISODE_END"]
 
 # (numpy arrays are buffers for type checkers only from Python 3.12: hence the unions)
 def gather_rows(table: npt.NDArray[Any] | ReadableBuffer, row_bytes: int,
@@ -27,3 +29,29 @@ def scatter_rows(table: npt.NDArray[Any] | ReadableBuffer, row_bytes: int,
     of the writable buffer ``out``, for every ``i``.  Raises ``IndexError`` (having
     written nothing) if a row is not in the table or a position not in ``[0, n_out)``,
     ``ValueError`` if ``out`` is too short or the two index arrays differ in length."""
+
+#: :func:`window_mask`'s kinds: UniEnv's episode-id and episode-end mask helpers.
+EPISODE_ID: int
+EPISODE_END: int
+
+def window(idx: npt.NDArray[np.int64] | ReadableBuffer,
+           offsets: npt.NDArray[np.int64] | ReadableBuffer, n: int,
+           out: npt.NDArray[np.int64] | WriteableBuffer) -> None:
+    """UniEnv's ``SliceStackedBatch.expand_index`` for ``m = len(idx)`` indices and
+    ``t = len(offsets)`` offsets into the ``m * t`` (row-major) ``out``: each index, plus
+    ``n`` if negative, plus each offset, clipped to ``[0, n - 1]`` as ``torch.clip``
+    clips (so ``n = 0`` gives -1)."""
+
+def window_mask(key: npt.NDArray[np.int64] | ReadableBuffer, t: int, anchor: int, kind: int,
+                mask: npt.NDArray[np.uint8] | WriteableBuffer) -> int:
+    """The valid mask of a window of ``t`` frames per row (``key``: the episode column
+    at every frame, row-major, as int64) into ``mask`` (one byte per frame, 0 or 1):
+    kind :data:`EPISODE_ID`, the frames whose id is the anchor's; :data:`EPISODE_END`, the
+    frames with as many episode ends before them as before the anchor.  Returns the
+    number of invalid frames."""
+
+def window_fill(rows: npt.NDArray[np.int64] | WriteableBuffer,
+                mask: npt.NDArray[np.uint8] | ReadableBuffer, t: int, anchor: int) -> None:
+    """Fill a window in place as UniEnv's ``fill_data_with_stack_mask`` fills the data:
+    each invalid frame before the anchor takes the frame ``anchor - (valid frames before
+    it)``, each after it ``anchor + (valid frames after it)``."""

@@ -413,25 +413,32 @@ VIEWS = {
 }
 
 
-def measure_view(name: str, view_name: str, data, cfg: Config,
-                 progress: Callable[[float], None] = lambda f: None):
-    """Time implementation ``name`` sampling the view ``VIEWS[view_name]`` of ``data``
-    (``(rb, halves)``, from ``case_data("views", ...)``), as ``measure`` times a buffer;
-    None for a row that does not apply (TorchRL has no sampler for most views)."""
+def make_view_sampler(name: str, view_name: str, data, cfg: Config):
+    """(next_batch, close) for implementation ``name`` sampling the view
+    ``VIEWS[view_name]`` of ``data`` (``(rb, halves)``, from ``case_data("views", ...)``),
+    or None for a row that does not apply (TorchRL has a sampler for action chunks
+    only)."""
     rb, halves = data
     spec = VIEWS[view_name]
-    if name == "torchrl" and spec.torchrl_slice is None:
-        return None
+    if name == "torchrl":
+        return None if spec.torchrl_slice is None else _torchrl_slice_sampler(
+            rb, cfg, spec.torchrl_slice)
     view = spec.build(rb, halves)
-    make = None
     if name == "index_select":
-        def make():
-            from unienv_data.samplers import StepSampler
-            return _view_limit_sampler(StepSampler(view, cfg.batch_size, seed=0), cfg)
-    elif name == "torchrl":
-        def make():
-            return _torchrl_slice_sampler(rb, cfg, spec.torchrl_slice)
-    return measure(name, view, cfg, progress, make=make)
+        from unienv_data.samplers import StepSampler
+        return _view_limit_sampler(StepSampler(view, cfg.batch_size, seed=0), cfg)
+    return make_sampler(name, view, cfg)
+
+
+def measure_view(name: str, view_name: str, data, cfg: Config,
+                 progress: Callable[[float], None] = lambda f: None):
+    """Time implementation ``name`` sampling the view ``VIEWS[view_name]`` of ``data``, as
+    ``measure`` times a buffer (see ``make_view_sampler``); None for a row that does not
+    apply."""
+    if name == "torchrl" and VIEWS[view_name].torchrl_slice is None:
+        return None
+    return measure(name, None, cfg, progress,
+                   make=lambda: make_view_sampler(name, view_name, data, cfg))
 
 
 def _view_limit_sampler(base, cfg: Config):
