@@ -170,6 +170,35 @@ def test_the_issue_views_are_planned_directly():
                              f"{name}: {method}")
 
 
+@pytest.mark.parametrize("mask", [vd.EPISODE_ID, vd.EPISODE_END], ids=["ids", "ends"])
+def test_windows_of_one_step_episodes_and_an_episode_across_the_wrap(mask):
+    """Episodes of one step: every frame of a window but the anchor is invalid.  And a
+    buffer that has wrapped around with an episode (of 9) across the wrap."""
+    one_step = vd.buffer((1,) * 30)
+    wrapped = vd.buffer((5, 9, 7, 6, 9, 4), capacity=33)   # 40 steps into 33 rows
+    assert wrapped.offset != 0
+    for rb in (one_step, wrapped):
+        for view in (vd.frame_stack(rb, 3, 2, mask=mask),
+                     SliceStackedBatch(rb, torch.tensor([-4, -1, 0, 2, 5]),
+                                       get_valid_mask_function=mask),
+                     vd.frame_stack(rb, 3, 2, mask=mask, fill_invalid_data=False,
+                                    stack_metadata=True)):
+            sampler = vd.sampler_of(view, 12, seed=2)
+            reference = copy.deepcopy(sampler)
+            g = gather.Gatherer(sampler)
+            for _ in range(4):
+                batch = _direct(g, "sample_with_metadata", None)
+                assert_identical(batch, reference.sample_with_metadata())
+            if rb is one_step:   # only the anchor is valid (or frames clipped onto it)
+                valid = batch[1]["slice_valid_mask"]
+                anchor = int(torch.nonzero(view.fixed_offset == 0)[0])
+                assert valid[:, anchor].all() and bool((valid.sum(1) == 1).any())
+    everything = torch.arange(len(wrapped))
+    view = vd.frame_stack(wrapped, 3, 2, mask=mask)
+    assert_identical(_direct(gather.Gatherer(vd.sampler_of(view)), "get_at", everything),
+                     view.get_at(everything))
+
+
 def test_a_view_whose_indices_leave_the_data_raises_uniEnvs_error():
     """Indices outside the data are UniEnv's to refuse: the generic getter runs them."""
     view = CombinedBatch([vd.buffer(), vd.buffer(start=1000)])
@@ -320,17 +349,19 @@ def test_a_view_of_a_buffer_the_parent_appends_to_while_workers_sample():
 
 
 def test_worker_memory_stays_flat_over_many_view_batches():
-    """No per-batch allocation that lasts: a worker's RSS after 2,000 more batches is
-    what it was after the first 300 (within a few pages of allocator noise)."""
+    """No per-batch allocation that lasts: a worker's RSS after 10,000 more batches (of
+    a combined dataset of frame stacks, with their metadata) is what it was after the
+    first 500 (within a few pages of allocator noise)."""
     import psutil
-    rb = vd.buffer((50,) * 40, img=(3, 16, 16))
-    with MultiprocessingSampler(vd.sampler_of(vd.frame_stack(rb, 2), 32, seed=0),
-                                n_workers=1, ctx="fork") as m:
-        for _ in range(300):
-            m.sample()
+    view = vd.combined_stacks(vd.buffer((50,) * 20, img=(3, 16, 16)),
+                              vd.buffer((7,) * 40, img=(3, 16, 16), start=5000))
+    with MultiprocessingSampler(vd.sampler_of(view, 16, seed=0), n_workers=1,
+                                ctx="fork", batches_per_task=1) as m:
+        for _ in range(500):
+            m.sample_with_metadata()
         pid = m.stats().workers[0].pid
         before = psutil.Process(pid).memory_info().rss
-        for _ in range(2000):
-            m.sample()
+        for _ in range(10_000):
+            m.sample_with_metadata()
         after = psutil.Process(pid).memory_info().rss
     assert after - before < 4 << 20, (before, after)
