@@ -25,6 +25,10 @@
  *                    last_valid = z + (valid frames after z); note that these are counts,
  *                    not positions, so a mask with a hole gives what UniEnv gives, not the
  *                    nearest valid frame.
+ * umr_window_rows does all three for the commonest view, a stack straight over a
+ * ReplayBuffer (or over one of its columns, with the mask read from another), and maps the
+ * filled window to storage rows as the buffer does: one call per batch instead of a dozen
+ * tensor operations.
  * unienv_mp's tests compare the result with UniEnv's bit for bit over random windows.
  */
 #include "umr_window.h"
@@ -97,4 +101,52 @@ void umr_window_fill(int64_t *rows, const uint8_t *mask, uint64_t m, uint64_t t,
             if (!v[j])
                 r[j] = last;
     }
+}
+
+static int64_t key_value(const void *key, int key_type, int ends_bits, int64_t row)
+{
+    int64_t v;
+    switch (key_type) {
+    case UMR_KEY_I64: v = ((const int64_t *)key)[row]; break;
+    case UMR_KEY_I32: v = ((const int32_t *)key)[row]; break;
+    case UMR_KEY_I16: v = ((const int16_t *)key)[row]; break;
+    case UMR_KEY_I8: v = ((const int8_t *)key)[row]; break;
+    case UMR_KEY_U8: v = ((const uint8_t *)key)[row]; break;
+    default: v = ((const uint8_t *)key)[row] != 0; break;   /* bool */
+    }
+    /* (two's complement truncation, as torch converts int64 to int32) */
+    return ends_bits == 32 ? (int64_t)(int32_t)(uint32_t)(uint64_t)v : v;
+}
+
+int64_t umr_window_rows(const int64_t *idx, uint64_t m, const int64_t *off, uint64_t t,
+                        uint64_t z, int64_t count, int64_t offset, const void *key,
+                        uint64_t key_rows, int key_type, int kind, int ends_bits, int fill,
+                        int64_t *rows, uint8_t *mask)
+{
+    uint64_t i, j, invalid = 0;
+    int64_t k[t > 0 ? t : 1];
+    if (count <= 0)
+        return -1;
+    /* the logical window, then (further down) the storage rows */
+    umr_window(idx, m, off, t, count, rows);
+    for (i = 0; i < m * t; i++) {
+        int64_t r = rows[i] + offset;
+        rows[i] = r >= count ? r % count : r;   /* 0 <= rows[i] < count, offset >= 0 */
+        if (rows[i] < 0 || (uint64_t)rows[i] >= key_rows)
+            return -1;
+    }
+    if (kind == 0) {
+        for (i = 0; i < m * t; i++)
+            mask[i] = 1;
+        return 0;
+    }
+    for (i = 0; i < m; i++) {
+        for (j = 0; j < t; j++)
+            k[j] = key_value(key, key_type, kind == UMR_EPISODE_END ? ends_bits : 64,
+                             rows[i * t + j]);
+        invalid += umr_window_mask(k, 1, t, z, kind, mask + i * t);
+    }
+    if (fill && invalid)
+        umr_window_fill(rows, mask, m, t, z);
+    return (int64_t)invalid;
 }

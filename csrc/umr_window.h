@@ -32,6 +32,22 @@ uint64_t umr_window_mask(const int64_t *key, uint64_t m, uint64_t t, uint64_t z,
 void umr_window_fill(int64_t *rows, const uint8_t *mask, uint64_t m, uint64_t t,
                      uint64_t z);
 
+/* The three steps above for a stack straight over a buffer, in one pass, with the
+ * buffer's mapping of logical indices to storage rows, (i + offset) % count, applied: for
+ * m indices and t offsets, the storage rows of the filled window (rows, m x t) and its
+ * valid mask (mask, one byte per frame).  The window is clipped to [0, count - 1] (count
+ * > 0).  kind 0: no mask (every frame valid); UMR_EPISODE_ID / UMR_EPISODE_END: from the
+ * episode column `key`, a table of key_rows storage rows of one value each, of key_type
+ * (UMR_KEY_*), converted to int64 (episode ends: first to int32 when ends_bits is 32, as
+ * UniEnv converts them to its default integer type).  fill: replace invalid frames as
+ * umr_window_fill does.  Returns the number of invalid frames, or -1 (having written
+ * nothing usable) if a storage row is not in [0, key_rows). */
+enum { UMR_KEY_I64 = 1, UMR_KEY_I32, UMR_KEY_I16, UMR_KEY_I8, UMR_KEY_U8, UMR_KEY_BOOL };
+int64_t umr_window_rows(const int64_t *idx, uint64_t m, const int64_t *off, uint64_t t,
+                        uint64_t z, int64_t count, int64_t offset, const void *key,
+                        uint64_t key_rows, int key_type, int kind, int ends_bits, int fill,
+                        int64_t *rows, uint8_t *mask);
+
 #ifdef __cplusplus
 }
 #endif

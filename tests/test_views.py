@@ -199,6 +199,62 @@ def test_windows_of_one_step_episodes_and_an_episode_across_the_wrap(mask):
                      view.get_at(everything))
 
 
+def _typed_episodes(id_dtype, end_dtype, capacity):
+    """A wrapped buffer whose episode columns are of the given dtypes; episode ends are
+    multiples of 2**32 (or of 2) where they can be, so that UniEnv's conversion to its
+    default integer type (int32) truncates them."""
+    from unienv_data.replay_buffer import ReplayBuffer
+    from unienv_data.storages.dict_storage import DictStorage
+    from unienv_data.storages.pytorch import PytorchTensorStorage
+    from unienv_interface.backends.pytorch import PyTorchComputeBackend as TB
+    from unienv_interface.space import BoxSpace, DictSpace
+    box = lambda dt, lo, hi: BoxSpace(TB, lo, hi, dt, shape=())  # noqa: E731
+    big = (1 if end_dtype == torch.bool else torch.finfo(end_dtype).max
+           if end_dtype.is_floating_point else torch.iinfo(end_dtype).max)
+    space = DictSpace(TB, {"action": BoxSpace(TB, -1.0, 1.0, torch.float32, shape=(3,)),
+                           "episode_id": box(id_dtype, 0, 100),
+                           "episode_end": (BoxSpace(TB, 0, big, end_dtype, shape=())
+                                           if end_dtype != torch.bool else
+                                           vd.space()["episode_end"])})
+    rb = ReplayBuffer.create(DictStorage, space, {k: PytorchTensorStorage for k in space.spaces},
+                             capacity=capacity, is_memmap=False)
+    g = torch.Generator().manual_seed(3)
+    n = capacity + 11
+    ids = torch.cumsum((torch.rand(n, generator=g) < 0.2).to(torch.int64), 0)
+    ends = torch.zeros(n, dtype=torch.int64)
+    ends[:-1] = (ids[1:] != ids[:-1]).to(torch.int64)
+    if end_dtype == torch.int64:
+        ends = ends * (2 ** 32) + (torch.rand(n, generator=g) < 0.1).to(torch.int64) * 2 ** 33
+    data = {"action": torch.rand(n, 3, generator=g), "episode_id": ids.to(id_dtype),
+            "episode_end": ends.to(end_dtype)}
+    rb.extend({k: v[:capacity] for k, v in data.items()})
+    rb.extend({k: v[capacity:] for k, v in data.items()})
+    return rb
+
+
+@pytest.mark.parametrize("id_dtype,end_dtype", [
+    (torch.int32, torch.int64), (torch.int16, torch.int32), (torch.uint8, torch.uint8),
+    (torch.int8, torch.bool), (torch.float32, torch.float64)])
+def test_episode_columns_of_every_type_mask_as_uniEnv_masks(id_dtype, end_dtype):
+    """The window's one-call path reads episode ids of any integer type, and episode
+    ends converted as UniEnv converts them (int64 ends truncated to int32); float ids
+    take UniEnv's own mask function."""
+    rb = _typed_episodes(id_dtype, end_dtype, 40)
+    assert rb.offset != 0
+    for mask in (SliceStackedBatch.get_valid_mask_function_with_episodeid_key("episode_id"),
+                 SliceStackedBatch.get_valid_mask_function_with_episode_end_key(
+                     "episode_end")):
+        for view in (SliceStackedBatch(rb, torch.arange(-3, 6), get_valid_mask_function=mask),
+                     SliceStackedBatch(rb, torch.arange(-3, 6), get_valid_mask_function=mask
+                                       ).get_column(["action"])):
+            sampler = vd.sampler_of(view, 16, seed=1)
+            reference = copy.deepcopy(sampler)
+            g = gather.Gatherer(sampler)
+            for _ in range(5):
+                assert_identical(_direct(g, "sample_with_metadata", None),
+                                 reference.sample_with_metadata())
+
+
 def test_a_view_whose_indices_leave_the_data_raises_uniEnvs_error():
     """Indices outside the data are UniEnv's to refuse: the generic getter runs them."""
     view = CombinedBatch([vd.buffer(), vd.buffer(start=1000)])

@@ -9,7 +9,7 @@ import numpy.typing as npt
 from _typeshed import ReadableBuffer, WriteableBuffer
 
 __all__ = ["gather_rows", "scatter_rows", "window", "window_mask", "window_fill",
-           "EPISODE_ID", "EPISODE_END"]
+           "window_rows", "EPISODE_ID", "EPISODE_END", "KEY_TYPES"]
 
 # (numpy arrays are buffers for type checkers only from Python 3.12: hence the unions)
 def gather_rows(table: npt.NDArray[Any] | ReadableBuffer, row_bytes: int,
@@ -33,6 +33,8 @@ def scatter_rows(table: npt.NDArray[Any] | ReadableBuffer, row_bytes: int,
 #: :func:`window_mask`'s kinds: UniEnv's episode-id and episode-end mask helpers.
 EPISODE_ID: int
 EPISODE_END: int
+#: :func:`window_rows`'s episode column types, by numpy dtype name.
+KEY_TYPES: dict[str, int]
 
 def window(idx: npt.NDArray[np.int64] | ReadableBuffer,
            offsets: npt.NDArray[np.int64] | ReadableBuffer, n: int,
@@ -55,3 +57,18 @@ def window_fill(rows: npt.NDArray[np.int64] | WriteableBuffer,
     """Fill a window in place as UniEnv's ``fill_data_with_stack_mask`` fills the data:
     each invalid frame before the anchor takes the frame ``anchor - (valid frames before
     it)``, each after it ``anchor + (valid frames after it)``."""
+
+def window_rows(idx: npt.NDArray[np.int64] | ReadableBuffer,
+                offsets: npt.NDArray[np.int64] | ReadableBuffer, anchor: int, count: int,
+                offset: int, key: npt.NDArray[np.uint8] | ReadableBuffer, key_type: int,
+                kind: int, ends_bits: int, fill: bool,
+                rows: npt.NDArray[np.int64] | WriteableBuffer,
+                mask: npt.NDArray[np.uint8] | WriteableBuffer) -> int:
+    """:func:`window`, :func:`window_mask` and :func:`window_fill` for a stack straight
+    over a ReplayBuffer of ``count`` rows at ``offset``: the storage rows of the filled
+    window (``(i + offset) % count`` of its indices) into ``rows``, its valid mask into
+    ``mask``.  ``key``: the bytes of the episode column's storage, one value of
+    ``key_type`` (:data:`KEY_TYPES`) per storage row; ``kind`` 0 (no mask),
+    :data:`EPISODE_ID` or :data:`EPISODE_END` (whose values are first converted to an
+    integer of ``ends_bits``, 32 or 64, as UniEnv converts them).  Returns the number of
+    invalid frames; raises ``IndexError`` if a row is not in the key's storage."""

@@ -8,7 +8,7 @@ from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE,
                              PyBUF_WRITABLE)
 
 __all__ = ["gather_rows", "scatter_rows", "window", "window_mask", "window_fill",
-           "EPISODE_ID", "EPISODE_END"]
+           "window_rows", "EPISODE_ID", "EPISODE_END", "KEY_TYPES"]
 
 cdef extern from "umr_rows.h" nogil:
     int64_t umr_gather_rows(const unsigned char *src, uint64_t n_src, uint64_t row_bytes,
@@ -24,13 +24,28 @@ cdef extern from "umr_window.h" nogil:
                              int kind, uint8_t *mask)
     void umr_window_fill(int64_t *rows, const uint8_t *mask, uint64_t m, uint64_t t,
                          uint64_t z)
+    int64_t umr_window_rows(const int64_t *idx, uint64_t m, const int64_t *off, uint64_t t,
+                            uint64_t z, int64_t count, int64_t offset, const void *key,
+                            uint64_t key_rows, int key_type, int kind, int ends_bits,
+                            int fill, int64_t *rows, uint8_t *mask)
     enum:
         UMR_EPISODE_ID
         UMR_EPISODE_END
+        UMR_KEY_I64
+        UMR_KEY_I32
+        UMR_KEY_I16
+        UMR_KEY_I8
+        UMR_KEY_U8
+        UMR_KEY_BOOL
 
 #: :func:`window_mask`'s kinds: UniEnv's episode-id and episode-end mask helpers.
 EPISODE_ID = UMR_EPISODE_ID
 EPISODE_END = UMR_EPISODE_END
+#: :func:`window_rows`'s episode column types, by numpy dtype name.
+KEY_TYPES = {"int64": UMR_KEY_I64, "int32": UMR_KEY_I32, "int16": UMR_KEY_I16,
+             "int8": UMR_KEY_I8, "uint8": UMR_KEY_U8, "bool": UMR_KEY_BOOL}
+_KEY_SIZES = {UMR_KEY_I64: 8, UMR_KEY_I32: 4, UMR_KEY_I16: 2, UMR_KEY_I8: 1,
+              UMR_KEY_U8: 1, UMR_KEY_BOOL: 1}
 
 
 def gather_rows(table, Py_ssize_t row_bytes, const int64_t[::1] rows, out,
@@ -160,3 +175,45 @@ def window_fill(int64_t[::1] rows, const uint8_t[::1] mask, Py_ssize_t t,
         return
     with nogil:
         umr_window_fill(&rows[0], &mask[0], n // t, t, anchor)
+
+
+def window_rows(const int64_t[::1] idx, const int64_t[::1] offsets, Py_ssize_t anchor,
+                int64_t count, int64_t offset, const unsigned char[::1] key, int key_type,
+                int kind, int ends_bits, bint fill, int64_t[::1] rows, uint8_t[::1] mask):
+    """:func:`window`, :func:`window_mask` and :func:`window_fill` for a stack straight
+    over a ReplayBuffer of ``count`` rows at ``offset``: the storage rows of the filled
+    window (``(i + offset) % count`` of its indices) into ``rows``, its valid mask into
+    ``mask``.  ``key``: the bytes of the episode column's storage, one value of
+    ``key_type`` (:data:`KEY_TYPES`) per storage row; ``kind`` 0 (no mask),
+    :data:`EPISODE_ID` or :data:`EPISODE_END` (whose values are first converted to an
+    integer of ``ends_bits``, 32 or 64, as UniEnv converts them).  Returns the number of
+    invalid frames; raises ``IndexError`` if a row is not in the key's storage."""
+    cdef uint64_t m = idx.shape[0], t = offsets.shape[0], key_rows
+    cdef int64_t out
+    cdef const void *k = NULL
+    if t == 0 or not 0 <= anchor < <Py_ssize_t>t:
+        raise ValueError(f"the anchor {anchor} is not one of {t} offsets")
+    if <uint64_t>rows.shape[0] != m * t or <uint64_t>mask.shape[0] != m * t:
+        raise ValueError(f"rows and mask hold {rows.shape[0]} and {mask.shape[0]} frames, "
+                         f"not {m} x {t}")
+    if count <= 0 or offset < 0:
+        raise ValueError(f"a buffer of {count} rows at offset {offset}")
+    if kind != 0 and kind != UMR_EPISODE_ID and kind != UMR_EPISODE_END:
+        raise ValueError(f"unknown mask kind {kind}")
+    if ends_bits != 32 and ends_bits != 64:
+        raise ValueError(f"ends_bits must be 32 or 64, not {ends_bits}")
+    size = _KEY_SIZES.get(key_type)
+    if size is None:
+        raise ValueError(f"unknown key type {key_type}")
+    key_rows = key.shape[0] // <uint64_t>size
+    if key_rows:
+        k = &key[0]
+    if m == 0:
+        return 0
+    with nogil:
+        out = umr_window_rows(&idx[0], m, &offsets[0], t, anchor, count, offset, k,
+                              key_rows if kind else <uint64_t>count, key_type, kind,
+                              ends_bits, fill, &rows[0], &mask[0])
+    if out < 0:
+        raise IndexError(f"a window row is not in the episode column's {key_rows} rows")
+    return out

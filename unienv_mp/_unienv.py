@@ -7,7 +7,7 @@ valid-mask helpers, the column-stack class.  They are private to UniEnv and may 
 any release (``pyproject.toml`` pins the one release this package is written for), so they
 are read here only, each through one small function, and nowhere else in the package.
 """
-__all__ = ["ring_state", "logical_to_physical", "batched_space", "instance_space",
+__all__ = ["ring_state", "same_ring", "logical_to_physical", "batched_space", "instance_space",
            "dict_items", "stack_anchor", "stack_mask_key", "column_stack_class"]
 
 
@@ -16,6 +16,13 @@ def ring_state(rb):
     of its shared ring state), or None if the buffer keeps no ring state."""
     ring = getattr(rb, "_ring_state", None)
     return None if ring is None else ring.read()
+
+
+def same_ring(a, b):
+    """Whether two ReplayBuffers share one ring state (a buffer and its column views do):
+    one snapshot of it maps both."""
+    ring = getattr(a, "_ring_state", None)
+    return ring is not None and ring is getattr(b, "_ring_state", None)
 
 
 def logical_to_physical(rb, idx):

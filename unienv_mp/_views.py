@@ -308,6 +308,31 @@ class _StackNode(_Node):
                     spec.dtype.is_floating_point or spec.dtype.is_complex)):
                 self.kind = _rows.EPISODE_ID if kind == "episode_id" else _rows.EPISODE_END
         self.kind = getattr(self, "kind", None)
+        self.fast = self._fast_path()
+
+    def _fast_path(self):
+        """``(key bytes, key type, mask kind, bits of an episode end)`` where the stack
+        sits straight on a buffer (and reads its mask from it or from a column of the
+        same buffer) with a mask the window's loops compute: then one call of
+        ``_rows.window_rows`` makes the batch's rows and mask.  None elsewhere."""
+        torch = _torch()
+        child, mask_node = self.child, self.mask_node
+        if type(child) is not _BufferNode or _unienv.ring_state(child.rb) is None:
+            return None
+        bits = {torch.int32: 32, torch.int64: 64}.get(self.view.backend.default_integer_dtype)
+        if mask_node is None:
+            return np.zeros(0, np.uint8), _rows.KEY_TYPES["int64"], 0, 64
+        if (self.kind is None or bits is None or type(mask_node) is not _BufferNode
+                or not _unienv.same_ring(child.rb, mask_node.rb)):
+            return None
+        leaf = mask_node.tree
+        for k in self.mask_path:
+            leaf = leaf[k]
+        source, spec = leaf
+        name = str(spec.dtype).replace("torch.", "")
+        if source.table is None or spec.unit != () or name not in _rows.KEY_TYPES:
+            return None
+        return source.table.reshape(-1), _rows.KEY_TYPES[name], self.kind, bits
 
     def length(self):
         return self.child.length()
@@ -326,6 +351,8 @@ class _StackNode(_Node):
         return data, meta
 
     def evaluate(self, idx, meta, within=None):
+        if self.fast is not None:
+            return self._evaluate_fast(idx, meta)
         torch = _torch()
         n = self.child.length()
         if n <= 0:
@@ -354,6 +381,24 @@ class _StackNode(_Node):
         out = {} if child_meta is None else dict(child_meta)
         out["slice_valid_mask"] = [Part(None, mask.reshape(-1))]
         return data, out
+
+    def _evaluate_fast(self, idx, meta):
+        """:meth:`evaluate` of a stack straight over a buffer, in one call (see
+        :meth:`_fast_path`): the buffer has no metadata."""
+        torch = _torch()
+        count, offset = _unienv.ring_state(self.child.rb)
+        if count <= 0:
+            raise _OutOfRange()
+        idx = _as_rows(idx)
+        m, t = int(idx.shape[0]), self.t
+        rows = torch.empty(m * t, dtype=torch.int64)
+        mask = torch.empty((m, t), dtype=torch.bool)
+        key, key_type, kind, bits = self.fast
+        _rows.window_rows(idx.numpy(), self.offsets, self.anchor, count, offset, key,
+                          key_type, kind, bits, self.fill, rows.numpy(),
+                          mask.view(-1).view(torch.uint8).numpy())
+        data = _map(self.child.tree, lambda s: [Part(s[0], rows)])
+        return data, ({"slice_valid_mask": [Part(None, mask.view(-1))]} if meta else None)
 
     def _mask(self, expanded, m, n):
         """The valid mask ``(m, t)`` of the window ``expanded`` (within ``n``) from the
