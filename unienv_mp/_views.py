@@ -240,7 +240,7 @@ class _BufferNode(_Node):
         if idx.numel() == 0:
             return idx
         if within is not None and within <= count:
-            lo = 0   # (a buffer's count only grows; cleared, it is checked again)
+            lo = 0   # clipped to a length the buffer still has: in [0, count)
         else:
             lo, hi = torch.aminmax(idx)
             lo, hi = int(lo), int(hi)
