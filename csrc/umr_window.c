@@ -37,10 +37,12 @@ void umr_window(const int64_t *idx, uint64_t m, const int64_t *off, uint64_t t, 
                 int64_t *out)
 {
     uint64_t i, j;
+    /* (the sums wrap around as torch's do, in unsigned arithmetic, where signed overflow
+     * would be undefined; gcc converts back to int64 modulo 2^64) */
     for (i = 0; i < m; i++) {
-        int64_t x = idx[i] < 0 ? idx[i] + n : idx[i];
+        int64_t x = idx[i] < 0 ? (int64_t)((uint64_t)idx[i] + (uint64_t)n) : idx[i];
         for (j = 0; j < t; j++) {
-            int64_t v = x + off[j];
+            int64_t v = (int64_t)((uint64_t)x + (uint64_t)off[j]);
             if (v < 0)
                 v = 0;
             if (v > n - 1)
@@ -63,14 +65,15 @@ uint64_t umr_window_mask(const int64_t *key, uint64_t m, uint64_t t, uint64_t z,
                 invalid += !row[j];
             }
         } else {
-            /* before[j] = k[0] + ... + k[j-1]; the anchor's first */
-            int64_t anchor = 0, before = 0;
+            /* before[j] = k[0] + ... + k[j-1]; the anchor's first.  (Unsigned: the sums
+             * wrap around as torch's cumulative sum does, and compare equal when its do.) */
+            uint64_t anchor = 0, before = 0;
             for (j = 0; j < z; j++)
-                anchor += k[j];
+                anchor += (uint64_t)k[j];
             for (j = 0; j < t; j++) {
                 row[j] = before == anchor;
                 invalid += !row[j];
-                before += k[j];
+                before += (uint64_t)k[j];
             }
         }
     }
@@ -124,14 +127,15 @@ int64_t umr_window_rows(const int64_t *idx, uint64_t m, const int64_t *off, uint
                         int64_t *rows, uint8_t *mask)
 {
     uint64_t i, j, invalid = 0;
-    int64_t k[t > 0 ? t : 1];
+    int bits = kind == UMR_EPISODE_END ? ends_bits : 64;
     if (count <= 0)
         return -1;
     /* the logical window, then (further down) the storage rows */
     umr_window(idx, m, off, t, count, rows);
     for (i = 0; i < m * t; i++) {
-        int64_t r = rows[i] + offset;
-        rows[i] = r >= count ? r % count : r;   /* 0 <= rows[i] < count, offset >= 0 */
+        /* 0 <= rows[i] < count and 0 <= offset: no overflow below 2^63 */
+        uint64_t r = (uint64_t)rows[i] + (uint64_t)offset;
+        rows[i] = (int64_t)(r >= (uint64_t)count ? r % (uint64_t)count : r);
         if (rows[i] < 0 || (uint64_t)rows[i] >= key_rows)
             return -1;
     }
@@ -140,11 +144,26 @@ int64_t umr_window_rows(const int64_t *idx, uint64_t m, const int64_t *off, uint
             mask[i] = 1;
         return 0;
     }
+    /* umr_window_mask's arithmetic, each frame's key read from its storage row */
     for (i = 0; i < m; i++) {
-        for (j = 0; j < t; j++)
-            k[j] = key_value(key, key_type, kind == UMR_EPISODE_END ? ends_bits : 64,
-                             rows[i * t + j]);
-        invalid += umr_window_mask(k, 1, t, z, kind, mask + i * t);
+        const int64_t *r = rows + i * t;
+        uint8_t *v = mask + i * t;
+        if (kind == UMR_EPISODE_ID) {
+            int64_t anchor = key_value(key, key_type, bits, r[z]);
+            for (j = 0; j < t; j++) {
+                v[j] = key_value(key, key_type, bits, r[j]) == anchor;
+                invalid += !v[j];
+            }
+        } else {
+            uint64_t anchor = 0, before = 0;   /* (unsigned: as above) */
+            for (j = 0; j < z; j++)
+                anchor += (uint64_t)key_value(key, key_type, bits, r[j]);
+            for (j = 0; j < t; j++) {
+                v[j] = before == anchor;
+                invalid += !v[j];
+                before += (uint64_t)key_value(key, key_type, bits, r[j]);
+            }
+        }
     }
     if (fill && invalid)
         umr_window_fill(rows, mask, m, t, z);

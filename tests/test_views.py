@@ -255,6 +255,40 @@ def test_episode_columns_of_every_type_mask_as_uniEnv_masks(id_dtype, end_dtype)
                                  reference.sample_with_metadata())
 
 
+def test_a_window_of_a_million_offsets():
+    """(The one-call path keeps nothing per frame on its stack.)"""
+    t = 1_200_000
+    offsets = torch.arange(-t + 1, 1)
+    key = torch.zeros(50, dtype=torch.int64)
+    key[30:] = 1
+    rows = torch.empty(2 * t, dtype=torch.int64)
+    mask = torch.empty(2 * t, dtype=torch.uint8)
+    invalid = _rows.window_rows(torch.tensor([10, 40]).numpy(), offsets.numpy(), t - 1, 50, 0,
+                                key.view(torch.uint8).numpy(), _rows.KEY_TYPES["int64"],
+                                _rows.EPISODE_ID, 64, True, rows.numpy(), mask.numpy())
+    # window 10: every frame clipped into row 0..10, ids 0: all valid; window 40: rows
+    # 0..29 of episode 0 are invalid, filled with the first valid row, 30
+    assert invalid == t - 11
+    assert int(mask[:t].sum()) == t and int(mask[t:].sum()) == 11
+    assert int(rows[t:2 * t - 11].min()) == int(rows[t:2 * t - 11].max()) == 30
+
+
+def test_a_view_uniEnv_cannot_give_element_0_of_still_samples_directly():
+    """The construction's layout check asks UniEnv for element 0; where UniEnv cannot
+    give it, the workers decide from the batches UniEnv gives, and a batch it cannot give
+    raises UniEnv's error."""
+    from unienv_data.batches.subindex_batch import SubIndexedBatch
+    rb = vd.buffer((5, 3, 1, 7, 2), capacity=9)
+    view = vd.frame_stack(SubIndexedBatch(rb, torch.tensor([100] + list(range(9)))), 1, 1)
+    with MultiprocessingSampler(vd.sampler_of(view, 4, seed=0), n_workers=1) as m:
+        assert m.gather_path == "direct"
+        with pytest.raises(Exception, match="out of bounds"):
+            for _ in range(50):
+                m.sample()
+    g = gather.Gatherer(vd.sampler_of(view))
+    assert isinstance(g("get_at", torch.tensor([3, 5, 9])), SlotWriter)
+
+
 def test_a_view_whose_indices_leave_the_data_raises_uniEnvs_error():
     """Indices outside the data are UniEnv's to refuse: the generic getter runs them."""
     view = CombinedBatch([vd.buffer(), vd.buffer(start=1000)])
