@@ -143,8 +143,18 @@ def test_random_views_are_gathered_as_uniEnv_gives_them(seed):
             assert_identical(_direct(g, name, None), getattr(reference, name)(), name)
         assert_identical(_direct(g, name, 3),
                          tuple(getattr(reference, name)() for _ in range(3)), name)
+    for name in ("sample_flat", "sample_flat_with_metadata"):
+        # gathered directly for a column stack or a field view of one array, else generic
+        if g.structure(gather.DIRECT_METHODS[name]) is None:
+            assert g(name, None) is None
+            getattr(reference, name)()
+            continue
+        assert_identical(_direct(g, name, None), getattr(reference, name)(), name)
     order = torch.randperm(len(view), generator=torch.Generator().manual_seed(seed))
-    for getter in ("get_at", "get_at_with_metadata"):
+    for getter in ("get_at", "get_at_with_metadata", "get_flattened_at",
+                   "get_flattened_at_with_metadata"):
+        if g.structure(getter) is None:
+            continue
         for part in (order[:5], order[5:], order[-1:]):   # the epoch's partial last batch
             if len(part):
                 assert_identical(_direct(g, getter, part.clone()),
@@ -344,10 +354,22 @@ def test_what_the_direct_path_cannot_reproduce_takes_the_generic_path_and_says_w
         m.close()
 
 
-def test_flattened_batches_of_views_take_the_generic_path():
+def test_flattened_batches_of_a_column_stack_are_gathered_other_views_generic():
+    """A column stack flattens its own batch of one array (a reshape): gathered directly,
+    for the action chunks a policy flattens; a frame stack's flat rows are its buffer's,
+    flattened per frame and promoted: generic."""
     sampler = vd.sampler_of(vd.frame_stack(vd.buffer()), seed=1)
     assert gather.Gatherer(sampler)("sample_flat", None) is None
     assert gather.Gatherer(sampler)("get_flattened_at", torch.arange(3)) is None
+    for view in (vd.action_chunk(vd.buffer((3, 1, 20, 6))),
+                 SubItemBatch(vd.frame_stack(vd.buffer()), ["obs", "image"])):
+        sampler = vd.sampler_of(view, 8, seed=1)
+        reference = copy.deepcopy(sampler)
+        g = gather.Gatherer(sampler)
+        for name in ("sample_flat", "sample_flat_with_metadata"):
+            batch = _direct(g, name, 2)
+            assert_identical(batch, tuple(getattr(reference, name)() for _ in range(2)))
+    assert batch[0][0].shape == (8, 2 * 3 * 4 * 4)
 
 
 # -- through the sampler: workers, start methods, epochs, a growing buffer --------------------

@@ -31,7 +31,9 @@ computed.  What a node cannot reproduce exactly is refused when it is planned, w
 reason that names the part of the view: a custom valid mask function or one reading
 metadata, a subclass, transformations, storages outside :mod:`unienv_mp.gather`'s list.
 
-Flattened batches of views (``sample_flat*``, ``get_flattened_at*``) take the generic path.
+Flattened batches of views (``sample_flat*``, ``get_flattened_at*``) are gathered directly
+where the view flattens its own batch of one array (a column stack, a field view: the flat
+row is the window's rows one after the other); elsewhere they take the generic path.
 """
 import numpy as np
 
@@ -39,11 +41,16 @@ from . import _codec, _rows, _unienv
 from .gather import BUFFER_METHODS, NotDirect, byte_rows, overridden, qualname
 from .worker import SlotWriter
 
-__all__ = ["PLANNERS", "plan", "Spec", "Part", "ViewGatherer", "GETTERS"]
+__all__ = ["PLANNERS", "plan", "Spec", "Part", "ViewGatherer", "GETTERS", "FLAT_GETTERS",
+           "getter_specs"]
 
 #: The getters a view plan serves (``sample`` and ``sample_with_metadata`` gather with
 #: them, as do the epochs).
 GETTERS = ("get_at", "get_at_with_metadata")
+#: The flattened getters, which a view plan serves for the views that flatten their
+#: batch with UniEnv's ``flatten_data`` (a column stack, a field view) where that batch
+#: is one array (see :func:`flat_specs`).
+FLAT_GETTERS = ("get_flattened_at", "get_flattened_at_with_metadata")
 
 
 def _torch():
@@ -54,20 +61,19 @@ def _torch():
 class Spec:
     """One array of a batch, per batch element: ``lead`` (the window dimensions that stacks
     add, outermost first) then ``unit`` (one storage row, or one computed value), of
-    ``dtype``.  The array of a batch of ``n`` is ``(n, *lead, *unit)``: ``n * prod(lead)``
-    rows of ``unit``."""
-    __slots__ = ("dtype", "lead", "unit", "per_element")
+    ``dtype``.  The array of a batch of ``n`` is ``(n, *lead, *unit)``, or ``(n,
+    *shape)`` for a ``shape`` of as many elements (a flattened batch's one row per
+    element): ``n * prod(lead)`` rows of ``unit`` in memory either way."""
+    __slots__ = ("dtype", "lead", "unit", "per_element", "shape")
 
-    def __init__(self, dtype, lead, unit):
+    def __init__(self, dtype, lead, unit, shape=None):
         self.dtype = dtype
         self.lead = tuple(int(d) for d in lead)
         self.unit = tuple(int(d) for d in unit)
         #: rows of ``unit`` per batch element
         self.per_element = int(np.prod(self.lead, dtype=np.int64))
-
-    @property
-    def shape(self):
-        return self.lead + self.unit
+        #: the array's shape after the batch dimension
+        self.shape = self.lead + self.unit if shape is None else tuple(shape)
 
     def element_nbytes(self):
         """Bytes per batch element."""
@@ -77,12 +83,19 @@ class Spec:
     def stacked(self, t):
         return Spec(self.dtype, (t, *self.lead), self.unit)
 
+    def flattened(self):
+        """The same rows as one flat row per element (UniEnv's ``flatten_data`` of one
+        array: a reshape)."""
+        return Spec(self.dtype, self.lead, self.unit,
+                    (int(np.prod(self.shape, dtype=np.int64)),))
+
     def __eq__(self, other):
         return (isinstance(other, Spec) and self.dtype == other.dtype
-                and self.shape == other.shape and self.lead == other.lead)
+                and self.shape == other.shape and self.lead == other.lead
+                and self.unit == other.unit)
 
     def __repr__(self):
-        return f"Spec({self.dtype}, lead={self.lead}, unit={self.unit})"
+        return f"Spec({self.dtype}, lead={self.lead}, unit={self.unit}, shape={self.shape})"
 
 
 class Source:
@@ -615,6 +628,27 @@ def plan(batch, planner):
         raise NotDirect(f"{type(batch).__name__} > {e}") from None
 
 
+def getter_specs(root, getter):
+    """What ``getter`` returns, as trees of :class:`Spec`: the data (and the metadata, for
+    a ``_with_metadata`` getter).  A flattened getter is planned where the view flattens
+    its own batch with UniEnv's ``flatten_data`` (a column stack, a field view) and that
+    batch is one array, whose flat row is its rows one after the other; elsewhere
+    (flattened rows of a buffer under a window, several arrays promoted to one dtype) it
+    raises NotDirect."""
+    data, meta = root.specs()
+    if getter in FLAT_GETTERS:
+        view = getattr(root, "view", None)
+        flattens = (isinstance(root, _SubItemNode) or (
+            isinstance(root, _StackNode) and type(view) is _unienv.column_stack_class()))
+        if not flattens or not isinstance(data, Spec):
+            raise NotDirect("flattened batches of this view are not gathered directly "
+                            "(only a column stack's or field view's single array)")
+        data = data.flattened()
+    elif getter not in GETTERS:
+        raise NotDirect(f"{getter} is not a gathering method")
+    return (data, meta) if getter.endswith("_with_metadata") else data
+
+
 # -- the slot ---------------------------------------------------------------------------------
 
 class ViewGatherer:
@@ -654,10 +688,8 @@ class ViewGatherer:
         # UniEnv's own answer for one element, from the view itself (what the sampler's
         # getter returns for a CPU sampler): the layout to follow
         reference = getattr(self.sampler.data, getter)(idx[:1].clone())
-        specs = self.root.specs()
         try:
-            plan = _Plan(reference, specs if getter.endswith("_with_metadata") else specs[0],
-                         key[1], k)
+            plan = _Plan(reference, getter_specs(self.root, getter), key[1], k)
         except NotDirect:
             self._plans[key] = None
             raise
@@ -672,8 +704,11 @@ def layout_check(root, sampler):
     torch = _torch()
     if root.length() <= 0:
         return
-    specs = root.specs()
-    for getter in GETTERS:
+    for getter in GETTERS + FLAT_GETTERS:
+        try:
+            specs = getter_specs(root, getter)
+        except NotDirect:
+            continue   # (a flattened getter that takes the generic path)
         try:
             reference = getattr(sampler.data, getter)(torch.zeros(1, dtype=torch.int64))
         except Exception:
@@ -681,7 +716,7 @@ def layout_check(root, sampler):
             # say): not for this check to decide; the workers plan from a batch UniEnv
             # gives, and a batch it cannot give raises UniEnv's error there
             return
-        _Plan(reference, specs if getter.endswith("_with_metadata") else specs[0], 1, None)
+        _Plan(reference, specs, 1, None)
 
 
 class _Plan:

@@ -48,9 +48,9 @@ DIRECT_METHODS = {
     "sample_flat_with_metadata": "get_flattened_at_with_metadata",
 }
 _GETTERS = {g: s for s, g in DIRECT_METHODS.items()}
-#: The getters a view's plan serves (:data:`unienv_mp._views.GETTERS`; its flattened
-#: batches take the generic path).
-_VIEW_GETTERS = ("get_at", "get_at_with_metadata")
+#: The getters a view's plan may serve (:data:`unienv_mp._views.GETTERS` and
+#: ``FLAT_GETTERS``; a flattened getter only for some views).
+_VIEW_GETTERS = tuple(_GETTERS)
 _SAMPLER_METHODS = ("sample_index", *DIRECT_METHODS, *_GETTERS)
 BUFFER_METHODS = ("get_at", "get_at_with_metadata", "get_flattened_at",
                    "get_flattened_at_with_metadata", "_logical_to_physical_index")
@@ -298,12 +298,8 @@ class Planner:
         """The tree of Leaf (and None) that ``sampler.<getter>(idx)`` returns; for a
         view, of :class:`unienv_mp._views.Spec`."""
         if self.view is not None:
-            if getter == "get_at":
-                return self.view.specs()[0]
-            if getter == "get_at_with_metadata":
-                return self.view.specs()
-            raise NotDirect("flattened batches of a view (sample_flat*, epoch_flat_iter*) "
-                            "are not gathered directly")
+            from . import _views
+            return _views.getter_specs(self.view, getter)
         rb = self.buffer
         storage = rb.storage
         if getter in ("get_at", "get_at_with_metadata"):
@@ -424,11 +420,12 @@ class Gatherer:
                 k = arg
             else:
                 return None
-            if getter not in _VIEW_GETTERS:
+            if getter not in _VIEW_GETTERS or self.structure(getter) is None:
                 return None
             sample_index = self.sampler.sample_index   # the RNG advances as in sample*()
             indices = [sample_index() for _ in range(k or 1)]
-        elif name in _VIEW_GETTERS and _is_index_tensor(arg):
+        elif (name in _VIEW_GETTERS and _is_index_tensor(arg)
+                and self.structure(name) is not None):
             getter, k, indices = name, None, [arg]
         else:
             return None
