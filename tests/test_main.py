@@ -60,11 +60,17 @@ def test_nothing_to_compare(monkeypatch, capsys):
     assert "torch is not installed" in capsys.readouterr().err
 
 
-def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch, tmp_path, capsys):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
+def test_plot_without_matplotlib_says_how_to_get_it_before_measuring(monkeypatch, tmp_path,
+                                                                     capsys):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
     assert main_mod.main(SMALL + ["--impl", "in_process", "--plot",
-                                  str(tmp_path / "p.png")]) == 0
-    assert "pip install 'unienv_mp[plot]'" in capsys.readouterr().err
+                                  str(tmp_path / "p.png")]) == 2
+    captured = capsys.readouterr()
+    assert "pip install 'unienv_mp[plot]'" in captured.err and captured.out == ""
+    assert not (tmp_path / "p.png").exists()
     assert not (tmp_path / "p.png").exists()
 
 
@@ -228,18 +234,20 @@ def test_table_says_slower_where_unienv_mp_loses():
                        "dataloader": "1.02x slower"}
 
 
-def test_without_torchrl_its_row_is_skipped_with_a_message():
-    # torchrl made unimportable: nothing at import time needs it, and the row is skipped.
+def test_without_torchrl_asking_for_its_row_says_how_to_install_it():
+    # torchrl made unimportable: nothing at import time needs it; asked for by name, its
+    # row stops the main job before it measures (in the default rows it is skipped: see
+    # test_main_cases)
     code = ("import sys; sys.modules['torchrl'] = sys.modules['tensordict'] = None\n"
+            "import importlib.util; real = importlib.util.find_spec\n"
+            "importlib.util.find_spec = lambda n, *a: None if n == 'torchrl' else real(n, *a)\n"
             "from unienv_mp import __main__ as m\n"
             f"sys.exit(m.main({SMALL + ['--impl', 'in_process,torchrl', '--json']!r}))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=300)
-    assert p.returncode == 0, p.stderr
-    assert "skipping TorchRL ReplayBuffer(prefetch=4): torchrl is not installed" in p.stderr
-    out = json.loads(p.stdout)
-    assert [r["name"] for r in out["results"]] == ["in_process"]
-    assert out["skipped"] == {"torchrl": "torchrl is not installed (pip install torchrl)"}
+    assert p.returncode == 2, p.stderr
+    assert "--impl torchrl: torchrl is not installed (pip install torchrl)" in p.stderr
+    assert p.stdout == ""
 
 
 def test_available_reports_missing_torchrl(monkeypatch):

@@ -383,3 +383,47 @@ def test_the_bare_limit_of_a_view_gathers_uniEnvs_batch():
             for _ in range(3):
                 assert_identical(limit(), reference.sample(), name)
             close()
+
+
+# --- what the main job says ---------------------------------------------------------------
+
+def test_missing_optional_dependencies_stop_the_main_job_before_it_measures():
+    code = ("import sys; sys.modules['matplotlib'] = None; sys.modules['torchrl'] = None\n"
+            "import importlib.util\n"
+            "real = importlib.util.find_spec\n"
+            "importlib.util.find_spec = lambda n, *a: None if n in ('matplotlib', 'torchrl')"
+            " else real(n, *a)\n"
+            "from unienv_mp import __main__ as m\n"
+            "sys.exit(m.main(sys.argv[1:]))")
+    for argv, said in ((["--plot", "x.png"], "--plot needs matplotlib: pip install "
+                                             "'unienv_mp[plot]'"),
+                       (["--impl", "unienv_mp,torchrl"], "--impl torchrl: torchrl is not "
+                                                         "installed (pip install torchrl)")):
+        p = subprocess.run([sys.executable, "-c", code] + SMALL + argv, capture_output=True,
+                           text=True, timeout=120)
+        assert p.returncode == 2 and said in p.stderr, p.stderr
+        assert "building" not in p.stderr and p.stdout == ""
+    # the default rows are skipped where they cannot run, saying so
+    p = subprocess.run([sys.executable, "-c", code] + SMALL[:-1] + ["--impl", "ray", "--case",
+                                                                   "state", "--seconds", "0.1"],
+                       capture_output=True, text=True, timeout=300)
+    if "ray" in compare.available():
+        assert p.returncode == 2 and "--impl ray:" in p.stderr
+    else:
+        assert p.returncode == 0, p.stderr
+        assert "skipping TorchRL ReplayBuffer(prefetch=4): torchrl is not installed" in p.stderr
+
+
+def test_progress_is_a_line_per_row_without_a_terminal_and_nothing_with_no_progress(capsys):
+    argv = [a for a in SMALL if a != "--no-progress"] + ["--case", "state", "--impl",
+                                                        "in_process,unienv_mp"]
+    assert main_mod.main(argv) == 0
+    err = capsys.readouterr().err.splitlines()
+    for label in (compare.LABELS["in_process"], compare.LABELS["unienv_mp"]):
+        assert f"state: {label} ..." in err
+        assert any(line.startswith(f"state: {label}: done in ") for line in err), err
+    assert main_mod.main(argv + ["--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    assert compare.describe("state", compare.case_config("state")) == (
+        "state 10 f32, action 7 f32")   # (not "image no image")

@@ -19,10 +19,12 @@ rows one after the other, in one run, over the same data, and prints one table p
 """
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import sys
 import textwrap
+import time
 from dataclasses import dataclass, field, replace
 from typing import List
 
@@ -114,9 +116,13 @@ def parse_args(argv=None):
                    help="save a chart (needs matplotlib): ms and main CPU per batch, or "
                         "batches/s against workers with --workers 1,2,...; with --case "
                         "all, one file per case, named FILE-CASE.png")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--no-progress", action="store_true",
+                   help="say nothing while working (by default: a bar per row on a "
+                        "terminal, else a line as each row starts and finishes)")
     args = p.parse_args(argv)
     impls = [x.strip() for x in args.impl.split(",") if x.strip()]
+    # the rows asked for by name (the default list's are skipped where they cannot run)
+    args.named = [] if args.impl == ",".join(compare.DEFAULT_IMPLEMENTATIONS) else impls
     if impls == ["ray"]:
         impls = list(compare.DEFAULT_IMPLEMENTATIONS) + impls
     bad = [x for x in impls if x not in compare.IMPLEMENTATIONS]
@@ -176,9 +182,15 @@ def _prod(xs):
 
 
 class _Progress:
+    """What the main job says while it works, on stderr: a bar per row where stderr is a
+    terminal (and tqdm is installed), else a line as each row starts and one as it
+    finishes (a CI log, ``| tee``, a notebook); nothing at all when not ``enabled``
+    (``--no-progress``, ``--json``)."""
+
     def __init__(self, enabled):
+        self.enabled = enabled
         self.tqdm = None
-        if enabled:
+        if enabled and sys.stderr.isatty():
             try:
                 from tqdm import tqdm
                 self.tqdm = tqdm
@@ -186,12 +198,12 @@ class _Progress:
                 pass
 
     def bar(self, total, desc, unit):
-        if self.tqdm is None:
-            print(desc + " ...", file=sys.stderr, flush=True)
+        if not self.enabled:
             return _NoBar()
-        # disable=None: no bar when stderr is not a terminal (logs, CI)
+        if self.tqdm is None:
+            return _LineBar(desc)
         return self.tqdm(total=total, desc=desc, unit=unit, leave=False, file=sys.stderr,
-                         disable=None, bar_format="{desc:<44} {bar} {percentage:3.0f}%")
+                         bar_format="{desc:<44} {bar} {percentage:3.0f}%")
 
     def timing(self, desc):
         """A bar for one measurement: ``(advance(fraction done), close())``."""
@@ -204,6 +216,22 @@ class _Progress:
                 bar.update(step - last[0])
                 last[0] = step
         return advance, bar.close
+
+
+class _LineBar:
+    """A line when it starts, one when it is closed (with the seconds between)."""
+
+    def __init__(self, desc):
+        self.desc = desc
+        self.start = time.perf_counter()
+        print(f"{desc} ...", file=sys.stderr, flush=True)
+
+    def update(self, n=1):
+        pass
+
+    def close(self):
+        print(f"{self.desc}: done in {time.perf_counter() - self.start:.1f} s",
+              file=sys.stderr, flush=True)
 
 
 class _NoBar:
@@ -740,9 +768,31 @@ def _run_case(case, args, missing, progress, say):
                    any(r.error for r in results), skipped)
 
 
+def missing_dependencies(args, missing):
+    """What the options ask for that this machine lacks, each with its install command:
+    matplotlib for ``--plot``, and the rows named in ``--impl`` (torchrl, ray); checked
+    before anything is measured.  (Rows of the default list that cannot run here are
+    skipped instead, saying so.)"""
+    out = []
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        out.append("--plot needs matplotlib: pip install 'unienv_mp[plot]'")
+    out += [f"--impl {name}: {missing[name]}" for name in args.named
+            if name in _OPTIONAL_ROWS and name in missing]
+    return out
+
+
+#: The rows that need an optional dependency (the extras of the README's "Installing").
+_OPTIONAL_ROWS = ("torchrl", "ray")
+
+
 def main(argv=None):
     args = parse_args(argv)
     missing = compare.available()
+    lacking = missing_dependencies(args, missing)
+    if lacking:
+        for line in lacking:
+            print(line, file=sys.stderr)
+        return 2
     cases = list(compare.CASES) if args.case == "all" else [args.case]
     progress = _Progress(not args.no_progress and not args.json)
     said = set()

@@ -171,7 +171,7 @@ def describe(case: str, cfg: Config) -> str:
     if case == "views":
         return (f"obs.state 10 f32, obs.image {img or 'none'} u8, action 7 f32, reward f32, "
                 f"episode_id i64, episode_end bool; episodes of {EPISODE_STEPS}")
-    return f"state 10 f32, action 7 f32, image {img if cfg.image_shape else 'no image'}"
+    return "state 10 f32, action 7 f32" + (f", image {img} u8" if cfg.image_shape else "")
 
 
 def case_missing(case: str, cfg: Config) -> Optional[str]:
