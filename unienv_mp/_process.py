@@ -157,6 +157,33 @@ def exit_code(proc, wait=0.0):
         return None
 
 
+#: The exit code of a process that was about to start workers while it was itself being
+#: started with spawn or forkserver: it was importing the main module (as every such
+#: process does), and the main module's top level starts a sampler.  Repeating the start
+#: would repeat this, so the parent raises instead of starting a replacement.
+EXIT_MAIN_REIMPORTED = 86
+
+_MAIN_REIMPORTED = (
+    "unienv_mp: this process was started with spawn or forkserver and, while importing "
+    "the main module, was about to start a sampler's workers itself: the script does "
+    "that at its top level.  Put its work under `if __name__ == \"__main__\":` (see "
+    "unienv_mp's README, quick start).  Exiting with code {code}.\n")
+
+
+def exit_if_reimporting_main():
+    """Exit at once, with :data:`EXIT_MAIN_REIMPORTED` and one line on stderr, if this
+    process is being started with spawn or forkserver and is importing the main module
+    (multiprocessing's bootstrapping phase): starting workers from there is the
+    guard-less script's mistake, which multiprocessing would answer with a traceback in
+    every such process, and the parent with a replacement that makes it again."""
+    if getattr(_mp_process.current_process(), "_inheriting", False):
+        try:
+            os.write(2, _MAIN_REIMPORTED.format(code=EXIT_MAIN_REIMPORTED).encode())
+        except OSError:
+            pass
+        os._exit(EXIT_MAIN_REIMPORTED)
+
+
 def describe_exit(code):
     """How a process with exit code ``code`` (see :func:`exit_code`) ended, in words."""
     if code is None:

@@ -222,6 +222,7 @@ class WorkerHandle:
         work function cannot be sent to the process.  Either the handle has the new
         process when this returns or raises (a ``KeyboardInterrupt`` arriving meanwhile
         is raised once the handle has it), or no process is left running."""
+        _process.exit_if_reimporting_main()
         launch = self._launch
         task_entry = P.ENTRY_HEADER + TASK_INLINE
         result_entry = P.ENTRY_HEADER + RESULT_INLINE

@@ -249,6 +249,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 raise ValueError(f"worker_seeds must have n_workers={n_workers} entries, "
                                  f"got {len(worker_seeds)}")
         ctx = check_context(ctx)
+        self._start_method = ctx.get_start_method()
         self.target_fn = target_fn
         self.doze_time = doze_time
         self.done_event = done_event
@@ -338,6 +339,16 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 pass
         how = _process.describe_exit(code)
         deaths = lane.deaths_in_a_row + 1
+        if code == _process.EXIT_MAIN_REIMPORTED and stall is None:
+            # a replacement would make the same mistake: one error, with the fix
+            lane.deaths_in_a_row = deaths
+            raise WorkerDiedError(
+                f"worker {w.index} {how}: started with {self._start_method!r}, it "
+                f"imported the main module, whose top level starts a sampler's workers "
+                f"again (the script has no `if __name__ == \"__main__\":` guard around "
+                f"its work).  Put the work under such a guard (see the README's quick "
+                f"start); workers started with spawn or forkserver import the main module",
+                worker=w.index, exitcode=code) from None
         failed = None   # a stalled task whose result is its stall
         if stall is not None:
             task = self._tasks.get(stall.ticket)
