@@ -290,6 +290,7 @@ class _StackNode(_Node):
         self.stack_meta = bool(view.stack_metadata)
         self.mask_fn = view.get_valid_mask_function
         self.mask_node = None
+        self.kind = None   # the window loops' mask kind, where they compute UniEnv's mask
         key = _unienv.stack_mask_key(view)
         if isinstance(key, str):
             raise NotDirect(key)
@@ -320,7 +321,6 @@ class _StackNode(_Node):
             if spec.shape == () and (kind == "episode_end" or not (
                     spec.dtype.is_floating_point or spec.dtype.is_complex)):
                 self.kind = _rows.EPISODE_ID if kind == "episode_id" else _rows.EPISODE_END
-        self.kind = getattr(self, "kind", None)
         self.fast = self._fast_path()
 
     def _fast_path(self):
