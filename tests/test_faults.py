@@ -45,8 +45,10 @@ def test_worker_dying_mid_batch_is_replaced_without_a_gap(tmp_path, how):
 
 def _epoch_pool(m):
     """The manager running ``m``'s current epoch: its own over unshared data, else the
-    sampler's."""
-    return next(iter(m._epoch_managers)) if m._epoch_managers else m._manager
+    one kept for epochs, else the sampler's."""
+    if m._epoch_managers:
+        return next(iter(m._epoch_managers))
+    return m._kept if m._kept is not None else m._manager
 
 
 @pytest.mark.parametrize("shared", [False, True])
