@@ -229,7 +229,11 @@ class SamplerBase(BatchSampler):
         if self._caller.since_ns is None:
             self._start_clock()   # (a manager made before the first request)
         try:
-            stream.top_up(manager.submit, n_buffers)
+            # Nothing requested yet (the first call, or the first after manual_seed): one
+            # task alone, so that the batch waited for has a worker, and the CPUs, to
+            # itself; the rest once it is here.
+            cold = not (ready or tickets)
+            stream.top_up(manager.submit, 0 if cold else n_buffers)
             if ready:
                 self._caller.batches += 1
                 return ready.popleft()
@@ -243,6 +247,8 @@ class SamplerBase(BatchSampler):
                 raise
             tickets.remove(ticket)
             stream.arrived(ticket, value)
+            if cold:
+                stream.top_up(manager.submit, n_buffers)
             self._caller.batches += 1
             return ready.popleft()
         except WorkerError:
@@ -301,9 +307,12 @@ class SamplerBase(BatchSampler):
         pending = collections.deque()
         number = {}   # ticket -> batch number
         nxt = 0
+        # The first batch is asked for alone, so that it has a worker, and the CPUs, to
+        # itself (it is waited for at once); the rest from the second on.
+        ahead = 1
         try:
             while nxt < len(todo) or pending:
-                while nxt < len(todo) and len(pending) < self.n_buffers:
+                while nxt < len(todo) and len(pending) < ahead:
                     manager.submit((getter, batches[todo[nxt]]), record=pending)
                     number[pending[-1]] = todo[nxt]
                     nxt += 1
@@ -311,6 +320,13 @@ class SamplerBase(BatchSampler):
                 value = self._collect(manager, pending, ticket)
                 progress.handed_out(number.pop(ticket))
                 self._caller.batches += 1
+                if ahead == 1:
+                    # the rest, while the caller uses this batch
+                    ahead = self.n_buffers
+                    while nxt < len(todo) and len(pending) < ahead - 1:
+                        manager.submit((getter, batches[todo[nxt]]), record=pending)
+                        number[pending[-1]] = todo[nxt]
+                        nxt += 1
                 yield value
         finally:
             # Also on an early break (generator closed) or an error: drop what is in flight.
