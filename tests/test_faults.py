@@ -108,7 +108,7 @@ PARENT = """
     sampler = _data.SlowSampler(rb, 5, seed=0, delay={delay})
     m = MultiprocessingSampler(sampler, n_workers=2, n_buffers=2, ctx={method!r})
     m.sample() if {delay} < 1 else None
-    m._ensure_manager()
+    m._ensure_manager().start_all()
     print(" ".join(str(p.pid) for p in m._manager.workers), flush=True)
     {then}
 """

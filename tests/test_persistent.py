@@ -28,14 +28,15 @@ def clone(tree):
 
 
 def run_epoch(m, method="epoch_iter"):
-    """``(batches, pids)``: one epoch's batches (copied) and the pids of the workers that
-    made them."""
+    """``(batches, pid)``: one epoch's batches (copied) and the pid of the first worker of
+    the pool that made them (which always starts with its pool; the others may start
+    later, see the manager's ``start_later``)."""
     batches, pids = [], None
     before = dict(m._epoch_users)   # manager -> epochs running on it
     for b in getattr(m, method)():
         if pids is None:
             (pool,) = [p for p, n in m._epoch_users.items() if n > before.get(p, 0)]
-            pids = tuple(p.pid for p in pool.workers)
+            pids = pool.workers[0].pid
         batches.append(clone(b))
     return batches, pids
 
@@ -144,7 +145,7 @@ def test_epochs_on_kept_workers_are_bit_identical_to_epochs_on_new_workers(ctx):
         (first,) = kept_pids
         # sample() then runs on the same workers: one pool
         kept.sample()
-        assert tuple(p.pid for p in kept._manager.workers) == first
+        assert kept._manager.workers[0].pid == first
         assert kept._kept is None
         a, pids = run_epoch(kept)
         assert pids == first
@@ -156,7 +157,7 @@ def test_an_epoch_runs_on_the_sample_workers_while_the_data_is_unchanged():
     with sampler(rb, None) as m, sampler(rb, False) as ref:
         m.sample()
         ref.sample()
-        pids = tuple(p.pid for p in m._manager.workers)
+        pids = m._manager.workers[0].pid
         for _ in range(2):
             a, a_pids = run_epoch(m)
             assert a_pids == pids
@@ -223,7 +224,7 @@ def test_an_epoch_still_running_on_workers_that_are_no_longer_current_finishes_o
         # a second epoch over the new data, while the first is still running
         a2, pids2 = run_epoch(kept)
         same_epochs(a2, run_epoch(new)[0])
-        assert pids2 != tuple(p.pid for p in old_pool.workers)
+        assert pids2 != old_pool.workers[0].pid
         assert not old_pool.closed and old_pool in kept._epoch_managers
         # the first epoch finishes, on the data as it was when it started
         rest_a, rest_b = [clone(b) for b in it_a], [clone(b) for b in it_b]
@@ -273,3 +274,27 @@ def test_close_ends_kept_workers():
     assert pool is not None and not pool.closed
     m.close()
     assert pool.closed and m._kept is None
+
+
+# -- workers started after the first: only while the data is the first one's copy -------------
+
+def test_a_new_pool_starts_one_worker_and_the_rest_only_while_the_data_is_unchanged():
+    rb = replay_buffer(200, capacity=400)
+    with sampler(rb, None, batch=8) as lazy, sampler(rb, False, batch=8) as eager:
+        first = [clone(lazy.sample()), clone(eager.sample())]
+        assert len(lazy._manager.workers) == 1 and len(eager._manager.workers) == 2
+        assert_identical(*first)
+        rb.extend(_data.transitions(200, 100))   # the second worker would copy this
+        for _ in range(30):
+            assert_identical(clone(lazy.sample()), clone(eager.sample()))
+        lazy._manager.start_all()
+        assert len(lazy._manager.workers) == 1, "a worker started on other data"
+        assert max(max(indices_of(lazy.sample())) for _ in range(5)) < 200
+
+
+def test_a_new_pool_over_unchanged_data_starts_its_other_workers():
+    rb = replay_buffer(64)
+    with sampler(rb, None) as m:
+        m.sample()
+        m._manager.start_all()
+        assert len({p.pid for p in m._manager.workers}) == 2

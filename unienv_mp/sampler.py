@@ -14,6 +14,7 @@ back through shared-memory slots as zero-copy views (see
 """
 import collections
 import dataclasses
+import multiprocessing as _mp
 import time
 from typing import Any, Optional
 
@@ -759,7 +760,30 @@ class MultiprocessingSampler(SamplerBase):
             SamplerTarget(self.sampler, direct=self._direct), n_workers=self.n_workers,
             ctx=self.mp_ctx, doze_time=self.doze_time, daemon=self.daemon,
             in_order=self.in_order, copy=self.copy, timeout=self.timeout,
-            respawn=self.respawn, stall_timeout=self.stall_timeout)
+            respawn=self.respawn, stall_timeout=self.stall_timeout,
+            start_later=self._start_later())
+
+    def _start_later(self):
+        """The manager's ``start_later``: whether its workers after the first may start
+        later, when they would copy the same data as the first (a first batch then costs
+        one process start, not ``n_workers``).  Under spawn and forkserver they map the
+        snapshot the first one's start made, and shared data is the same for all; under
+        fork they copy the data as it is when they start, so only while its fingerprint
+        is the one taken now (``persistent_workers=True``: the caller's promise).  None
+        (all start now) where that cannot be told."""
+        sampler = self.sampler
+        ctx = self.mp_ctx if self.mp_ctx is not None else _mp.get_context()
+        if ctx.get_start_method() != "fork" or _data_is_shared(sampler):
+            return _always
+        if self.persistent_workers is False:
+            return None
+        then = _fingerprint.take(sampler)
+        if then is None:
+            return _always if self.persistent_workers is True else None
+
+        def unchanged():
+            return _fingerprint.same(then, _fingerprint.take(sampler))
+        return unchanged
 
     def _data_now(self):
         """The fingerprint of the data as it is now (see :mod:`unienv_mp._fingerprint`),
@@ -813,6 +837,10 @@ class MultiprocessingSampler(SamplerBase):
             return manager, False
         self._epoch_managers.add(manager)
         return manager, True
+
+
+def _always():
+    return True
 
 
 class _StreamMethod:
