@@ -610,7 +610,8 @@ class MultiprocessingSampler(SamplerBase):
     A drop-in for ``unienv_data.samplers.MultiprocessingSampler`` (same constructor, same
     methods and properties), with batches moved through shared memory instead of pickles.
     As in UniEnv, the ``sample*`` workers start at the first call and see the data as it
-    was then (unless it is shared between processes, e.g. a ReplayBuffer made with
+    was then (the first of them starts then, the others later with the same copy: see
+    the manager's ``start_later``) (unless it is shared between processes, e.g. a ReplayBuffer made with
     ``multiprocessing=True``), and an epoch over unshared data covers it as it is when
     the epoch starts: on workers that exist if their copy is still current, else on new
     ones (see ``persistent_workers``).
