@@ -376,8 +376,9 @@ def latency_table(points, cfg):
              f"are idle.  unienv_mp is: by p50, against the same way of asking.",
              "manual_seed(), then sample(): the sampler already runs; "
              "first batch of a new epoch_iter(): over data not shared between processes, "
-             "each epoch starts its workers; first sample() of a new sampler: includes "
-             "starting the workers."]
+             "UniEnv's sampler starts workers for each epoch, unienv_mp runs it on the "
+             "workers it kept (the data is unchanged); first sample() of a new sampler: "
+             "includes starting the workers."]
     notes += list(dict.fromkeys(f"{r.label}, {r.trigger_label}: n/a: {r.skipped}."
                                 for _, r in points if r.skipped))
     return Table(title, head, rows, notes)

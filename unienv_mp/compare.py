@@ -875,7 +875,9 @@ def latency_probe(name: str, trigger: str, rb, cfg: Config):
       seed, so that row raises ``NotMeasurable``.
     * ``epoch``: one sampler; each run takes the first batch of a new ``epoch_iter()``
       (``prepare`` closes the one before).  Over data that is not shared between
-      processes, both MultiprocessingSamplers start the epoch's workers there.
+      processes, UniEnv's MultiprocessingSampler starts the epoch's workers there;
+      unienv_mp's runs the epoch on the workers it kept, the data being unchanged (its
+      first run starts them).
     * ``start``: each run makes a new sampler (seeded with the run's number) and calls
       ``sample()``, so it includes starting the workers (``prepare`` closes the one
       before).
