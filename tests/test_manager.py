@@ -470,3 +470,19 @@ def test_start_later_false_keeps_the_others_from_ever_starting():
 def test_start_later_must_be_callable():
     with pytest.raises(TypeError, match="start_later must be None or callable"):
         MultiProcessingSampleManager(_identity, n_workers=1, ctx="fork", start_later=True)
+
+
+def test_a_worker_that_cannot_start_later_leaves_the_started_ones_working():
+    calls = []
+
+    def refuse_once_started():
+        calls.append(1)
+        raise OSError("no more processes")
+    with MultiProcessingSampleManager(_sleep_then_pid, n_workers=3, ctx="fork", timeout=30,
+                                      start_later=refuse_once_started) as mgr:
+        assert mgr.result(mgr.submit(0.0)) == mgr.workers[0].pid
+        with pytest.warns(RuntimeWarning, match="could not start a worker after the first"):
+            assert mgr.result(mgr.submit(0.2)) == mgr.workers[0].pid
+        assert len(mgr.workers) == 1 and calls == [1]
+        assert mgr.result(mgr.submit(0.1)) == mgr.workers[0].pid   # none tried again
+        assert calls == [1]

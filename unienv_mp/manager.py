@@ -18,6 +18,7 @@ import collections
 import os
 import queue as _queue
 import time
+import warnings
 from multiprocessing import util as _mputil
 from typing import Callable, Generic, Optional, Sequence, TypeVar
 
@@ -337,18 +338,32 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         while self._start_deferred():
             pass
 
-    def _start_deferred(self):
+    def _start_deferred(self, quiet=False):
         """Start the next worker left to start later, if ``start_later()`` allows (else
-        none of them will start); True if one started."""
+        none of them will start); True if one started.  ``quiet``: a worker that cannot
+        be started (or a ``start_later`` that raises) is not the caller's error, since
+        the workers started can do the work: none of the rest will start, with a
+        ``RuntimeWarning`` saying why."""
         if not self._deferred:
             return False
         # (one step: either the worker has its lane and its process, or neither)
         with _process.interrupts_deferred():
-            if not self._start_later():
+            try:
+                if not self._start_later():
+                    self._deferred.clear()
+                    return False
+                w, seed = self._deferred[0]
+                w.start(seed)
+            except Exception as e:
+                if not quiet:
+                    raise
+                left = len(self._deferred)
                 self._deferred.clear()
+                warnings.warn(f"unienv_mp: could not start a worker after the first "
+                              f"({type(e).__name__}: {e}); going on with "
+                              f"{len(self._lanes)} worker(s), {left} not started",
+                              RuntimeWarning, stacklevel=3)
                 return False
-            w, seed = self._deferred[0]
-            w.start(seed)
             self._deferred.popleft()
             self._lanes.append(_Lane(w))
         return True
@@ -706,7 +721,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 self._restart(lane)   # a replacement that could not be finished earlier
                 continue
             if self._deferred and self._caller.batches and not w.results_published:
-                self._start_deferred()   # (while this worker makes the result)
+                self._start_deferred(quiet=True)   # (while this worker makes the result)
             try:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 entry = w.next_result(left)
@@ -885,7 +900,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             self._check_all_alive()
             found = find()
         if found is None and block and self._deferred and self._caller.batches:
-            self._start_deferred()   # (while the workers make the results)
+            self._start_deferred(quiet=True)   # (while the workers make the results)
             found = find()
         if found is None and block:
             t0 = time.monotonic_ns()
