@@ -98,6 +98,9 @@ def test_fingerprint_of_unchanged_data_is_the_same_and_every_change_is_seen():
     changed(lambda: rb.extend(_data.transitions(53, 20)))                     # wraps: offset
     changed(lambda: setattr(rb._ring_state, "offset", (rb._ring_state.offset + 1) % 60))
     changed(lambda: setattr(s, "batch_size", 9))
+    changed(lambda: setattr(s, "batch_size", 9.0))                           # same ==, not same
+    changed(lambda: setattr(rb, "_flag", 0.0))
+    changed(lambda: setattr(rb, "_flag", -0.0))
     changed(lambda: storage.pop("state"))                                    # a dict changes
 
 

@@ -107,6 +107,11 @@ class _Strong:
 _MISSING = "<unset slot>"
 
 
+def _slots(cls):
+    slots = cls.__dict__.get("__slots__", ())
+    return (slots,) if isinstance(slots, str) else tuple(slots)
+
+
 def take(sampler):
     """The fingerprint of ``sampler`` and its data, or None if it cannot be told exactly
     (see the module's docstring)."""
@@ -133,7 +138,12 @@ def take(sampler):
 
     def visit(obj):
         t = type(obj)
-        if t in _SCALARS or t in dtype_t:
+        if t in _SCALARS:
+            # by type and value (1, True and 1.0 are equal in Python; -0.0 and 0.0 too,
+            # and NaN is not equal to itself: floats by their bits)
+            add((t, obj.hex() if t is float else obj))
+            return
+        if t in dtype_t:
             add(obj)
             return
         key = id(obj)
@@ -180,7 +190,7 @@ def take(sampler):
                 for k, v in obj.items():
                     visit(k)
                     visit(v)
-            names = [n for c in t.__mro__ for n in getattr(c, "__slots__", ())
+            names = [n for c in t.__mro__ for n in _slots(c)
                      if n not in ("__dict__", "__weakref__")]
             for n in names:
                 add(n)
