@@ -6,8 +6,8 @@ Workers hold a copy of data that is not shared between processes (fork's copy-on
 image, or the spawn transfer's snapshot, see :mod:`unienv_mp._transfer`) as it was when
 they started.  An epoch must cover the data as it is when the epoch starts, so it may run
 on workers that already exist only if nothing the epoch's batches depend on has changed
-since those workers started.  :func:`take` walks the sampler's object graph and records,
-at a cost of tens of microseconds:
+since those workers started.  :func:`take` walks the sampler's object graph and records
+(about 0.25 ms for a ``DictStorage`` of three tensors, on a 2-core VM):
 
 * every torch tensor: its identity, data pointer, shape, strides, storage offset, dtype,
   and its version counter (``Tensor._version``, which torch moves on by one on every
