@@ -26,6 +26,13 @@ per 4 KiB page of every batch.
   (``compare.TRIGGERS``); a round is one such batch, its set-up (a pause, closing the
   previous epoch or sampler) untimed.  UniEnv's ``manual_seed()`` keeps the batches its
   workers made, so that row is skipped.
+* ``epoch, first`` / ``epoch, later``: a round is one whole epoch of ``epoch_iter()`` over
+  the image case's buffer (79 batches of 256); ``first``: each round on a new sampler (its
+  first epoch, starting its workers; for the DataLoader, its first ``iter()``),
+  ``later``: the rounds on one sampler after a first, untimed epoch.  The rows of
+  ``compare.CASES["epoch"]``: unienv_mp, as many steady-state ``sample()`` batches of
+  unienv_mp, UniEnv's sampler (``shared_memory=True``), UniEnv in process, and a torch
+  DataLoader over ``UniEnvAsPyTorchDataset`` (4 workers, ``persistent_workers=True``).
 
 The mean round time is the time per batch (or loop step).  The same comparisons, as one
 command with a table each: ``python -m unienv_mp --case all``.
@@ -50,6 +57,8 @@ WARMUP = {"image": 20, "state": 200, "jpeg": 10, "view": 200, "view_images": 10}
 LATENCY_ROUNDS = {"reseed": 40, "epoch": 15, "start": 10}
 VIEWS = compare.case_config("views")
 VIEW_IMAGES = ("framestack", "framestack_image", "combined")   # 25 MB a batch
+EPOCH = compare.case_config("epoch")
+EPOCH_ROUNDS = {"first": 3, "later": 5}
 MISSING = compare.available()
 
 
@@ -180,3 +189,43 @@ def test_latency(benchmark, latency_rb, impl, trigger):
         times = sorted(stats.stats.data)
         benchmark.extra_info["p50_ms"] = float(np.percentile(times, 50)) * 1e3
         benchmark.extra_info["p99_ms"] = float(np.percentile(times, 99)) * 1e3
+
+
+@pytest.fixture(scope="module")
+def epoch_rb():
+    return compare.build_buffer(EPOCH)
+
+
+@pytest.mark.parametrize("which", ["first", "later"])
+@pytest.mark.parametrize("impl", compare.CASES["epoch"].rows)
+def test_epoch(benchmark, epoch_rb, impl, which):
+    _skip_missing(impl)
+    if which == "first" and impl == "unienv_mp_sample":
+        pytest.skip("the steady state has no first epoch")
+    benchmark.group = (f"epoch, {which}: {-(-len(epoch_rb) // EPOCH.batch_size)} batches of "
+                       f"B={EPOCH.batch_size}, 4 workers, fork")
+    runners = []
+
+    def run_epoch(epoch):
+        for batch in epoch():
+            compare.touch(batch)
+
+    def close_all():
+        while runners:
+            runners.pop()[1]()
+
+    try:
+        if which == "first":
+            def setup():
+                close_all()
+                runners.append(compare.epoch_runner(impl, epoch_rb, EPOCH))
+            benchmark.pedantic(lambda: run_epoch(runners[-1][0]), setup=setup,
+                               rounds=EPOCH_ROUNDS[which], iterations=1)
+        else:
+            runners.append(compare.epoch_runner(impl, epoch_rb, EPOCH))
+            run_epoch(runners[-1][0])
+            benchmark.pedantic(lambda: run_epoch(runners[-1][0]),
+                               rounds=EPOCH_ROUNDS[which], iterations=1)
+    finally:
+        close_all()
+    benchmark.extra_info["implementation"] = compare.LABELS[impl]

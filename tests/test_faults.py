@@ -45,8 +45,10 @@ def test_worker_dying_mid_batch_is_replaced_without_a_gap(tmp_path, how):
 
 def _epoch_pool(m):
     """The manager running ``m``'s current epoch: its own over unshared data, else the
-    sampler's."""
-    return next(iter(m._epoch_managers)) if m._epoch_managers else m._manager
+    one kept for epochs, else the sampler's."""
+    if m._epoch_managers:
+        return next(iter(m._epoch_managers))
+    return m._kept if m._kept is not None else m._manager
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -106,7 +108,7 @@ PARENT = """
     sampler = _data.SlowSampler(rb, 5, seed=0, delay={delay})
     m = MultiprocessingSampler(sampler, n_workers=2, n_buffers=2, ctx={method!r})
     m.sample() if {delay} < 1 else None
-    m._ensure_manager()
+    m._ensure_manager().start_all()
     print(" ".join(str(p.pid) for p in m._manager.workers), flush=True)
     {then}
 """

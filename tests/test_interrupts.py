@@ -587,6 +587,26 @@ def test_an_epoch_closed_by_a_ctrl_c_leaves_no_task_behind():
         no_orphans(s)
 
 
+def test_an_epoch_on_kept_workers_closed_by_a_ctrl_c_leaves_no_task_behind():
+    """Over unshared data that does not change, epochs run on kept workers: one cut short
+    by a Ctrl-C must not leave its tasks on them."""
+    from unienv_mp import MultiprocessingSampler as MS
+    with _sampler() as s:
+        assert len(list(s.epoch_iter())) == 13
+        kept = s._kept
+        assert kept is not None
+        it = s.epoch_iter()
+        next(it)
+        with interrupt_at(MS._epoch, line_of(MS._epoch, "manager.cancel(t)")) as i:
+            assert interrupted(it.close)
+        assert i.fired
+        orphans = [t for t, task in kept._tasks.items() if not task.cancelled]
+        assert not orphans, f"tasks nobody will collect or cancel: {orphans}"
+        assert not s._epoch_users
+        seen = sorted(j for b in s.epoch_iter() for j in _data.indices_of(b))
+        assert seen == list(range(100)) and s._kept is kept
+
+
 def take(m, n, method="sample"):
     fn = getattr(m, method)
     return [_data.indices_of(fn()) for _ in range(n)]

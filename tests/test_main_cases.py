@@ -234,6 +234,61 @@ def test_latency_table_compares_by_p50_with_the_same_trigger():
     assert "n/a (see below)" in text and "manual_seed(), then sample(): n/a: no such call" in text
 
 
+# --- epoch ---------------------------------------------------------------------------------
+
+def test_epoch_case_times_every_epoch_of_each_row(capsys):
+    rc, out = _json_run(capsys, SMALL + ["--case", "epoch"])
+    assert rc == 0 and out["case"] == "epoch"
+    assert [r["name"] for r in out["results"]] == [
+        "unienv_mp", "unienv_mp_sample", "unienv_shm", "in_process", "dataloader_epoch"]
+    epochs = out["config"]["epochs"]
+    for r in out["results"]:
+        assert r["error"] is None, r
+        assert r["batches"] == -(-300 // 16)       # every index once, the last batch partial
+        assert len(r["epoch_s"]) == len(r["first_batch_s"]) == epochs
+        assert all(0 < f <= e for f, e in zip(r["first_batch_s"], r["epoch_s"]))
+        assert r["first_epoch_s"] == r["epoch_s"][0]
+        assert r["later_epoch_s"] == pytest.approx(float(np.median(r["epoch_s"][1:])))
+    rc = main_mod.main(SMALL + ["--case", "epoch", "--impl", "unienv_mp,in_process"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "later epochs s" in text
+    assert compare.LABELS["unienv_mp_sample"] in text
+    assert compare.LABELS["dataloader_epoch"] not in text
+
+
+@pytest.mark.parametrize("name", ["unienv_mp", "in_process", "dataloader_epoch"])
+def test_epoch_rows_cover_every_index_once_per_epoch(name):
+    cfg = compare.Config(**TINY)
+    rb = compare.build_buffer(cfg)
+    epoch, close = compare.epoch_runner(name, rb, cfg)
+    try:
+        for _ in range(2):
+            seen = [int(round(float(x))) for b in epoch() for x in b["state"][:, 0]]
+            assert len(seen) == 300
+    finally:
+        close()
+    assert not mp.active_children()
+
+
+def test_epoch_table_compares_later_epochs():
+    cfg = compare.Config(**TINY)
+    r = compare.EpochResult
+    points = [(2, r("unienv_mp", compare.LABELS["unienv_mp"], [0.5, 0.1, 0.1, 0.3],
+                    [0.2, 0.01, 0.01, 0.02], 19)),
+              (2, r("unienv_mp_sample", compare.LABELS["unienv_mp_sample"], [0.1, 0.05],
+                    [0.001, 0.001], 19)),
+              (None, r("in_process", compare.LABELS["in_process"], [0.3, 0.3, 0.4, 0.3],
+                       [0.01] * 4, 19)),
+              (2, r("unienv_shm", compare.LABELS["unienv_shm"], error="boom"))]
+    text = main_mod.epoch_table(points, cfg).format()
+    line = {row.split("  ")[0]: row for row in text.splitlines()}
+    assert line[compare.LABELS["unienv_mp"]].split()[-5:] == [
+        "0.500", "0.100", "200.0", "10.0", "-"]
+    assert line[compare.LABELS["in_process"]].rstrip().endswith("3.0x faster")
+    assert line[compare.LABELS["unienv_mp_sample"]].rstrip().endswith("2.0x slower")
+    assert "failed: boom" in text and "19 batches of 16" in text
+
+
 # --- the worker sweep, --case all, charts ----------------------------------------------------
 
 def test_workers_option_parses_a_list():

@@ -429,3 +429,60 @@ def _use_in_child(mgr, out):
         out.put("used it")
     except RuntimeError as e:
         out.put(str(e))
+
+
+# -- workers started later (start_later) -----------------------------------------------------
+
+def test_start_later_starts_one_worker_then_the_others_when_the_caller_would_wait():
+    asked = []
+
+    def allowed():
+        asked.append(True)
+        return True
+    with MultiProcessingSampleManager(_sleep_then_pid, n_workers=3, ctx="fork", timeout=30,
+                                      start_later=allowed) as mgr:
+        assert mgr.n_workers == 3 and len(mgr.workers) == 1 and not asked
+        first = mgr.workers[0].pid
+        assert mgr.result(mgr.submit(0.0)) == first   # no other starts before the first
+        assert len(mgr.workers) == 1
+        t = mgr.submit(0.2)                            # dealt to the one started
+        assert mgr.result(t) == first                  # the caller waits: one more starts
+        assert len(mgr.workers) == 2 and len(asked) == 1
+        mgr.start_all()
+        assert len(mgr.workers) == 3 and len(asked) == 2
+        pids = [p.pid for p in mgr.workers]
+        assert len(set(pids)) == 3
+        mgr.reset_order()
+        assert [mgr.result(mgr.submit(0.0)) for _ in range(3)] == pids
+        assert len(mgr.stats().workers) == 3
+
+
+def test_start_later_false_keeps_the_others_from_ever_starting():
+    with MultiProcessingSampleManager(_sleep_then_pid, n_workers=3, ctx="fork", timeout=30,
+                                      start_later=lambda: False) as mgr:
+        tickets = [mgr.submit(0.05) for _ in range(4)]
+        assert {mgr.result(t) for t in tickets} == {mgr.workers[0].pid}
+        mgr.start_all()
+        assert len(mgr.workers) == 1 and len(mgr.stats().workers) == 1
+        assert mgr.result(mgr.submit(0.0), timeout=10) == mgr.workers[0].pid
+
+
+def test_start_later_must_be_callable():
+    with pytest.raises(TypeError, match="start_later must be None or callable"):
+        MultiProcessingSampleManager(_identity, n_workers=1, ctx="fork", start_later=True)
+
+
+def test_a_worker_that_cannot_start_later_leaves_the_started_ones_working():
+    calls = []
+
+    def refuse_once_started():
+        calls.append(1)
+        raise OSError("no more processes")
+    with MultiProcessingSampleManager(_sleep_then_pid, n_workers=3, ctx="fork", timeout=30,
+                                      start_later=refuse_once_started) as mgr:
+        assert mgr.result(mgr.submit(0.0)) == mgr.workers[0].pid
+        with pytest.warns(RuntimeWarning, match="could not start a worker after the first"):
+            assert mgr.result(mgr.submit(0.2)) == mgr.workers[0].pid
+        assert len(mgr.workers) == 1 and calls == [1]
+        assert mgr.result(mgr.submit(0.1)) == mgr.workers[0].pid   # none tried again
+        assert calls == [1]

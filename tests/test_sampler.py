@@ -370,6 +370,7 @@ def test_garbage_collection_ends_the_workers():
     rb = replay_buffer(20)
     m = MultiprocessingSampler(StepSampler(rb, 4, seed=0), n_workers=2, ctx="fork")
     m.sample()
+    m._manager.start_all()   # (the second starts when the caller first waits otherwise)
     pids = [p.pid for p in mp.active_children()]
     assert len(pids) == 2
     del m

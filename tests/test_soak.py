@@ -40,7 +40,8 @@ def test_soak_mixed_work_with_random_worker_kills():
         while not stop.wait(rng.uniform(0.2, 1.0)):
             try:
                 # the sampling workers, or those of the epoch running now
-                pools = [p for p in (m._manager, *list(m._epoch_managers)) if p is not None]
+                pools = [p for p in (m._manager, m._kept, *list(m._epoch_managers))
+                         if p is not None]
             except RuntimeError:   # the set changed while we copied it
                 continue
             if not pools:

@@ -48,17 +48,22 @@ def test_the_bottleneck_rule():
 
 # -- stats() of a sampler --------------------------------------------------------------------
 
-def test_counts_agree_with_what_was_sampled():
+@pytest.mark.parametrize("persistent", [False, None])
+def test_counts_agree_with_what_was_sampled(persistent):
     rb = replay_buffer(200)
     with MultiprocessingSampler(StepSampler(rb, 5, seed=0), n_workers=2, n_buffers=4,
-                                ctx="fork", batches_per_task=3) as m:
+                                ctx="fork", batches_per_task=3,
+                                persistent_workers=persistent) as m:
         assert m.stats().batches == 0 and m.stats().bottleneck is None
         for _ in range(20):
             m.sample()
         for _ in range(4):
             m.sample_index()
-        epoch = sum(1 for _ in m.epoch_iter())    # 40 batches, own workers
+        # 40 batches: on workers of its own (False), or on the sample() workers, since the
+        # data did not change (None)
+        epoch = sum(1 for _ in m.epoch_iter())
         assert epoch == 40
+        on_them = 40 if persistent is None else 0
         st = m.stats()
         assert isinstance(st, SamplerStats)
         assert st.batches == 20 + 4 + 40
@@ -67,7 +72,8 @@ def test_counts_agree_with_what_was_sampled():
         # chunk being handed out, and the chunks asked for (3 batches, or 1, each)
         ahead = sum(len(x.ready) + x.k * len(x.tickets) for x in m._streams.values())
         assert wait_until(lambda: m.stats().ready == ahead), (m.stats().ready, ahead)
-        assert wait_until(lambda: sum(w.batches for w in m.stats().workers) == 20 + 4 + ahead)
+        assert wait_until(
+            lambda: sum(w.batches for w in m.stats().workers) == 20 + 4 + on_them + ahead)
         st = m.stats()
         for w in st.workers:
             assert w.pid is not None and w.respawns == 0 and w.errors == 0

@@ -13,7 +13,8 @@ rows one after the other, in one run, over the same data, and prints one table p
 * ``jpeg``: the same where every row decodes a JPEG file (UniEnv's ImageStorage);
 * ``online``: a loop that appends to a shared buffer before every ``sample()``: ms per
   step, and how stale the batches are;
-* ``latency``: the time to one batch when nothing was prefetched.
+* ``latency``: the time to one batch when nothing was prefetched;
+* ``epoch``: seconds per epoch of ``epoch_iter()``, the first and the later ones.
 
 ``--workers 1,2,4,8`` times every worker count (a sweep).
 """
@@ -160,7 +161,7 @@ def make_config(args, case=None):
         cfg.transitions = args.transitions
     cfg.transitions = max(cfg.transitions, cfg.batch_size)
     # jpeg: images on disk; online: none; views: the buffer and its two halves, twice it
-    in_memory = case in ("image", "state", "latency", "views")
+    in_memory = case in ("image", "state", "latency", "views", "epoch")
     row = 17 * 4 + (int(_prod(cfg.image_shape)) if cfg.image_shape and in_memory else 0)
     row *= 2 if case == "views" else 1
     mem = _available_memory()
@@ -405,8 +406,9 @@ def latency_table(points, cfg):
              f"are idle.  unienv_mp is: by p50, against the same way of asking.",
              "manual_seed(), then sample(): the sampler already runs; "
              "first batch of a new epoch_iter(): over data not shared between processes, "
-             "each epoch starts its workers; first sample() of a new sampler: includes "
-             "starting the workers."]
+             "UniEnv's sampler starts workers for each epoch, unienv_mp runs it on the "
+             "workers it kept (the data is unchanged); first sample() of a new sampler: "
+             "includes starting the workers."]
     notes += list(dict.fromkeys(f"{r.label}, {r.trigger_label}: n/a: {r.skipped}."
                                 for _, r in points if r.skipped))
     return Table(title, head, rows, notes)
@@ -462,6 +464,42 @@ def views_table(results, cfg):
             for view, row in results.items() if row.get("unienv_mp") is not None]
     return Table(title, head, rows, notes + [f"failed: {x}" for x in failed]
                  + where_time_went(ours))
+
+
+def epoch_table(points, cfg):
+    """``points``: (worker count or None, ``compare.EpochResult``) pairs."""
+    swept = len({w for w, _ in points if w is not None}) > 1
+    head = (["implementation"] + (["workers"] if swept else [])
+            + ["first epoch s", "later epochs s", "first batch ms, first epoch",
+               "first batch ms, later epochs", "unienv_mp is (later epochs)"])
+    rows = []
+    for w, r in points:
+        lead = [r.label] + ([_workers_cell(w)] if swept else [])
+        if r.error:
+            rows.append(lead + ["-"] * 4 + ["failed: " + r.error[:60]])
+            continue
+        up = _unienv_mp_is(points, w, r, lambda x: x.later_epoch_s if x.seconds else 0.0,
+                           swept)
+        if r.name == "unienv_mp_sample":
+            rows.append(lead + ["-", f"{r.later_epoch_s:.3f}", "-", "-", up])
+            continue
+        rows.append(lead + [f"{r.first_epoch_s:.3f}", f"{r.later_epoch_s:.3f}",
+                            f"{r.first_batch_first_ms:.1f}", f"{r.first_batch_later_ms:.1f}",
+                            up])
+    batches = next((r.batches for _, r in points if r.batches), 0)
+    title = (f"epoch: seconds per epoch of epoch_iter(), {batches} batches of "
+             f"{cfg.batch_size} ({compare.describe('epoch', cfg)}) over {cfg.transitions} "
+             f"transitions in memory, {cfg.epochs} epochs per row; "
+             f"{_setup(cfg, workers=not swept)}; {_TOUCH}")
+    notes = ["first epoch: includes starting the workers where the row starts them then "
+             "(unienv_mp and UniEnv's sampler: at the epoch; the DataLoader: at its first "
+             "iter()).  later epochs: the median of the others.  UniEnv's sampler starts "
+             "new workers for every epoch over unshared data; unienv_mp runs later epochs "
+             "on the workers it kept while the data is unchanged (persistent_workers).",
+             f"{compare.LABELS['unienv_mp_sample']}: as many sample() batches of a "
+             f"running unienv_mp sampler as an epoch has (the steady state an epoch is "
+             f"compared with), timed {cfg.epochs - 1} times after as many untimed."]
+    return Table(title, head, rows, notes)
 
 
 def sweep_table(points, cfg, case):
@@ -584,6 +622,15 @@ def latency_figure(plt, points):
                         ("p99 ms", [r.p99_ms for _, r in ok])], "latency")
 
 
+def epoch_figure(plt, points):
+    ok = [(w, r) for w, r in points if r.seconds and not r.error]
+    swept = len({w for w, _ in ok if w is not None}) > 1
+    labels = [r.label + (f" ({w})" if swept and w is not None else "") for w, r in ok]
+    return _bar_panels(plt, labels, [r.name == "unienv_mp" for _, r in ok],
+                       [("first epoch s", [r.first_epoch_s for _, r in ok]),
+                        ("later epochs s", [r.later_epoch_s for _, r in ok])], "epoch")
+
+
 def sweep_figure(plt, points, case):
     """batches/s against workers, a line per implementation; rows without workers as
     horizontal lines."""
@@ -673,7 +720,10 @@ def _run_case(case, args, missing, progress, say):
     if note:
         say(note)
     names = []
-    for name in args.impls:
+    # (the epoch case's extra rows come with the implementation they belong to)
+    impls = [x for name in args.impls
+             for x in [name] + [r for r, of in compare.EPOCH_ROW_OF.items() if of == name]]
+    for name in impls:
         if name not in spec.rows:
             continue
         if name in missing:
@@ -681,7 +731,7 @@ def _run_case(case, args, missing, progress, say):
         else:
             names.append(name)
     if not names:
-        listed = [n for n in args.impls if n in spec.rows]
+        listed = [n for n in impls if n in spec.rows]
         why = ("; ".join(sorted({missing[n] for n in listed})) if listed else
                f"--impl lists none of its rows ({', '.join(spec.rows)})")
         say(f"nothing to compare here in case {case}: {why}")
@@ -692,7 +742,7 @@ def _run_case(case, args, missing, progress, say):
         return None
     counts = args.workers
     swept = len(counts) > 1
-    skipped = {k: missing[k] for k in args.impls if k in missing and k in spec.rows}
+    skipped = {k: missing[k] for k in impls if k in missing and k in spec.rows}
 
     def timed(name, w, fn, suffix=""):
         where = (f" ({w} worker{'s' if w > 1 else ''})" if swept and w is not None
@@ -747,6 +797,13 @@ def _run_case(case, args, missing, progress, say):
             payload = {"results": [_row_dict(w, r) for w, r in points]}
             return CaseRun(case, cfg, latency_table(points, cfg), payload,
                            lambda plt: latency_figure(plt, points),
+                           any(r.error for _, r in points), skipped)
+        if spec.kind == "epoch":
+            points = _points(names, counts, lambda n, w: timed(
+                n, w, lambda adv: compare.measure_epochs(n, rb, at(w), adv)))
+            payload = {"results": [_row_dict(w, r) for w, r in points]}
+            return CaseRun(case, cfg, epoch_table(points, cfg), payload,
+                           lambda plt: epoch_figure(plt, points),
                            any(r.error for _, r in points), skipped)
         if swept:
             points = _points(names, counts, lambda n, w: timed(

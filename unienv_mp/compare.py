@@ -21,6 +21,9 @@ The cases (``CASES``):
   (``VIEWS``: frame stacks, action chunks, columns, a combined dataset) over episodic
   in-memory ReplayBuffers (``build_episodic_buffer``), a row per view
   (``measure_view``), with the bare limit of each (``index_select`` below).
+* ``epoch``: seconds per epoch of ``epoch_iter()`` over an in-memory ReplayBuffer, the
+  first epoch and the later ones, and each epoch's first batch (``measure_epochs``), with
+  a row for the same number of steady-state ``sample()`` batches (``EPOCH_ROWS``).
 
 The implementations (``IMPLEMENTATIONS``):
 
@@ -78,7 +81,8 @@ LABELS = {
 TORCHRL_PREFETCH = 4
 # The implementations whose speed depends on the number of workers (a worker sweep times
 # them at each count; the others run once).
-USES_WORKERS = ("unienv_mp", "unienv_mp_generic", "unienv", "unienv_shm", "dataloader", "ray")
+USES_WORKERS = ("unienv_mp", "unienv_mp_generic", "unienv", "unienv_shm", "dataloader", "ray",
+                "unienv_mp_sample", "dataloader_epoch")
 
 
 @dataclass
@@ -94,6 +98,7 @@ class Config:
     min_batches: int = 5
     max_batches: int = 5000
     append: int = 4               # online: transitions appended per loop step
+    epochs: int = 4               # epoch: epochs timed per row (the first, then the later)
 
 
 # ---------------------------------------------------------------------------------------
@@ -146,7 +151,27 @@ CASES = {
                     "an in-memory ReplayBuffer with nothing prefetched, p50 and p99, "
                     "asked for by: manual_seed(), then sample(); the first batch of a "
                     "new epoch_iter(); the first sample() of a new sampler"),
+    "epoch": Case("epoch", "epoch",
+                  ("unienv_mp", "unienv_mp_sample", "unienv_shm", "in_process",
+                   "dataloader_epoch"),
+                  "seconds per epoch of epoch_iter() over 20k in-memory steps of {state, "
+                  "action, 3x128x128 image}, batches of 256: the first epoch (which starts "
+                  "the workers) and the later ones, and each epoch's first batch; the "
+                  "unienv_mp sample() row times as many steady-state sample() batches as "
+                  "an epoch has",
+                  quick_transitions=2000),
 }
+#: The epoch case's rows besides the UniEnv-API samplers: ``unienv_mp_sample`` (as many
+#: ``sample()`` batches of a running unienv_mp sampler as an epoch has, the steady state an
+#: epoch is compared with) and ``dataloader_epoch`` (a torch DataLoader over UniEnv's
+#: ``UniEnvAsPyTorchDataset``, shuffled, ``persistent_workers=True``, ``pin_memory=False``).
+EPOCH_ROWS = {
+    "unienv_mp_sample": "unienv_mp sample(), as many batches",
+    "dataloader_epoch": "torch DataLoader(UniEnvAsPyTorchDataset), persistent workers",
+}
+LABELS.update(EPOCH_ROWS)
+#: The implementation (``--impl``) each of them comes with.
+EPOCH_ROW_OF = {"unienv_mp_sample": "unienv_mp", "dataloader_epoch": "dataloader"}
 
 
 def case_config(case: str, quick: bool = False, **overrides) -> Config:
@@ -251,6 +276,8 @@ def available():
         missing["torchrl"] = "torchrl is not installed (pip install torchrl)"
     elif importlib.util.find_spec("tensordict") is None:
         missing["torchrl"] = "tensordict (needed by torchrl) is not installed"
+    if importlib.util.find_spec("unienv_data.integrations.pytorch") is None:
+        missing["dataloader_epoch"] = "this unienv has no UniEnvAsPyTorchDataset"
     if importlib.util.find_spec("ray") is None:
         missing["ray"] = "ray is not installed (pip install \"unienv_mp[ray]\")"
     return missing
@@ -1082,7 +1109,9 @@ def latency_probe(name: str, trigger: str, rb, cfg: Config):
       seed, so that row raises ``NotMeasurable``.
     * ``epoch``: one sampler; each run takes the first batch of a new ``epoch_iter()``
       (``prepare`` closes the one before).  Over data that is not shared between
-      processes, both MultiprocessingSamplers start the epoch's workers there.
+      processes, UniEnv's MultiprocessingSampler starts the epoch's workers there;
+      unienv_mp's runs the epoch on the workers it kept, the data being unchanged (its
+      first run starts them).
     * ``start``: each run makes a new sampler (seeded with the run's number) and calls
       ``sample()``, so it includes starting the workers (``prepare`` closes the one
       before).
@@ -1176,4 +1205,128 @@ def measure_latency(name: str, trigger: str, rb, cfg: Config,
             res.times.append(time.perf_counter() - t0)
             elapsed = time.perf_counter() - start
             progress(min(1.0, elapsed / cfg.seconds))
+    return _guarded(res, make, run)
+
+
+# ---------------------------------------------------------------------------------------
+# epoch: seconds per epoch
+# ---------------------------------------------------------------------------------------
+
+@dataclass
+class EpochResult:
+    """One row of the epoch case: ``seconds`` and ``first_batch`` (seconds to the first
+    batch, read), one entry per epoch, in order; ``batches`` per epoch."""
+    name: str
+    label: str
+    seconds: List[float] = field(default_factory=list)
+    first_batch: List[float] = field(default_factory=list)
+    batches: int = 0
+    error: Optional[str] = None
+
+    @property
+    def first_epoch_s(self):
+        return self.seconds[0] if self.seconds else float("nan")
+
+    @property
+    def later_epoch_s(self):
+        """The median of the epochs after the first (nan with one epoch or none)."""
+        later = self.seconds[1:]
+        return float(np.median(later)) if later else float("nan")
+
+    @property
+    def first_batch_first_ms(self):
+        return 1e3 * self.first_batch[0] if self.first_batch else float("nan")
+
+    @property
+    def first_batch_later_ms(self):
+        later = self.first_batch[1:]
+        return 1e3 * float(np.median(later)) if later else float("nan")
+
+    def as_dict(self):
+        return {"name": self.name, "label": self.label, "batches": self.batches,
+                "epoch_s": list(self.seconds), "first_batch_s": list(self.first_batch),
+                "first_epoch_s": self.first_epoch_s, "later_epoch_s": self.later_epoch_s,
+                "first_batch_first_epoch_ms": self.first_batch_first_ms,
+                "first_batch_later_epochs_ms": self.first_batch_later_ms,
+                "error": self.error}
+
+
+def epoch_runner(name: str, rb, cfg: Config, seed: int = 0):
+    """``(epoch, close)`` for row ``name`` of the epoch case: ``epoch()`` returns an
+    iterator over one epoch's batches (for ``unienv_mp_sample``: as many ``sample()``
+    batches as an epoch has, after as many taken before, untimed, to reach the steady
+    state); ``close()`` releases everything."""
+    n_batches = -(-len(rb) // cfg.batch_size)
+    if name == "unienv_mp_sample":
+        s = _sampler_object("unienv_mp", rb, cfg, seed)
+        try:
+            for _ in range(n_batches):
+                touch(s.sample())
+        except BaseException:
+            s.close()
+            raise
+
+        def samples():
+            for _ in range(n_batches):
+                yield s.sample()
+        return samples, s.close
+    if name == "dataloader_epoch":
+        import warnings
+        import torch
+        import torch.utils.data as tud
+        from unienv_data.integrations.pytorch import UniEnvAsPyTorchDataset
+        warnings.filterwarnings("ignore", message=".*worker processes in total.*")
+        ds = UniEnvAsPyTorchDataset(rb)
+        loader = tud.DataLoader(ds, batch_size=cfg.batch_size, shuffle=True,
+                                num_workers=cfg.workers, persistent_workers=True,
+                                pin_memory=False, collate_fn=UniEnvAsPyTorchDataset.collate_fn,
+                                multiprocessing_context=mp.get_context(cfg.start_method),
+                                generator=torch.Generator().manual_seed(seed))
+        state = {}
+
+        def epoch():
+            it = iter(loader)
+            state["it"] = it
+            return it
+
+        def close():
+            it = state.pop("it", None) or getattr(loader, "_iterator", None)
+            if it is not None and hasattr(it, "_shutdown_workers"):
+                it._shutdown_workers()
+        return epoch, close
+    if name in ("unienv_mp", "unienv_shm", "unienv", "in_process"):
+        s = _sampler_object(name, rb, cfg, seed)
+        return s.epoch_iter, lambda: _close(s)
+    raise ValueError(f"{name!r} is not a row of the epoch case")
+
+
+def measure_epochs(name: str, rb, cfg: Config,
+                   progress: Callable[[float], None] = lambda f: None) -> EpochResult:
+    """Time ``cfg.epochs`` epochs of row ``name`` (see ``epoch_runner``), one after the
+    other on one sampler, each batch read (``touch``): seconds per epoch, and to each
+    epoch's first batch.  The first epoch includes starting the workers, where the row
+    starts them then."""
+    res = EpochResult(name, LABELS.get(name, name))
+    _preimport(name)
+    gc.collect()
+
+    def make():
+        epoch, close = epoch_runner(name, rb, cfg)
+        return epoch, close
+
+    def run(epoch):
+        for e in range(cfg.epochs):
+            t0 = time.perf_counter()
+            n = 0
+            first = None
+            for batch in epoch():
+                touch(batch)
+                n += 1
+                if first is None:
+                    first = time.perf_counter() - t0
+                del batch
+            res.seconds.append(time.perf_counter() - t0)
+            res.first_batch.append(first if first is not None else float("nan"))
+            res.batches = n
+            progress((e + 1) / cfg.epochs)
     return _guarded(res, make, run)

@@ -18,6 +18,7 @@ import collections
 import os
 import queue as _queue
 import time
+import warnings
 from multiprocessing import util as _mputil
 from typing import Callable, Generic, Optional, Sequence, TypeVar
 
@@ -206,6 +207,16 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
       by the call that collects it) if it stalls ``max_respawns + 1`` times in a row, or
       at once with ``respawn=False``.  The other tasks of that worker go to the
       replacement either way.
+    * ``start_later``: None (default): every worker starts now.  A function: only worker 0
+      starts now, so that a first result can come after one process start rather than
+      ``n_workers`` of them (each start of a large parent under fork copies its page
+      tables: tens of ms).  The others start one at a time, in order, when the caller
+      would otherwise wait for a result, after the first result was handed out, and only
+      if ``start_later()`` returns True then (if it returns False, the workers not
+      started yet never start: e.g. the data they would copy is no longer the data the
+      first one copied).  Until they start, tasks are dealt among the workers started
+      (what a task gives must not depend on which worker runs it), and :attr:`workers`
+      and :meth:`stats` list the started ones; :meth:`start_all` starts the rest now.
 
     :meth:`stats` says where the time goes (see :class:`~unienv_mp.SamplerStats`): the
     workers count their work in their shared segments, with no message per task.
@@ -234,6 +245,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         max_leases: Optional[int] = None,
         spin: Optional[float] = None,
         stall_timeout: Optional[float] = None,
+        start_later: Optional[Callable[[], bool]] = None,
     ):
         # First, so that close() (also run at garbage collection) works on a half-built one.
         self._resources = _Resources()
@@ -250,6 +262,9 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                                  f"got {len(worker_seeds)}")
         ctx = check_context(ctx)
         self._start_method = ctx.get_start_method()
+        if start_later is not None and not callable(start_later):
+            raise TypeError(f"start_later must be None or callable, got "
+                            f"{type(start_later).__name__}")
         self.target_fn = target_fn
         self.doze_time = doze_time
         self.done_event = done_event
@@ -275,7 +290,10 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         self._leases = 0
         self._encoder = WorkEncoder(TASK_INLINE)
         self._owner_pid = os.getpid()
-        self._lanes = []
+        self._lanes = []          # of the workers started, in index order
+        self._deferred = collections.deque()   # (handle, seed) of those to start later
+        self._start_later = start_later
+        self._n_workers = n_workers
         resources = self._resources
         resources.done_event = done_event
         resources.doorbell_seg = Segment.create(64, "doorbell")
@@ -290,8 +308,12 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             for i in range(n_workers):
                 w = WorkerHandle(i, launch)
                 resources.workers.append(w)
+                seed = None if worker_seeds is None else worker_seeds[i]
+                if i > 0 and start_later is not None:
+                    self._deferred.append((w, seed))
+                    continue
                 self._lanes.append(_Lane(w))
-                w.start(None if worker_seeds is None else worker_seeds[i])
+                w.start(seed)
         except BaseException:
             self.close()
             raise
@@ -300,13 +322,52 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
 
     @property
     def n_workers(self):
-        """Number of worker processes."""
-        return len(self._lanes)
+        """Number of worker processes (those not started yet included, see
+        ``start_later``)."""
+        return self._n_workers
 
     @property
     def workers(self):
-        """The worker ``Process`` objects (replacements included, after a respawn)."""
+        """The worker ``Process`` objects (replacements included, after a respawn) of the
+        workers started (see ``start_later``)."""
         return [lane.worker.proc for lane in self._lanes]
+
+    def start_all(self) -> None:
+        """Start now every worker left to start later (see ``start_later``), as far as
+        ``start_later()`` allows."""
+        self._ensure_open()
+        while self._start_deferred():
+            pass
+
+    def _start_deferred(self, quiet=False):
+        """Start the next worker left to start later, if ``start_later()`` allows (else
+        none of them will start); True if one started.  ``quiet``: a worker that cannot
+        be started (or a ``start_later`` that raises) is not the caller's error, since
+        the workers started can do the work: none of the rest will start, with a
+        ``RuntimeWarning`` saying why."""
+        if not self._deferred:
+            return False
+        # (one step: either the worker has its lane and its process, or neither)
+        with _process.interrupts_deferred():
+            try:
+                if not self._start_later():
+                    self._deferred.clear()
+                    return False
+                w, seed = self._deferred[0]
+                w.start(seed)
+            except Exception as e:
+                if not quiet:
+                    raise
+                left = len(self._deferred)
+                self._deferred.clear()
+                warnings.warn(f"unienv_mp: could not start a worker after the first "
+                              f"({type(e).__name__}: {e}); going on with "
+                              f"{len(self._lanes)} worker(s), {left} not started",
+                              RuntimeWarning, stacklevel=3)
+                return False
+            self._deferred.popleft()
+            self._lanes.append(_Lane(w))
+        return True
 
     @property
     def remaining_work(self):
@@ -454,6 +515,9 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             self._caller.begin()
         lanes = self._lanes
         if worker is not None:
+            worker = check_index(worker, "worker", self._n_workers)
+            while worker >= len(lanes) and self._start_deferred():
+                pass
             lane = lanes[check_index(worker, "worker", len(lanes))]
         elif self.in_order:
             i = self._next_worker
@@ -667,6 +731,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             if lane.waiting or not w.has_process:
                 self._restart(lane)   # a replacement that could not be finished earlier
                 continue
+            if self._deferred and self._caller.batches and not w.results_published:
+                self._start_deferred(quiet=True)   # (while this worker makes the result)
             try:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 entry = w.next_result(left)
@@ -843,6 +909,9 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         found = find()
         if found is None and not block:
             self._check_all_alive()
+            found = find()
+        if found is None and block and self._deferred and self._caller.batches:
+            self._start_deferred(quiet=True)   # (while the workers make the results)
             found = find()
         if found is None and block:
             t0 = time.monotonic_ns()

@@ -3,21 +3,24 @@
     from unienv_mp import MultiprocessingSampler   # was: from unienv_data.samplers import ...
 
 With :mod:`unienv_mp._sampling` and :mod:`unienv_mp.gather`, the only modules of the
-package that know UniEnv.  One manager of worker processes serves every ``sample*`` method
-of the wrapped sampler (UniEnv starts one per method), and epochs too when the data is
-shared between processes; otherwise each epoch gets its own manager, started when the
-epoch starts, so that it sees the data as it is then (as UniEnv's epochs do).  Batches come
+package that know UniEnv (with :mod:`unienv_mp._fingerprint`).  One manager of worker
+processes serves every ``sample*`` method of the wrapped sampler (UniEnv starts one per
+method), and epochs too when the data is shared between processes, or when its copy of
+the data is still the data as it is now; otherwise an epoch runs on a manager started
+when the epoch starts, so that it sees the data as it is then (as UniEnv's epochs do),
+and kept for the next epochs while the data does not change (``persistent_workers``).  Batches come
 back through shared-memory slots as zero-copy views (see
 :class:`~unienv_mp.manager.MultiProcessingSampleManager`).
 """
 import collections
 import dataclasses
+import multiprocessing as _mp
 import time
 from typing import Any, Optional
 
 from unienv_data.base import BatchSampler
 
-from . import _process, _state
+from . import _fingerprint, _process, _state
 from . import gather as _gather
 from . import stats as _stats
 from ._sampling import SamplerTarget, epoch_order, split_epoch
@@ -84,6 +87,7 @@ class SamplerBase(BatchSampler):
                  batches_per_task, not_direct):
         self._closed = True   # first: __del__ -> close() must work on a half-built sampler
         self._manager = None
+        self._kept = None
         if not isinstance(sampler, BatchSampler):
             raise TypeError(f"sampler must be a unienv_data BatchSampler (e.g. StepSampler), "
                             f"got {type(sampler).__module__}.{type(sampler).__qualname__}")
@@ -111,7 +115,13 @@ class SamplerBase(BatchSampler):
         self._streams = {}          # method -> Stream
         self._current_epoch = None  # the epoch being handed out: EpochProgress
         self._resume = {}           # getter -> (order, cursor): epochs restored, to finish
+        # Managers that epochs run on besides the sample* manager: an epoch's own, and
+        # managers no longer kept (see _retire), each closed when no epoch runs on it.
         self._epoch_managers = set()
+        # A manager kept for the next epochs (see MultiprocessingSampler's
+        # persistent_workers), and how many epoch iterators run on each manager.
+        self._kept = None
+        self._epoch_users = collections.Counter()
         # Every other sample* / get*_at method of the wrapped sampler runs in the workers
         # too (as UniEnv does): sample_x() directly, get_at_x as epoch_iter_x(), and
         # get_flattened_at_x as epoch_flat_iter_x().  Made on access (see __getattr__), so
@@ -149,8 +159,24 @@ class SamplerBase(BatchSampler):
     def _epoch_manager(self):
         """``(manager, own)``: the manager an epoch starting now runs on, and whether it
         is the epoch's own (closed when the epoch ends; it is in ``_epoch_managers`` from
-        the moment it is made) or the ``sample*`` manager."""
+        the moment it is made) or one that outlives the epoch (the ``sample*`` manager,
+        or one kept in ``_kept`` for the next epochs)."""
         return self._ensure_manager(), False
+
+    def _new_sample_manager(self):
+        """The manager of the ``sample*`` methods, made at their first call: a new one
+        (a subclass may hand over one kept for epochs instead)."""
+        return self._new_manager()
+
+    def _retire(self, manager):
+        """``manager`` is no longer kept for anything: closed now, or, while epochs still
+        run on it, by the last of them (it waits in ``_epoch_managers``)."""
+        if manager is None or manager.closed:
+            return
+        if self._epoch_users.get(manager, 0) > 0:
+            self._epoch_managers.add(manager)
+        else:
+            manager.close()
 
     def _sampler_methods(self):
         """The wrapped sampler's ``sample*``, ``get_at*`` and ``get_flattened_at*``
@@ -174,7 +200,7 @@ class SamplerBase(BatchSampler):
         self._start_clock()
         if self._manager is None:
             # (no worker seeds: every task carries the seed of its chunk)
-            self._manager = self._new_manager()
+            self._manager = self._new_sample_manager()
         return self._manager
 
     def _start_clock(self):
@@ -204,7 +230,11 @@ class SamplerBase(BatchSampler):
         if self._caller.since_ns is None:
             self._start_clock()   # (a manager made before the first request)
         try:
-            stream.top_up(manager.submit, n_buffers)
+            # Nothing requested yet (the first call, or the first after manual_seed): one
+            # task alone, so that the batch waited for has a worker, and the CPUs, to
+            # itself; the rest once it is here.
+            cold = not (ready or tickets)
+            stream.top_up(manager.submit, 0 if cold else n_buffers)
             if ready:
                 self._caller.batches += 1
                 return ready.popleft()
@@ -218,6 +248,8 @@ class SamplerBase(BatchSampler):
                 raise
             tickets.remove(ticket)
             stream.arrived(ticket, value)
+            if cold:
+                stream.top_up(manager.submit, n_buffers)
             self._caller.batches += 1
             return ready.popleft()
         except WorkerError:
@@ -269,14 +301,19 @@ class SamplerBase(BatchSampler):
         batches = split_epoch(progress.order, progress.batch_size)
         todo = progress.remaining()
         self._start_clock()
-        manager, own = self._epoch_manager()
+        manager, _ = self._epoch_manager()   # (an own manager is in _epoch_managers)
+        users = self._epoch_users
+        users[manager] += 1
         self._current_epoch = progress
         pending = collections.deque()
         number = {}   # ticket -> batch number
         nxt = 0
+        # The first batch is asked for alone, so that it has a worker, and the CPUs, to
+        # itself (it is waited for at once); the rest from the second on.
+        ahead = 1
         try:
             while nxt < len(todo) or pending:
-                while nxt < len(todo) and len(pending) < self.n_buffers:
+                while nxt < len(todo) and len(pending) < ahead:
                     manager.submit((getter, batches[todo[nxt]]), record=pending)
                     number[pending[-1]] = todo[nxt]
                     nxt += 1
@@ -284,33 +321,48 @@ class SamplerBase(BatchSampler):
                 value = self._collect(manager, pending, ticket)
                 progress.handed_out(number.pop(ticket))
                 self._caller.batches += 1
+                if ahead == 1:
+                    # the rest, while the caller uses this batch
+                    ahead = self.n_buffers
+                    while nxt < len(todo) and len(pending) < ahead - 1:
+                        manager.submit((getter, batches[todo[nxt]]), record=pending)
+                        number[pending[-1]] = todo[nxt]
+                        nxt += 1
                 yield value
         finally:
             # Also on an early break (generator closed) or an error: drop what is in flight.
             # (The epoch is over: the next one draws a new permutation.)
-            if self._current_epoch is progress:
-                self._current_epoch = None
-            if own:
-                self._ended_wait_ns += int(manager.stats().wait_seconds * 1e9)
-                manager.close()
-                self._epoch_managers.discard(manager)
-            elif self._manager is manager and not manager.closed:
-                with _process.interrupts_deferred():
+            # (one step: a Ctrl-C cannot leave tickets behind on a manager that lives on)
+            with _process.interrupts_deferred():
+                if self._current_epoch is progress:
+                    self._current_epoch = None
+                users[manager] -= 1
+                if users[manager] <= 0:
+                    del users[manager]
+                # its own, or retired (see _retire) while this epoch ran: the last epoch
+                # on it closes it
+                last = manager in self._epoch_managers and manager not in users
+                if not last and not manager.closed:
                     for t in pending:
                         manager.cancel(t)
+            if last:
+                if not manager.closed:
+                    self._ended_wait_ns += int(manager.stats().wait_seconds * 1e9)
+                manager.close()
+                self._epoch_managers.discard(manager)
 
     def stats(self, reset: bool = False):
         """Where the time went since the first request (or the last ``stats(reset=True)``),
         as a :class:`~unienv_mp.SamplerStats`: batches handed out, the time spent waiting
         for them, the batches ready, each worker's counters, and the bottleneck.  The
-        workers are the ``sample*`` workers (or, before there are any, those of the epoch
-        being iterated).  ``reset=True``: the counters start again from zero once this is
+        workers are the ``sample*`` workers (or, before there are any, those kept for
+        epochs, or those of the epoch being iterated).  ``reset=True``: the counters start again from zero once this is
         read."""
         now = time.monotonic_ns()
         wait_ns = self._ended_wait_ns
         ready = sum(len(st.ready) for st in self._streams.values())
         workers = None
-        for manager in (self._manager, *self._epoch_managers):
+        for manager in (self._manager, self._kept, *self._epoch_managers):
             if manager is None or manager.closed:
                 continue
             part = manager.stats(reset=reset)
@@ -526,6 +578,7 @@ class SamplerBase(BatchSampler):
         """End the workers and release the shared memory; batches already returned stay
         valid.  Idempotent."""
         if (getattr(self, "_closed", True) and getattr(self, "_manager", None) is None
+                and getattr(self, "_kept", None) is None
                 and not getattr(self, "_epoch_managers", None)):
             return
         self._closed = True
@@ -533,6 +586,9 @@ class SamplerBase(BatchSampler):
         if self._manager is not None:
             self._manager.close()
             self._manager = None
+        if getattr(self, "_kept", None) is not None:
+            self._kept.close()
+            self._kept = None
         for epoch_manager in list(getattr(self, "_epoch_managers", ())):
             epoch_manager.close()
             self._epoch_managers.discard(epoch_manager)
@@ -554,8 +610,11 @@ class MultiprocessingSampler(SamplerBase):
     A drop-in for ``unienv_data.samplers.MultiprocessingSampler`` (same constructor, same
     methods and properties), with batches moved through shared memory instead of pickles.
     As in UniEnv, the ``sample*`` workers start at the first call and see the data as it
-    was then (unless it is shared between processes, e.g. a ReplayBuffer made with
-    ``multiprocessing=True``), and an epoch over unshared data starts workers of its own.
+    was then (the first of them starts then, the others later with the same copy: see
+    the manager's ``start_later``) (unless it is shared between processes, e.g. a ReplayBuffer made with
+    ``multiprocessing=True``), and an epoch over unshared data covers it as it is when
+    the epoch starts: on workers that exist if their copy is still current, else on new
+    ones (see ``persistent_workers``).
 
     Args:
         sampler: the ``BatchSampler`` to run in the workers (e.g. a ``StepSampler``).  Its
@@ -617,6 +676,24 @@ class MultiprocessingSampler(SamplerBase):
             task is made again (given up, with :class:`~unienv_mp.WorkerStalledError`,
             after ``max_respawns + 1`` stalls in a row), without, the call raises
             ``WorkerStalledError`` (see the manager's ``stall_timeout``).
+        persistent_workers: whether epochs over data not shared between processes run on
+            workers that already exist (DataLoader's name).  Workers hold a copy of such
+            data as it was when they started, and an epoch covers the data as it is when
+            it starts.  ``None`` (default): an epoch runs on existing workers (the
+            ``sample*`` workers, or those of an earlier epoch, which are kept for the
+            next) exactly when their copy is still the data as it is now, which is told
+            by an exact fingerprint of the data (see :mod:`unienv_mp._fingerprint`:
+            torch tensors' identities, data pointers and version counters, the
+            ReplayBuffer's count and offset); where it cannot be told (a custom sampler
+            or storage, memory-mapped or file-backed data), each epoch starts workers of
+            its own.  Writes that bypass torch (through ``tensor.numpy()``) are not
+            seen: pass ``False`` if the data is written that way.  ``True``: the caller
+            promises that the data does not change: epochs run on the existing workers
+            whatever the storage.  ``False``: each epoch over unshared data starts
+            workers of its own, and they end with it (UniEnv's behaviour).  The
+            batches are the same in every case, bit for bit, as long as the promise of
+            ``True`` holds.  The ``sample*`` workers started at the first ``sample*``
+            call are those kept for epochs, if their copy is current then.
 
     :meth:`stats` says where the time goes.  :meth:`state_dict` and
     :meth:`load_state_dict` save and restore the position of every
@@ -645,6 +722,7 @@ class MultiprocessingSampler(SamplerBase):
         direct_gather: Optional[bool] = None,
         batches_per_task: Optional[int] = None,
         stall_timeout: Optional[float] = None,
+        persistent_workers: Optional[bool] = None,
     ):
         self._closed = True   # first: __del__ -> close() must work on a half-built sampler
         self._manager = None
@@ -654,6 +732,9 @@ class MultiprocessingSampler(SamplerBase):
             ctx = check_context(ctx)
         if direct_gather is not None and type(direct_gather) is not bool:
             raise TypeError(f"direct_gather must be None, True or False, got {direct_gather!r}")
+        if persistent_workers is not None and type(persistent_workers) is not bool:
+            raise TypeError(f"persistent_workers must be None, True or False, got "
+                            f"{persistent_workers!r}")
         not_direct = "direct_gather=False" if direct_gather is False else None
         if not_direct is None and isinstance(sampler, BatchSampler):
             try:
@@ -668,6 +749,9 @@ class MultiprocessingSampler(SamplerBase):
         self.daemon = daemon
         self.shared_memory = shared_memory
         self.stall_timeout = stall_timeout
+        self.persistent_workers = persistent_workers
+        self._manager_fp = None   # the data the sample* workers hold (see _fingerprint)
+        self._kept_fp = None      # the data the workers kept for epochs hold
         super().__init__(sampler, n_workers, n_buffers, in_order=in_order, copy=copy,
                          timeout=timeout, respawn=respawn, batches_per_task=batches_per_task,
                          not_direct=not_direct)
@@ -677,16 +761,87 @@ class MultiprocessingSampler(SamplerBase):
             SamplerTarget(self.sampler, direct=self._direct), n_workers=self.n_workers,
             ctx=self.mp_ctx, doze_time=self.doze_time, daemon=self.daemon,
             in_order=self.in_order, copy=self.copy, timeout=self.timeout,
-            respawn=self.respawn, stall_timeout=self.stall_timeout)
+            respawn=self.respawn, stall_timeout=self.stall_timeout,
+            start_later=self._start_later())
+
+    def _start_later(self):
+        """The manager's ``start_later``: whether its workers after the first may start
+        later, when they would copy the same data as the first (a first batch then costs
+        one process start, not ``n_workers``).  Under spawn and forkserver they map the
+        snapshot the first one's start made, and shared data is the same for all; under
+        fork they copy the data as it is when they start, so only while its fingerprint
+        is the one taken now (``persistent_workers=True``: the caller's promise).  None
+        (all start now) where that cannot be told."""
+        sampler = self.sampler
+        ctx = self.mp_ctx if self.mp_ctx is not None else _mp.get_context()
+        if ctx.get_start_method() != "fork" or _data_is_shared(sampler):
+            return _always
+        if self.persistent_workers is False:
+            return None
+        then = _fingerprint.take(sampler)
+        if then is None:
+            return _always if self.persistent_workers is True else None
+
+        def unchanged():
+            return _fingerprint.same(then, _fingerprint.take(sampler))
+        return unchanged
+
+    def _data_now(self):
+        """The fingerprint of the data as it is now (see :mod:`unienv_mp._fingerprint`),
+        or None: it cannot be told, or ``persistent_workers`` does not ask."""
+        if self.persistent_workers is None:
+            return _fingerprint.take(self.sampler)
+        return None
+
+    def _holds_data_now(self, held, now):
+        """Whether workers started when the data's fingerprint was ``held`` hold the data
+        as it is now (``now``): ``persistent_workers=True`` promises it."""
+        return self.persistent_workers is True or _fingerprint.same(held, now)
+
+    def _new_sample_manager(self):
+        # The workers kept for epochs become the sample* workers if their copy of the data
+        # is the data as it is now (what new workers would copy): one pool.
+        kept = self._kept
+        if kept is not None and not _data_is_shared(self.sampler):
+            now = self._data_now()
+            self._kept = None
+            if not kept.closed and self._holds_data_now(self._kept_fp, now):
+                self._manager_fp = self._kept_fp
+                return kept
+            self._retire(kept)   # (older data: no use to anything)
+        now = None if self.persistent_workers is False else self._data_now()
+        manager = self._new_manager()
+        self._manager_fp = now
+        return manager
 
     def _epoch_manager(self):
         if _data_is_shared(self.sampler):
             return self._ensure_manager(), False
         # Workers hold a copy of unshared data as it was when they started: this epoch
-        # needs workers started now.
+        # runs on workers that exist only if that copy is the data as it is now, and
+        # otherwise needs workers started now.
+        keep = self.persistent_workers is not False
+        now = self._data_now()
+        if self.persistent_workers is None and now is None:
+            keep = False   # (cannot be told: new workers, as without persistent_workers)
+        if keep:
+            for pool, held in ((self._manager, self._manager_fp),
+                               (self._kept, self._kept_fp)):
+                if pool is not None and not pool.closed and self._holds_data_now(held, now):
+                    return pool, False
+            # (the workers kept so far hold older data: they go)
+            kept, self._kept = self._kept, None
+            self._retire(kept)
         manager = self._new_manager()
+        if keep:
+            self._kept, self._kept_fp = manager, now
+            return manager, False
         self._epoch_managers.add(manager)
         return manager, True
+
+
+def _always():
+    return True
 
 
 class _StreamMethod:
