@@ -210,7 +210,7 @@ def test_groups_are_planned_by_the_same_rule_on_both_paths():
                                     ctx="fork", direct_gather=direct) as m:
             m.sample()
             m.sample_index()
-            # (small rows: as many as fit in 256 KiB, at most 8, whatever n_buffers)
+            # (small rows: as many as fit in 1 MiB, at most 8, whatever n_buffers)
             assert m._streams["sample"].k == 8
             assert m._streams["sample_index"].k == 1
 

@@ -32,7 +32,7 @@ from .manager import MultiProcessingSampleManager
 __all__ = ["SamplerBase", "MultiprocessingSampler"]
 
 #: Batches smaller than this are made several to a task (see ``batches_per_task``) ...
-_CHUNK_BYTES = 256 * 1024
+_CHUNK_BYTES = 1 << 20
 #: ... at most this many.
 _CHUNK_MAX = 8
 
@@ -265,7 +265,7 @@ class SamplerBase(BatchSampler):
 
     def _chunk_size(self, name):
         """Batches per task of ``name``'s stream: ``batches_per_task``, or for methods
-        that can be gathered directly as many as fit in 256 KiB (at most 8), else 1.  A
+        that can be gathered directly as many as fit in 1 MiB (at most 8), else 1.  A
         function of the wrapped sampler and the options alone (not of ``n_workers`` or
         ``n_buffers``): the stream of batches depends on it."""
         k = self.batches_per_task
@@ -657,7 +657,7 @@ class MultiprocessingSampler(SamplerBase):
         batches_per_task: how many batches of a ``sample*`` method one task makes: a
             chunk of the method's stream, which the worker draws one batch after the
             other after seeding the wrapped sampler for that chunk.  ``None`` (default):
-            for methods that can be gathered directly, as many as fit in 256 KiB, at most
+            for methods that can be gathered directly, as many as fit in 1 MiB, at most
             8; one for every other method.  Small batches cost little to gather but a
             lot to hand over one by one (a worker's wake-up, two ring operations and a
             decode each): several to a task make that cost theirs together.  The stream
