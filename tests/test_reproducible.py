@@ -119,13 +119,15 @@ def test_a_worker_sigkilled_mid_stream_changes_nothing():
     with MultiprocessingSampler(StepSampler(rb, 4, seed=5), n_workers=3, n_buffers=6,
                                 ctx="fork", batches_per_task=2) as m:
         got = take(m, 20)
+        m._manager.start_all()   # (a new pool starts one worker first)
+        got += take(m, 10)
         killed = []
         for victim in (1, 0):   # with work in flight on it
             proc = m._manager.workers[victim]
             killed.append(proc.pid)
             os.kill(proc.pid, signal.SIGKILL)
             assert wait_until(lambda: not proc.is_alive())
-            got += take(m, 20)
+            got += take(m, 15)
         assert not set(killed) & {p.pid for p in m._manager.workers}   # replaced
     assert got == undisturbed
 
@@ -383,12 +385,12 @@ def test_a_state_of_another_batches_per_task_is_refused_for_streams_not_started_
     """batches_per_task is part of the configuration a state fits, but only the streams
     the state has positions for are compared: a stream started after loading follows
     this sampler's k, and its batches differ from the original's."""
-    rb = replay_buffer(100, img=(3, 64, 64))   # sample(): 4 batches to a task, flat: 1
+    rb = replay_buffer(100, img=(3, 128, 128))   # sample(): 4 batches to a task, flat: 1
     with MultiprocessingSampler(StepSampler(rb, 5, seed=1), n_workers=1, ctx="fork") as m:
         assert m._chunk_size("sample") == 4 and m._chunk_size("sample_flat") == 1
         take(m, 3)
         state = m.state_dict()
-        flat = [indices_of(m.sample_flat(), img=(3, 64, 64)) for _ in range(4)]
+        flat = [indices_of(m.sample_flat(), img=(3, 128, 128)) for _ in range(4)]
     with MultiprocessingSampler(StepSampler(rb, 5, seed=1), n_workers=1, ctx="fork",
                                 batches_per_task=4) as m:
         try:
@@ -396,7 +398,7 @@ def test_a_state_of_another_batches_per_task_is_refused_for_streams_not_started_
         except ValueError as e:
             assert "sample_flat() makes 1 batches per task in the state, 4 here" in str(e)
             return
-        got = [indices_of(m.sample_flat(), img=(3, 64, 64)) for _ in range(4)]
+        got = [indices_of(m.sample_flat(), img=(3, 128, 128)) for _ in range(4)]
     assert got == flat, "loaded without a word, and sample_flat() gives other batches"
 
 
