@@ -78,13 +78,14 @@ def run(make_sampler, direct, methods=SAMPLE_METHODS, epochs=EPOCH_METHODS, roun
 
 
 @contextlib.contextmanager
-def getters_refused(active=True):
-    """StepSampler's getters raise while this lasts, in this process and in workers forked
-    meanwhile (patched on the class, which the direct path's checks then see as StepSampler's
-    own; a patch on an instance is an override, and takes the generic path)."""
-    saved = {name: StepSampler.__dict__[name] for name in GETTERS}
+def getters_refused(active=True, names=GETTERS):
+    """StepSampler's getters (``names``) raise while this lasts, in this process and in
+    workers forked meanwhile (patched on the class, which the direct path's checks then see
+    as StepSampler's own; a patch on an instance is an override, and takes the generic
+    path)."""
+    saved = {name: StepSampler.__dict__[name] for name in names}
     if active:
-        for name in GETTERS:
+        for name in names:
             setattr(StepSampler, name, _data.refuse)
     try:
         yield

@@ -1,6 +1,5 @@
 """Direct gather of UniEnv's views (frame stacks, action chunks, columns, combined
 datasets): the same batches as UniEnv's own methods, bit for bit."""
-import contextlib
 import copy
 
 import numpy as np
@@ -10,14 +9,12 @@ from unienv_data.batches.combined_batch import CombinedBatch
 from unienv_data.batches.framestack_batch import FrameStackedBatch
 from unienv_data.batches.slicestack_batch import SliceStackedBatch
 from unienv_data.batches.subitem_batch import SubItemBatch
-from unienv_data.samplers import StepSampler
 
 from unienv_mp import MultiprocessingSampler, _codec, _rows, _views, gather
 from unienv_mp.worker import SlotWriter
 
-import _data
 import _views_data as vd
-from test_gather import assert_identical
+from test_gather import assert_identical, getters_refused
 
 # -- the window's loops against UniEnv's tensor code ------------------------------------------
 
@@ -374,20 +371,10 @@ def test_flattened_batches_of_a_column_stack_are_gathered_other_views_generic():
 
 # -- through the sampler: workers, start methods, epochs, a growing buffer --------------------
 
-@contextlib.contextmanager
 def view_getters_refused(active=True):
-    """StepSampler's get_at and get_at_with_metadata raise while this lasts, in this
-    process and in workers forked meanwhile: the getters a view's direct path replaces
-    (its flattened getters stay generic)."""
-    saved = {name: StepSampler.__dict__[name] for name in _views.GETTERS}
-    if active:
-        for name in saved:
-            setattr(StepSampler, name, _data.refuse)
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(StepSampler, name, fn)
+    """StepSampler's get_at and get_at_with_metadata raise while this lasts: the getters a
+    view's direct path replaces for every view (its flattened getters only for some)."""
+    return getters_refused(active, _views.GETTERS)
 
 
 def _through_sampler(make_view, direct, ctx="fork", batches_per_task=None, rounds=3):

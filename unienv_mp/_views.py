@@ -38,8 +38,7 @@ row is the window's rows one after the other); elsewhere they take the generic p
 import numpy as np
 
 from . import _codec, _rows, _unienv
-from .gather import BUFFER_METHODS, NotDirect, byte_rows, overridden, qualname
-from .worker import SlotWriter
+from .gather import BUFFER_METHODS, NotDirect, PlannedBatch, byte_rows, overridden, qualname
 
 __all__ = ["PLANNERS", "plan", "Spec", "Part", "ViewGatherer", "GETTERS", "FLAT_GETTERS",
            "getter_specs"]
@@ -681,7 +680,7 @@ class ViewGatherer:
             fn = getattr(self.sampler, getter)
             out = [fn(idx) for idx in indices]
             return tuple(out) if k is not None else out[0]
-        return _Batch(plan, values if meta else [v[0] for v in values])
+        return PlannedBatch(plan, values if meta else [v[0] for v in values])
 
     def _plan(self, getter, idx, k):
         key = (getter, int(idx.shape[0]), k)
@@ -816,21 +815,3 @@ class _Plan:
 
 def _where(path):
     return "the batch" + "".join(f"[{k!r}]" for k in path)
-
-
-class _Batch(SlotWriter):
-    """One view batch (or a tuple of them) to write: a plan and its evaluated parts."""
-    __slots__ = ("plan", "values", "nbytes")
-
-    def __init__(self, plan, values):
-        self.plan = plan
-        self.values = values
-        self.nbytes = plan.nbytes
-
-    def write_into(self, buffer, cache):
-        plan = self.plan
-        views = cache.get(plan)
-        if views is None:
-            views = cache[plan] = plan.views(buffer)
-        _codec.write_frame(plan.prepared, buffer)
-        plan.fill(buffer, views, self.values)

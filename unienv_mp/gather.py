@@ -37,7 +37,7 @@ import numpy as np
 from . import _codec, _rows, _unienv
 from .worker import SlotWriter
 
-__all__ = ["NotDirect", "check", "row_nbytes", "Gatherer", "DIRECT_METHODS"]
+__all__ = ["NotDirect", "check", "row_nbytes", "Gatherer", "DIRECT_METHODS", "PlannedBatch"]
 
 #: Sampler methods a direct plan can serve (``sample_index`` stays generic: it gathers
 #: nothing), by the epoch getter that computes the same thing from given indices.
@@ -48,9 +48,6 @@ DIRECT_METHODS = {
     "sample_flat_with_metadata": "get_flattened_at_with_metadata",
 }
 _GETTERS = {g: s for s, g in DIRECT_METHODS.items()}
-#: The getters a view's plan may serve (:data:`unienv_mp._views.GETTERS` and
-#: ``FLAT_GETTERS``; a flattened getter only for some views).
-_VIEW_GETTERS = tuple(_GETTERS)
 _SAMPLER_METHODS = ("sample_index", *DIRECT_METHODS, *_GETTERS)
 BUFFER_METHODS = ("get_at", "get_at_with_metadata", "get_flattened_at",
                    "get_flattened_at_with_metadata", "_logical_to_physical_index")
@@ -381,8 +378,28 @@ class Gatherer:
         """A :class:`SlotWriter` for the task, or None to run it the generic way.  For a
         sampling method, ``arg`` is None (one batch) or a count ``k`` (a tuple of ``k``
         batches, drawn one after the other as ``k`` calls would draw them)."""
+        task = self._task(name, arg)
+        if task is None:
+            return None
+        getter, k, indices = task
         if self._view is not None:
-            return self._view_task(name, arg)
+            return self._view(getter, indices, k)
+        if name in DIRECT_METHODS:
+            rows = [self._sampled_rows(idx) for idx in indices]
+        else:
+            # indices from outside: the ReplayBuffer's own mapping, bounds checks included
+            rows = [_unienv.logical_to_physical(self.buffer, indices[0])]
+        n = int(rows[0].shape[0])
+        key = (getter, n, k)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = _Plan(self.structure(getter), n, k)
+        return PlannedBatch(plan, rows)
+
+    def _task(self, name, arg):
+        """``(getter, k, index tensors)`` of a task that a plan serves, or None: a sampling method's ``k`` (None for one batch) draws of
+        ``sample_index()`` (the RNG advances as in ``sample*()``), or a getter's given
+        indices."""
         getter = DIRECT_METHODS.get(name)
         if getter is not None:
             if arg is None:
@@ -393,43 +410,11 @@ class Gatherer:
                 return None
             if self.structure(getter) is None:
                 return None
-            sample_index = self.sampler.sample_index   # the RNG advances as in sample*()
-            rows = [self._sampled_rows(sample_index()) for _ in range(k or 1)]
-        else:
-            if (name not in _GETTERS or not _is_index_tensor(arg)
-                    or self.structure(name) is None):
-                return None
-            getter, k = name, None
-            # indices from outside: the ReplayBuffer's own mapping, bounds checks included
-            rows = [_unienv.logical_to_physical(self.buffer, arg)]
-        n = int(rows[0].shape[0])
-        key = (getter, n, k)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = _Plan(self.structure(getter), n, k)
-        return _Batch(plan, rows)
-
-
-    def _view_task(self, name, arg):
-        """A task over a view: the indices, drawn or given, to the view's gatherer."""
-        getter = DIRECT_METHODS.get(name)
-        if getter is not None:
-            if arg is None:
-                k = None
-            elif type(arg) is int and arg >= 1:
-                k = arg
-            else:
-                return None
-            if getter not in _VIEW_GETTERS or self.structure(getter) is None:
-                return None
-            sample_index = self.sampler.sample_index   # the RNG advances as in sample*()
-            indices = [sample_index() for _ in range(k or 1)]
-        elif (name in _VIEW_GETTERS and _is_index_tensor(arg)
-                and self.structure(name) is not None):
-            getter, k, indices = name, None, [arg]
-        else:
-            return None
-        return self._view(getter, indices, k)
+            sample_index = self.sampler.sample_index
+            return getter, k, [sample_index() for _ in range(k or 1)]
+        if name in _GETTERS and _is_index_tensor(arg) and self.structure(name) is not None:
+            return name, None, [arg]
+        return None
 
     def _sampled_rows(self, idx):
         """Storage rows of indices drawn by ``sample_index()``: the ReplayBuffer's mapping
@@ -577,13 +562,15 @@ def byte_rows(src):
     return table
 
 
-class _Batch(SlotWriter):
-    """One batch (or a tuple of them) to gather: a plan and the storage rows of each."""
-    __slots__ = ("plan", "rows", "nbytes")
+class PlannedBatch(SlotWriter):
+    """One batch (or a tuple of them) to gather: a plan (the codec frame ``prepared``,
+    ``views(buffer)`` of a slot, ``fill(buffer, views, what)``) and what it is filled
+    with (the storage rows of each batch; for a view, its evaluated parts)."""
+    __slots__ = ("plan", "what", "nbytes")
 
-    def __init__(self, plan, rows):
+    def __init__(self, plan, what):
         self.plan = plan
-        self.rows = rows
+        self.what = what
         self.nbytes = plan.nbytes
 
     def write_into(self, buffer, cache):
@@ -592,4 +579,4 @@ class _Batch(SlotWriter):
         if views is None:
             views = cache[plan] = plan.views(buffer)
         _codec.write_frame(plan.prepared, buffer)
-        plan.fill(buffer, views, self.rows)
+        plan.fill(buffer, views, self.what)
