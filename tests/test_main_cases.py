@@ -366,8 +366,10 @@ def test_table_chart_has_a_panel_for_time_and_one_for_main_cpu():
                res("in_process", compare.LABELS["in_process"], 10, 0.05, main_cpu_s=0.05),
                res("unienv", compare.LABELS["unienv"], error="boom")]
     fig = main_mod.table_figure(plt, results, "image")
+    # (the second panel's bars span 50x: a log axis)
     assert [ax.get_xlabel() for ax in fig.axes] == [
-        "ms per batch (lower is better)", "main CPU ms per batch (lower is better)"]
+        "ms per batch (lower is better)",
+        "main CPU ms per batch (lower is better), log scale"]
     widths = [[round(p.get_width(), 6) for p in ax.patches] for ax in fig.axes]
     assert widths == [[2.0, 5.0], [0.1, 5.0]]
     plt.close(fig)
@@ -482,3 +484,31 @@ def test_progress_is_a_line_per_row_without_a_terminal_and_nothing_with_no_progr
     assert captured.err == ""
     assert compare.describe("state", compare.case_config("state")) == (
         "state 10 f32, action 7 f32")   # (not "image no image")
+
+
+def test_charts_use_a_log_axis_where_rows_span_more_than_10x_and_keep_the_legend_aside():
+    plt = _pyplot()
+    res = compare.Result
+    cfg = compare.case_config("state")
+    points = [(w, res("unienv_mp", compare.LABELS["unienv_mp"], n, 1.0))
+              for w, n in ((1, 20000), (2, 30000))]
+    points += [(w, res("unienv", compare.LABELS["unienv"], n, 1.0)) for w, n in ((1, 500),
+                                                                               (2, 600))]
+    fig = main_mod.sweep_figure(plt, points, "state", cfg)
+    ax = fig.axes[0]
+    assert ax.get_yscale() == "log" and "log scale" in ax.get_ylabel()
+    assert "batches of 32" in ax.get_title() and "1-2 workers" in ax.get_title()
+    legend = ax.get_legend()
+    fig.canvas.draw()
+    # the legend lies right of the axes, over no line
+    assert legend.get_window_extent().x0 >= ax.get_window_extent().x1
+    plt.close(fig)
+    close = [(None, res("a", "a", 10, 1.0)), (None, res("b", "b", 20, 1.0))]
+    fig = main_mod.sweep_figure(plt, close, "state", cfg)
+    assert fig.axes[0].get_yscale() == "linear"
+    plt.close(fig)
+    results = [res("unienv_mp", compare.LABELS["unienv_mp"], 100, 0.01),
+               res("in_process", compare.LABELS["in_process"], 10, 0.05)]
+    fig = main_mod.table_figure(plt, results, "state", cfg)
+    assert fig.axes[0].get_xscale() == "log" and "batches of 32" in fig._suptitle.get_text()
+    plt.close(fig)

@@ -553,6 +553,9 @@ def _bar_panels(plt, labels, highlight, panels, title):
     colors = ["tab:green" if h else "tab:gray" for h in highlight]
     for ax, (xlabel, values) in zip(axes[0], panels):
         ax.barh(range(len(labels)), values, color=colors)
+        if _spans_decade(values):   # (a linear axis would hide the short bars)
+            ax.set_xscale("log")
+            xlabel += ", log scale"
         ax.set_xlabel(xlabel)
         for i, v in enumerate(values):
             ax.text(v, i, f" {v:.3g}", va="center", fontsize=8)
@@ -565,12 +568,25 @@ def _bar_panels(plt, labels, highlight, panels, title):
     return fig
 
 
-def table_figure(plt, results, case):
+def _spans_decade(values):
+    """Whether positive ``values`` span more than 10x (then an axis is drawn log scale)."""
+    positive = [v for v in values if v and v > 0]
+    return bool(positive) and max(positive) > 10 * min(positive)
+
+
+def _chart_title(case, cfg):
+    """A chart's title: the case, with its batch size and worker count where known."""
+    if cfg is None:
+        return case
+    return f"{case}: batches of {cfg.batch_size}, {cfg.workers} workers, {cfg.start_method}"
+
+
+def table_figure(plt, results, case, cfg=None):
     ok = [r for r in results if r.batches and not r.error]
     return _bar_panels(plt, [r.label for r in ok], [r.name == "unienv_mp" for r in ok],
                        [("ms per batch (lower is better)", [r.ms_per_batch for r in ok]),
                         ("main CPU ms per batch (lower is better)",
-                         [r.main_cpu_ms_per_batch for r in ok])], case)
+                         [r.main_cpu_ms_per_batch for r in ok])], _chart_title(case, cfg))
 
 
 def views_figure(plt, results):
@@ -631,10 +647,11 @@ def epoch_figure(plt, points):
                         ("later epochs s", [r.later_epoch_s for _, r in ok])], "epoch")
 
 
-def sweep_figure(plt, points, case):
+def sweep_figure(plt, points, case, cfg=None):
     """batches/s against workers, a line per implementation; rows without workers as
-    horizontal lines."""
-    fig, ax = plt.subplots(figsize=(8, 5))
+    horizontal lines; the legend beside the data, a log axis where rows span more than
+    10x (so that the slow rows' lines stay apart)."""
+    fig, ax = plt.subplots(figsize=(11, 5))
     counts = sorted({w for w, _ in points if w is not None})
     names = list(dict.fromkeys(r.name for _, r in points))
     for name in names:
@@ -653,10 +670,16 @@ def sweep_figure(plt, points, case):
     ax.set_xticks(counts)
     ax.set_xticklabels([str(w) for w in counts])
     ax.set_xlabel("workers")
-    ax.set_ylabel("batches/s (higher is better)")
-    ax.set_ylim(bottom=0)
-    ax.set_title(case)
-    ax.legend(fontsize=8)
+    rates = [r.batches_per_s for _, r in points if not r.error and r.batches]
+    if _spans_decade(rates):
+        ax.set_yscale("log")
+        ax.set_ylabel("batches/s (higher is better), log scale")
+    else:
+        ax.set_ylabel("batches/s (higher is better)")
+        ax.set_ylim(bottom=0)
+    ax.set_title(_chart_title(case, None if cfg is None else replace(cfg, workers="1-" + str(
+        max([w for w, _ in points if w is not None], default=cfg.workers)))))
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return fig
 
@@ -813,7 +836,7 @@ def _run_case(case, args, missing, progress, say):
             payload = {"results": [_row_dict(w, r) for w, r in points],
                        "speedup_of_unienv_mp": by_count}
             return CaseRun(case, cfg, sweep_table(points, cfg, case), payload,
-                           lambda plt: sweep_figure(plt, points, case),
+                           lambda plt: sweep_figure(plt, points, case, cfg),
                            any(r.error for _, r in points), skipped)
         results = [timed(n, None, lambda adv: compare.measure(n, rb, cfg, adv))
                    for n in names]
@@ -821,7 +844,7 @@ def _run_case(case, args, missing, progress, say):
                                      r) for r in results],
                "speedup_of_unienv_mp": compare.speedups(results)}
     return CaseRun(case, cfg, throughput_table(results, cfg, case), payload,
-                   lambda plt: table_figure(plt, results, case),
+                   lambda plt: table_figure(plt, results, case, cfg),
                    any(r.error for r in results), skipped)
 
 
