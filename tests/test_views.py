@@ -467,3 +467,16 @@ def test_worker_memory_stays_flat_over_many_view_batches():
             m.sample_with_metadata()
         after = psutil.Process(pid).memory_info().rss
     assert after - before < 4 << 20, (before, after)
+
+
+def test_a_view_of_an_empty_or_cleared_buffer_raises_what_uniEnv_raises():
+    rb = vd.buffer((5, 5))
+    sampler = vd.sampler_of(vd.frame_stack(rb), 4)
+    g = gather.Gatherer(sampler)
+    assert isinstance(g("sample", None), SlotWriter)   # planned while the buffer had rows
+    rb.clear()
+    with pytest.raises(Exception) as direct:
+        g("sample", None)
+    with pytest.raises(Exception) as generic:
+        copy.deepcopy(sampler).sample()
+    assert type(direct.value) is type(generic.value)
