@@ -67,24 +67,7 @@ static void stream_row(unsigned char *d, const unsigned char *s, uint64_t n)
 int64_t umr_gather_rows(const unsigned char *src, uint64_t n_src, uint64_t row_bytes,
                         const int64_t *rows, uint64_t n, unsigned char *dst)
 {
-    uint64_t i;
-    /* Every row is checked before anything is written: a bad index writes nothing. */
-    for (i = 0; i < n; i++)
-        if (rows[i] < 0 || (uint64_t)rows[i] >= n_src)
-            return (int64_t)i;
-    if (row_bytes == 0)
-        return -1;
-#if UMR_HAVE_STREAM
-    if (row_bytes >= STREAM_MIN_ROW && ((uintptr_t)dst & 15) == 0 && (row_bytes & 15) == 0) {
-        for (i = 0; i < n; i++)
-            stream_row(dst + i * row_bytes, src + (uint64_t)rows[i] * row_bytes, row_bytes);
-        _mm_sfence();   /* see "Ordering" above */
-        return -1;
-    }
-#endif
-    for (i = 0; i < n; i++)
-        memcpy(dst + i * row_bytes, src + (uint64_t)rows[i] * row_bytes, row_bytes);
-    return -1;
+    return umr_scatter_rows(src, n_src, row_bytes, rows, NULL, n, dst, n);
 }
 
 int64_t umr_scatter_rows(const unsigned char *src, uint64_t n_src, uint64_t row_bytes,
@@ -92,24 +75,25 @@ int64_t umr_scatter_rows(const unsigned char *src, uint64_t n_src, uint64_t row_
                          unsigned char *dst, uint64_t n_dst)
 {
     uint64_t i;
-    /* As in umr_gather_rows: every index is checked before anything is written. */
+    /* Every index is checked before anything is written: a bad index writes nothing.
+     * (pos NULL: row i goes to position i, umr_gather_rows.) */
     for (i = 0; i < n; i++)
-        if (rows[i] < 0 || (uint64_t)rows[i] >= n_src || pos[i] < 0
-                || (uint64_t)pos[i] >= n_dst)
+        if (rows[i] < 0 || (uint64_t)rows[i] >= n_src
+                || (pos != NULL && (pos[i] < 0 || (uint64_t)pos[i] >= n_dst)))
             return (int64_t)i;
     if (row_bytes == 0)
         return -1;
+#define DST(i) (dst + (pos != NULL ? (uint64_t)pos[i] : (i)) * row_bytes)
 #if UMR_HAVE_STREAM
     if (row_bytes >= STREAM_MIN_ROW && ((uintptr_t)dst & 15) == 0 && (row_bytes & 15) == 0) {
         for (i = 0; i < n; i++)
-            stream_row(dst + (uint64_t)pos[i] * row_bytes,
-                       src + (uint64_t)rows[i] * row_bytes, row_bytes);
+            stream_row(DST(i), src + (uint64_t)rows[i] * row_bytes, row_bytes);
         _mm_sfence();   /* see "Ordering" above */
         return -1;
     }
 #endif
     for (i = 0; i < n; i++)
-        memcpy(dst + (uint64_t)pos[i] * row_bytes, src + (uint64_t)rows[i] * row_bytes,
-               row_bytes);
+        memcpy(DST(i), src + (uint64_t)rows[i] * row_bytes, row_bytes);
+#undef DST
     return -1;
 }

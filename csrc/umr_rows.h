@@ -19,8 +19,9 @@ int64_t umr_gather_rows(const unsigned char *src, uint64_t n_src, uint64_t row_b
                         const int64_t *rows, uint64_t n, unsigned char *dst);
 
 /* The same with a destination position per row: dst[pos[i]] = src[rows[i]], for a dst of
- * n_dst rows.  Returns -1 when done, or the first i whose row is not in [0, n_src) or whose
- * position is not in [0, n_dst), having written nothing. */
+ * n_dst rows (pos NULL: dst[i], as umr_gather_rows).  Returns -1 when done, or the first i
+ * whose row is not in [0, n_src) or whose position is not in [0, n_dst), having written
+ * nothing. */
 int64_t umr_scatter_rows(const unsigned char *src, uint64_t n_src, uint64_t row_bytes,
                          const int64_t *rows, const int64_t *pos, uint64_t n,
                          unsigned char *dst, uint64_t n_dst);
