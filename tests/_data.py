@@ -200,3 +200,17 @@ class CrashAtStart(BatchSampler):
 
     def get_at(self, idx):
         return self.inner.get_at(idx)
+
+
+class DiesWhileMarked(StepSampler):
+    """Kills its own worker (SIGKILL) each time it is seeded (once per chunk of a
+    ``sample*`` method) while the file ``marker`` exists."""
+
+    def __init__(self, data, batch_size, seed=None, marker=None):
+        super().__init__(data, batch_size, seed=seed)
+        self.marker = marker
+
+    def manual_seed(self, seed):
+        if self.marker is not None and os.path.exists(self.marker):
+            os.kill(os.getpid(), 9)
+        return super().manual_seed(seed)

@@ -4,9 +4,12 @@ argument.
 
 An integer is anything Python accepts as an index (``operator.index``: ``int``, numpy's
 integers, ...), but not a bool."""
+import math
 import multiprocessing as mp
 import numbers
 import operator
+import os
+import sys
 
 
 def _as_int(value):
@@ -19,16 +22,17 @@ def _as_int(value):
         return None
 
 
-def check_int(value, what, minimum=1, maximum=None):
+def check_int(value, what, minimum=1, maximum=None, why=None):
     """``value`` as an int of at least ``minimum`` and, unless ``maximum`` is None, at most
-    ``maximum``."""
+    ``maximum`` (``why``: what the bound is for, said when it is exceeded)."""
     number = _as_int(value)
     if number is None:
         raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}")
     if number < minimum:
         raise ValueError(f"{what} must be >= {minimum}, got {number}")
     if maximum is not None and number > maximum:
-        raise ValueError(f"{what} must be <= {maximum}, got {number}")
+        raise ValueError(f"{what} must be at most {maximum}, got {number}"
+                         + (f": {why}" if why else ""))
     return number
 
 
@@ -40,8 +44,13 @@ def check_index(value, what, size):
     return number
 
 
-def check_seconds(value, what, allow_none=True):
-    """``value`` as a float number of seconds > 0 (or None, if ``allow_none``)."""
+#: The longest timeout taken (about 116 days): beyond it, None says "no limit".
+MAX_SECONDS = 1e7
+
+
+def check_seconds(value, what, allow_none=True, maximum=MAX_SECONDS, why=None):
+    """``value`` as a float number of seconds > 0 and at most ``maximum`` (or None, if
+    ``allow_none``); ``why``: what the bound is for, said when it is exceeded."""
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
@@ -49,7 +58,72 @@ def check_seconds(value, what, allow_none=True):
                         f"{value!r}")
     if value <= 0:
         raise ValueError(f"{what} must be > 0, got {value}")
+    none = " (None: no limit)" if allow_none else ""
+    if value == math.inf:
+        raise ValueError(f"{what} must be finite{none}, got {value}")
+    if value > maximum:
+        raise ValueError(f"{what} must be at most {maximum:g} s{none}, got {value:g}"
+                         + (f": {why}" if why else ""))
     return float(value)
+
+
+def check_bool(value, what, allow_none=False):
+    """``value`` as a bool: ``True`` or ``False`` (numpy's booleans too), or None if
+    ``allow_none``.  Anything else (``"no"``, ``1``, ``None``) is a ``TypeError``: taken
+    for its truth value it would silently mean something else."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool):
+        return value
+    np = sys.modules.get("numpy")   # (a numpy bool exists only once numpy is imported)
+    if np is not None and isinstance(value, np.bool_):
+        return bool(value)
+    allowed = "None, True or False" if allow_none else "a bool (True or False)"
+    raise TypeError(f"{what} must be {allowed}, got {type(value).__name__} {value!r}")
+
+
+#: Worker processes allowed per CPU this process may run on (and at least MIN_MAX_WORKERS).
+WORKERS_PER_CPU = 8
+MIN_MAX_WORKERS = 64
+
+
+def check_workers(value, what="n_workers"):
+    """``value``, a number of worker processes, as an int of at least 1 and at most
+    ``WORKERS_PER_CPU`` per CPU available to this process (at least ``MIN_MAX_WORKERS``):
+    each is a process with its own copy of what it needs, and more than that only adds
+    start-up time and memory."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    most = max(MIN_MAX_WORKERS, WORKERS_PER_CPU * cpus)
+    number = check_int(value, what)
+    if number > most:
+        raise ValueError(f"{what}={number} is more than {WORKERS_PER_CPU} worker processes "
+                         f"per CPU ({cpus} CPUs available here, so at most {most}): each "
+                         f"worker is a process, and more of them only add start-up time "
+                         f"and memory")
+    return number
+
+
+#: Bounds of the manager's counts: replacements of one worker in a row, zero-copy results
+#: held at once.
+MAX_RESPAWNS = 10_000
+MAX_LEASES = 1_000_000
+#: The longest ``doze_time``: how long a dead peer may go unnoticed by a side waiting on it.
+MAX_DOZE = 10.0
+
+
+def check_doze_time(value):
+    """``value``, how often (seconds) a waiting side checks that its peer is alive."""
+    return check_seconds(value, "doze_time", allow_none=False, maximum=MAX_DOZE,
+                         why="it is how long a worker that died may go unnoticed")
+
+
+def physical_memory():
+    """Bytes of physical memory of this machine (None if it cannot be told)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def check_timeout(value, what):

@@ -17,6 +17,7 @@ with the parent however the parent ends (see :mod:`unienv_mp._process`).
 import collections
 import os
 import queue as _queue
+import signal
 import time
 import warnings
 from multiprocessing import util as _mputil
@@ -31,7 +32,8 @@ from . import stats as _stats
 from ._ring import DEFAULT_SPIN as _DEFAULT_SPIN
 from ._ring import Event, Segment
 from ._stalls import Stall
-from ._validate import check_context, check_index, check_int, check_seconds, check_spin
+from ._validate import (MAX_LEASES, MAX_RESPAWNS, check_bool, check_context, check_doze_time, check_index,
+                        check_int, check_seconds, check_spin, check_workers)
 from ._work_encoder import WorkEncoder, spill_entry
 from ._worker_handle import (RESULT_INLINE, TASK_CAPACITY, TASK_INLINE, Launch, WorkerDied,
                              WorkerHandle, WorkerStalled)
@@ -252,9 +254,13 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         self.closed = True
         if not callable(target_fn):
             raise TypeError(f"target_fn must be callable, got {type(target_fn).__name__}")
-        n_workers = check_int(n_workers, "n_workers")
-        check_seconds(doze_time, "doze_time", allow_none=False)
-        max_respawns = check_int(max_respawns, "max_respawns", 0)
+        n_workers = check_workers(n_workers)
+        doze_time = check_doze_time(doze_time)
+        max_respawns = check_int(max_respawns, "max_respawns", 0, MAX_RESPAWNS)
+        in_order = check_bool(in_order, "in_order")
+        copy = check_bool(copy, "copy")
+        respawn = check_bool(respawn, "respawn")
+        daemon = check_bool(daemon, "daemon", allow_none=True)
         if worker_seeds is not None:
             worker_seeds = list(worker_seeds)
             if len(worker_seeds) != n_workers:
@@ -268,17 +274,17 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         self.target_fn = target_fn
         self.doze_time = doze_time
         self.done_event = done_event
-        self.in_order = bool(in_order)
-        self.copy = bool(copy)
+        self.in_order = in_order
+        self.copy = copy
         self.timeout = check_seconds(timeout, "timeout")
         self.stall_timeout = check_seconds(stall_timeout, "stall_timeout")
-        self.respawn = bool(respawn)
+        self.respawn = respawn
         self.max_respawns = max_respawns
         if spin is None:
             spin = _DEFAULT_SPIN if len(os.sched_getaffinity(0)) > n_workers else 0.0
         self.spin = check_spin(spin)
         self.max_leases = 2 * n_workers + 8 if max_leases is None else check_int(
-            max_leases, "max_leases", 0)
+            max_leases, "max_leases", 0, MAX_LEASES)
         self._seeds = worker_seeds
         self._seed_rng = np.random.default_rng(
             None if worker_seeds is None else [int(s) for s in worker_seeds])
@@ -382,7 +388,9 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         stalled (a WorkerStalled: it is killed here): keep what it published, stop and
         release it, and queue its unfinished work for the next process (see _restart).
         Raises WorkerDiedError if a dead worker must not (respawn=False) or should not
-        (it keeps dying) be replaced.  A stalled one is always replaced; its task in hand
+        (it keeps dying) be replaced: after the process is taken off the lane, so that
+        the next call starts a fresh one, with the whole budget, for the work left
+        waiting (a lane never keeps a dead process).  A stalled one is always replaced; its task in hand
         fails with WorkerStalledError unless it may be tried again (see stall_timeout)."""
         w = lane.worker
         if isinstance(cause, WorkerStalled):
@@ -399,19 +407,22 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             except (_queue.Empty, RingClosed, WorkerDied):
                 pass
         how = _process.describe_exit(code)
-        deaths = lane.deaths_in_a_row + 1
+        # (a SIGINT is a terminal's Ctrl-C that reached the worker too, not a crash)
+        deaths = lane.deaths_in_a_row + (code != -signal.SIGINT)
+        give_up = None   # the WorkerDiedError to raise once the process is detached
         if code == _process.EXIT_MAIN_REIMPORTED and stall is None:
             # a replacement would make the same mistake: one error, with the fix
-            lane.deaths_in_a_row = deaths
-            raise WorkerDiedError(
+            give_up = WorkerDiedError(
                 f"worker {w.index} {how}: started with {self._start_method!r}, it "
                 f"imported the main module, whose top level starts a sampler's workers "
                 f"again (the script has no `if __name__ == \"__main__\":` guard around "
                 f"its work).  Put the work under such a guard (see the README's quick "
                 f"start); workers started with spawn or forkserver import the main module",
-                worker=w.index, exitcode=code) from None
+                worker=w.index, exitcode=code)
         failed = None   # a stalled task whose result is its stall
-        if stall is not None:
+        if give_up is not None:
+            pass
+        elif stall is not None:
             task = self._tasks.get(stall.ticket)
             if not self.respawn or deaths > self.max_respawns:
                 if task is not None and not task.arrived and task.worker == w.index:
@@ -421,15 +432,17 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             else:
                 stall.warn(task is not None and not task.cancelled, stacklevel=4)
         elif not self.respawn:
-            lane.deaths_in_a_row = deaths
-            raise WorkerDiedError(f"worker {w.index} (pid {pid}) {how}; respawn=False",
-                                  worker=w.index, exitcode=code)
+            give_up = WorkerDiedError(f"worker {w.index} (pid {pid}) {how}; respawn=False",
+                                      worker=w.index, exitcode=code)
         elif deaths > self.max_respawns:
-            lane.deaths_in_a_row = deaths
-            raise WorkerDiedError(
+            give_up = WorkerDiedError(
                 f"worker {w.index} {how}; it died {deaths} times in a row "
                 f"without producing a result ({self.max_respawns} replacements), giving up",
                 worker=w.index, exitcode=code)
+        if give_up is not None:
+            # The next call starts a fresh process, with the whole budget; the unfinished
+            # work waits for it (nothing is lost: its caller may ask again).
+            deaths = 0
         # One step that a Ctrl-C must not cut in two: the worker has no process, and its
         # unfinished work waits for the next one.  A KeyboardInterrupt can land between
         # any two statements, so SIGINT is held back until the step is done, then
@@ -462,6 +475,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         finally:
             if detached is not None:
                 detached.stop(1.0)
+        if give_up is not None:
+            raise give_up from None
 
     def _restart(self, lane):
         """Start a process for ``lane``'s worker if it has none, and hand it the tasks
@@ -478,8 +493,10 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 waiting = lane.waiting
                 while waiting:
                     task = waiting[0]
+                    if task.cancelled and not task.arrived:
+                        self._drop(task)   # (nobody waits for it any more)
                     # (pushed already, by a step that a Ctrl-C cut short: in flight)
-                    if not task.arrived and task.ticket not in lane.inflight:
+                    elif not task.arrived and task.ticket not in lane.inflight:
                         self._make_room(lane)
                         self._push_task(task, lane)
                     del waiting[0]

@@ -15,6 +15,7 @@ back through shared-memory slots as zero-copy views (see
 import collections
 import dataclasses
 import multiprocessing as _mp
+import os
 import time
 from typing import Any, Optional
 
@@ -25,16 +26,34 @@ from . import gather as _gather
 from . import stats as _stats
 from ._sampling import SamplerTarget, epoch_order, split_epoch
 from ._streams import EpochProgress, Stream, base_seed
-from ._validate import check_context, check_int, check_seconds
+from ._validate import (check_bool, check_context, check_doze_time, check_int, check_seconds,
+                        check_workers, physical_memory)
 from .errors import WorkerError
 from .manager import MultiProcessingSampleManager
 
 __all__ = ["SamplerBase", "MultiprocessingSampler"]
 
+# The pid of this process, kept current by an at-fork hook (as the manager's is): a forked
+# child is refused the parent's sampler before it hands out a batch ready in the parent.
+_this_pid = os.getpid()
+
+
+def _after_fork_in_child():
+    global _this_pid
+    _this_pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
 #: Batches smaller than this are made several to a task (see ``batches_per_task``) ...
 _CHUNK_BYTES = 1 << 20
 #: ... at most this many.
 _CHUNK_MAX = 8
+#: Bounds of ``n_buffers`` and ``batches_per_task``: batches ahead of the caller, and in one
+#: task (a worker keeps a task's batches until its slot is written).  Far more than ever
+#: helps: a few batches per worker keep every worker busy.
+MAX_BUFFERS = 4096
+MAX_BATCHES_PER_TASK = 1024
 
 
 def _data_is_shared(sampler):
@@ -88,15 +107,22 @@ class SamplerBase(BatchSampler):
         self._closed = True   # first: __del__ -> close() must work on a half-built sampler
         self._manager = None
         self._kept = None
+        self._owner_pid = os.getpid()
         if not isinstance(sampler, BatchSampler):
             raise TypeError(f"sampler must be a unienv_data BatchSampler (e.g. StepSampler), "
                             f"got {type(sampler).__module__}.{type(sampler).__qualname__}")
         n_workers = check_int(n_workers, "n_workers")
-        n_buffers = check_int(n_buffers, "n_buffers")
-        check_seconds(timeout, "timeout")
+        n_buffers = check_int(n_buffers, "n_buffers", 1, MAX_BUFFERS,
+                              "batches requested ahead, each holding shared memory")
+        timeout = check_seconds(timeout, "timeout")
+        in_order = check_bool(in_order, "in_order")
+        copy = check_bool(copy, "copy")
+        respawn = check_bool(respawn, "respawn")
         _check_cpu(sampler, type(self).__name__)
         if batches_per_task is not None:
-            batches_per_task = check_int(batches_per_task, "batches_per_task")
+            batches_per_task = check_int(
+                batches_per_task, "batches_per_task", 1, MAX_BATCHES_PER_TASK,
+                "a worker holds a task's batches together, in one slot")
         super().__init__(sampler.single_space, sampler.single_metadata_space,
                          sampler.batch_size)
         self._direct = not_direct is None
@@ -104,11 +130,12 @@ class SamplerBase(BatchSampler):
         self.sampler = sampler
         self.n_workers = n_workers
         self.n_buffers = n_buffers
-        self.in_order = bool(in_order)
-        self.copy = bool(copy)
+        self.in_order = in_order
+        self.copy = copy
         self.timeout = timeout
-        self.respawn = bool(respawn)
+        self.respawn = respawn
         self.batches_per_task = batches_per_task
+        self._check_memory()
         self._caller = _stats.CallerRecord()   # batches handed out (see stats)
         self._ended_wait_ns = 0     # the waits of epoch managers closed since
         self._base = base_seed(sampler)
@@ -137,6 +164,23 @@ class SamplerBase(BatchSampler):
             if not hasattr(type(self), new):
                 self._extra[new] = (kind, name)
         self._closed = False
+
+    def _check_memory(self):
+        """Refuse ``n_buffers`` and ``batches_per_task`` whose batches in flight would need
+        more than half of this machine's memory, where their size is known before any is
+        made (batches gathered directly)."""
+        row = self._row_nbytes("sample")
+        memory = physical_memory()
+        if row is None or memory is None:
+            return
+        k = self._chunk_size("sample")
+        batch = row * self.batch_size
+        need = (self.n_buffers + k) * batch
+        if need > memory // 2:
+            raise ValueError(
+                f"n_buffers={self.n_buffers} batches requested ahead (and tasks of {k}) of "
+                f"{batch / 1e6:.3g} MB each would need {need / 1e9:.3g} GB of shared "
+                f"memory, more than half of this machine's {memory / 1e9:.3g} GB")
 
     def __getattr__(self, attr):
         # only reached for attributes not found the normal way
@@ -194,9 +238,19 @@ class SamplerBase(BatchSampler):
 
     # -- the manager ------------------------------------------------------------------------
 
-    def _ensure_manager(self):
+    def _ensure_open(self):
         if self._closed:
             raise RuntimeError(f"this {type(self).__name__} is closed")
+        if _this_pid != self._owner_pid:
+            # (its batches ready here are the parent's too: none is handed out)
+            raise RuntimeError(
+                f"this {type(self).__name__} belongs to process {self._owner_pid} and cannot "
+                f"be used in process {os.getpid()} (a forked child): its workers answer "
+                f"only their parent, and its batches ready are the parent's.  Make a new "
+                f"sampler in the child")
+
+    def _ensure_manager(self):
+        self._ensure_open()
         self._start_clock()
         if self._manager is None:
             # (no worker seeds: every task carries the seed of its chunk)
@@ -212,7 +266,7 @@ class SamplerBase(BatchSampler):
         # Runs once per batch.  Every attribute read on this class goes through
         # __getattribute__ and then its __getattr__ hook: each is read once here.
         manager = self._manager
-        if manager is None or self._closed:
+        if manager is None or self._closed or _this_pid != self._owner_pid:
             manager = self._ensure_manager()
         stream = self._streams.get(name)
         if stream is None:
@@ -292,8 +346,7 @@ class SamplerBase(BatchSampler):
         return value
 
     def _epoch(self, getter):
-        if self._closed:
-            raise RuntimeError(f"this {type(self).__name__} is closed")
+        self._ensure_open()
         progress = self._resume.pop(getter, None)   # (an epoch restored by load_state_dict)
         if progress is None:
             # The permutation first, as UniEnv draws it.
@@ -726,8 +779,11 @@ class MultiprocessingSampler(SamplerBase):
     ):
         self._closed = True   # first: __del__ -> close() must work on a half-built sampler
         self._manager = None
-        check_seconds(doze_time, "doze_time", allow_none=False)
-        check_seconds(stall_timeout, "stall_timeout")
+        n_workers = check_workers(n_workers)
+        doze_time = check_doze_time(doze_time)
+        stall_timeout = check_seconds(stall_timeout, "stall_timeout")
+        daemon = check_bool(daemon, "daemon", allow_none=True)
+        shared_memory = check_bool(shared_memory, "shared_memory")
         if ctx is not None:
             ctx = check_context(ctx)
         if direct_gather is not None and type(direct_gather) is not bool:

@@ -1,0 +1,181 @@
+"""What an adversarial run broke: a sampler that gives up and never comes back, bad
+arguments taken and then harmful, a forked child reusing its parent's sampler, close() from
+another thread, two threads sampling, a stopped worker, corrupt rings, and Ctrl-C at
+start-up."""
+import math
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import torch
+import pytest
+from unienv_data.samplers import StepSampler
+
+from unienv_mp import MultiprocessingSampler, WorkerDiedError
+from unienv_mp.manager import MultiProcessingSampleManager
+
+import _data
+from _data import indices_of, replay_buffer
+from conftest import wait_until
+
+
+def _lane_processes_alive(sampler):
+    """For every lane of the sampler's manager: it has no process, or a live one."""
+    lanes = sampler._manager._lanes
+    return all(not lane.worker.has_process or not lane.worker.has_exited() for lane in lanes)
+
+
+# -- after giving up, the next call works --------------------------------------------------
+
+@pytest.mark.parametrize("respawn", [True, False])
+def test_the_call_after_giving_up_starts_a_fresh_worker(tmp_path, respawn):
+    marker = tmp_path / "die"
+    marker.write_text("")
+    rb = replay_buffer(40)
+    s = _data.DiesWhileMarked(rb, 4, seed=0, marker=str(marker))
+    with MultiprocessingSampler(s, n_workers=1, n_buffers=2, ctx="fork", doze_time=0.01,
+                                respawn=respawn) as m:
+        for _ in range(2):   # giving up again starts from a fresh budget
+            with pytest.raises(WorkerDiedError, match="giving up" if respawn else "respawn"):
+                m.sample()
+            assert _lane_processes_alive(m)   # no dead process kept
+        marker.unlink()
+        batch = m.sample()
+        assert len(batch["state"]) == 4
+        reference = MultiprocessingSampler(StepSampler(replay_buffer(40), 4, seed=0),
+                                           n_workers=1, n_buffers=2, ctx="fork")
+        with reference:
+            expected = reference.sample()
+        # the stream starts where it stood: the first batch, as from a sampler never broken
+        assert indices_of(batch) == indices_of(expected)
+
+
+def test_a_manager_that_gave_up_keeps_the_unfinished_work(tmp_path):
+    marker = tmp_path / "die"
+    marker.write_text("")
+
+    def work(x):
+        if os.path.exists(marker):
+            os.kill(os.getpid(), 9)
+        return x * 2
+
+    with MultiProcessingSampleManager(work, n_workers=1, ctx="fork", doze_time=0.01,
+                                      max_respawns=1) as pool:
+        tickets = [pool.submit(i) for i in range(3)]
+        with pytest.raises(WorkerDiedError, match="giving up"):
+            pool.result(tickets[0])
+        lane = pool._lanes[0]
+        assert not lane.worker.has_process and lane.deaths_in_a_row == 0
+        marker.unlink()
+        assert [pool.result(t) for t in tickets] == [0, 2, 4]
+
+
+# -- arguments -----------------------------------------------------------------------------
+
+def _sampler():
+    return StepSampler(replay_buffer(20), 4, seed=0)
+
+
+@pytest.mark.parametrize("option, value, error, text", [
+    ("stall_timeout", math.inf, ValueError, "finite"),
+    ("stall_timeout", math.nan, TypeError, "number of seconds"),
+    ("timeout", math.inf, ValueError, "finite"),
+    ("timeout", 1e12, ValueError, "at most"),
+    ("doze_time", math.inf, ValueError, "finite"),
+    ("doze_time", 1e9, ValueError, "at most"),
+    ("doze_time", 0, ValueError, "> 0"),
+    ("n_workers", 10 ** 6, ValueError, "CPUs"),
+    ("n_workers", 0, ValueError, ">= 1"),
+    ("n_workers", 2.0, TypeError, "int"),
+    ("n_buffers", 10 ** 7, ValueError, "at most"),
+    ("batches_per_task", 10 ** 9, ValueError, "at most"),
+    ("in_order", "no", TypeError, "bool"),
+    ("respawn", None, TypeError, "bool"),
+    ("copy", 1, TypeError, "bool"),
+    ("daemon", "yes", TypeError, "None, True or False"),
+])
+def test_bad_options_are_refused_at_construction(option, value, error, text):
+    with pytest.raises(error, match=text):
+        MultiprocessingSampler(_sampler(), ctx="fork", **{option: value})
+
+
+def test_buffers_that_would_not_fit_in_memory_are_refused():
+    # ~6.3 MB a batch: 4000 of them requested ahead would need 25 GB
+    rb = replay_buffer(20, img=(3, 256, 256))
+    with pytest.raises(ValueError, match="memory"):
+        MultiprocessingSampler(StepSampler(rb, 32, seed=0), n_buffers=4000, ctx="fork")
+
+
+@pytest.mark.parametrize("option, value, text", [
+    ("stall_timeout", math.inf, "finite"), ("doze_time", 1e9, "at most"),
+    ("n_workers", 10 ** 6, "CPUs"), ("in_order", "no", "bool"),
+    ("respawn", None, "bool"), ("max_respawns", 10 ** 9, "at most"),
+])
+def test_the_manager_refuses_them_too(option, value, text):
+    with pytest.raises((TypeError, ValueError), match=text):
+        MultiProcessingSampleManager(abs, ctx="fork", **{option: value})
+
+
+def test_numpy_booleans_and_integers_are_taken():
+    with MultiprocessingSampler(_sampler(), n_workers=np.int64(1), n_buffers=np.int32(2),
+                                in_order=np.bool_(True), copy=np.False_, ctx="fork") as m:
+        assert len(m.sample()["state"]) == 4
+
+
+# -- a forked child ------------------------------------------------------------------------
+
+def test_a_forked_child_gets_no_batch_and_the_parent_loses_none():
+    rb = replay_buffer(400)
+    with MultiprocessingSampler(StepSampler(rb, 4, seed=0), n_workers=1, n_buffers=4,
+                                ctx="fork", batches_per_task=8) as m:
+        first = m.sample()   # now 7 more batches of its task are ready in the parent
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:   # the child
+            code = 1
+            try:
+                m.sample()
+            except RuntimeError as e:
+                code = 0 if "forked child" in str(e) else 2
+            except BaseException:
+                code = 3
+            os.write(w, bytes([code]))
+            os._exit(0)
+        os.close(w)
+        got = os.read(r, 1)
+        os.close(r)
+        os.waitpid(pid, 0)
+        assert got == bytes([0])
+        rest = [m.sample() for _ in range(7)]
+    with MultiprocessingSampler(StepSampler(replay_buffer(400), 4, seed=0), n_workers=1,
+                                n_buffers=4, ctx="fork", batches_per_task=8) as ref:
+        expected = [ref.sample() for _ in range(8)]
+    assert [indices_of(b) for b in [first, *rest]] == [indices_of(b) for b in expected]
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_a_batch_held_across_a_fork_stays_unchanged_while_the_parent_holds_it(copy):
+    rb = replay_buffer(400)
+    with MultiprocessingSampler(StepSampler(rb, 16, seed=0), n_workers=2, n_buffers=4,
+                                ctx="fork", copy=copy, batches_per_task=1) as m:
+        held = m.sample()
+        before = held["image"].clone()
+        go_r, go_w = os.pipe()
+        res_r, res_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:   # the child: waits until the parent recycled its slots many times
+            os.read(go_r, 1)
+            same = bool(torch.equal(held["image"], before))
+            os.write(res_w, b"1" if same else b"0")
+            os._exit(0)
+        for _ in range(64):   # every other slot goes round many times meanwhile
+            m.sample()
+        os.write(go_w, b"x")
+        got = os.read(res_r, 1)
+        os.waitpid(pid, 0)
+        for fd in (go_r, go_w, res_r, res_w):
+            os.close(fd)
+        assert got == b"1"
+        assert torch.equal(held["image"], before)
