@@ -5,6 +5,8 @@ start-up."""
 import math
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -179,3 +181,71 @@ def test_a_batch_held_across_a_fork_stays_unchanged_while_the_parent_holds_it(co
             os.close(fd)
         assert got == b"1"
         assert torch.equal(held["image"], before)
+
+
+# -- Ctrl-C in a terminal at start-up ------------------------------------------------------
+
+CTRL_C_AT_START = """
+import sys
+sys.path.insert(0, {tests!r})
+from unienv_data.samplers import StepSampler
+from unienv_mp import MultiprocessingSampler
+import _data
+
+if __name__ == "__main__":
+    m = MultiprocessingSampler(StepSampler(_data.replay_buffer(64), 4, seed=0),
+                               n_workers=2, n_buffers=4, ctx={method!r}, doze_time=0.01)
+    print("start", flush=True)
+    interrupted = 0
+    for _ in range(50):
+        try:
+            m.sample()
+            m._manager.start_all()
+            break
+        except KeyboardInterrupt:
+            interrupted += 1
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # (started: the test's next ones)
+    print("interrupted", interrupted, flush=True)
+    for _ in range(20):
+        m.sample()
+    m.close()
+    print("ok", flush=True)
+"""
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_ctrl_c_to_the_process_group_at_start_up_reaches_only_the_parent(tmp_path, method):
+    script = tmp_path / "main.py"
+    script.write_text(CTRL_C_AT_START.format(tests=os.path.dirname(__file__), method=method))
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert p.stdout.readline().strip() == "start"
+    # a terminal's Ctrl-C goes to the whole process group: workers being started included
+    for delay in (0.0, 0.05, 0.1, 0.2, 0.3, 0.5):
+        time.sleep(delay)
+        if p.poll() is not None:
+            break
+        os.killpg(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert out.split()[-1] == "ok"
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+def test_workers_killed_by_sigint_are_not_a_crash_loop(tmp_path):
+    marker = tmp_path / "deaths"
+
+    def work(x):
+        deaths = marker.read_text().count("x") if marker.exists() else 0
+        if deaths < 4:   # more deaths in a row than max_respawns allows crashes
+            with open(marker, "a") as f:
+                f.write("x")
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        return x + 1
+
+    with MultiProcessingSampleManager(work, n_workers=1, ctx="fork", doze_time=0.01,
+                                      max_respawns=1) as pool:
+        assert pool.result(pool.submit(1)) == 2
+    assert marker.read_text() == "xxxx"

@@ -26,7 +26,8 @@ from multiprocessing.connection import wait as _wait_ready
 
 __all__ = ["open_pidfd", "has_exited", "exit_code", "describe_exit", "send_signal",
            "stop_processes", "stop_half_started", "exit_with_parent", "interrupts_deferred",
-           "PipeEnd", "read_available", "cpu_seconds", "machine_cpu_ticks"]
+           "PipeEnd", "read_available", "cpu_seconds", "machine_cpu_ticks", "sigint_held_from_children",
+           "ignore_sigint"]
 
 # The pidfd of a started process, kept on its Process object: an int >= 0, -1 once it is
 # closed or when the process was already gone when started, None where there are none.
@@ -294,6 +295,50 @@ def exit_with_parent(parent_pid, use_pdeathsig):
                 return           # the work function closed our descriptor
 
     threading.Thread(target=watch, name="unienv_mp parent watchdog", daemon=True).start()
+
+
+@contextlib.contextmanager
+def sigint_held_from_children(ignore=False):
+    """For the ``with`` block, in which a worker process is started: SIGINT is blocked in
+    this thread, so that a Ctrl-C arriving meanwhile stays pending and is taken when the
+    block ends (nothing is lost), and a child forked meanwhile starts with it blocked (see
+    :func:`ignore_sigint`).  ``ignore``: also set SIGINT's disposition to "ignore" (in the
+    main thread; signal handlers cannot be set elsewhere), for a child that is exec'd
+    (spawn, and the forkserver's first start): multiprocessing clears the signal mask of
+    such a child, but an ignored signal stays ignored through exec, and Python keeps it
+    so at start-up.  (On Linux a blocked signal stays pending whatever its disposition, so
+    a Ctrl-C taken by this thread is still not lost; one that the kernel gives another
+    thread of this process during the block, which lasts one process start, is.)"""
+    try:
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    except (AttributeError, OSError, ValueError):
+        old_mask = None
+    previous = None
+    if ignore and threading.current_thread() is threading.main_thread():
+        try:
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except (ValueError, OSError):
+            previous = None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+        if old_mask is not None and signal.SIGINT not in old_mask:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def ignore_sigint():
+    """In a worker: ignore SIGINT, then unblock it.  A worker is started with SIGINT
+    blocked or ignored (:func:`sigint_held_from_children`), so a terminal's Ctrl-C, which
+    reaches the whole process group, never interrupts multiprocessing bootstrapping it
+    (imports, unpickling); one pending is discarded here.  Ctrl-C is the parent's to
+    handle."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    except (AttributeError, OSError, ValueError):
+        pass
 
 
 @contextlib.contextmanager

@@ -259,7 +259,11 @@ class WorkerHandle:
                       os.getpid(), launch.init_fn, seed, options),
                 daemon=launch.daemon, name=f"unienv_mp-worker-{self.index}")
             try:
-                proc.start()
+                # (started with SIGINT blocked, or ignored, the process never takes a
+                # Ctrl-C; one arriving here meanwhile is raised after the start)
+                with _process.sigint_held_from_children(
+                        launch.ctx.get_start_method() != "fork"):
+                    proc.start()
             except (pickle.PicklingError, TypeError, AttributeError) as e:
                 raise TypeError(
                     f"cannot start workers with the {launch.ctx.get_start_method()!r} start "

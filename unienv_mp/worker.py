@@ -128,7 +128,7 @@ class _Slots:
 
 def worker_main(index, target_fn, seg, doorbell_seg, parent_pid, init_fn, seed, options):
     """Entry point of a worker process (see MultiProcessingSampleManager)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    _process.ignore_sigint()   # Ctrl-C is the parent's to handle
     _process.exit_with_parent(parent_pid, options.get("pdeathsig", False))
     limit_threads()
     poll = options.get("poll_interval", 0.005)
