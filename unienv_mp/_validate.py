@@ -106,7 +106,7 @@ def check_workers(value, what="n_workers"):
 
 #: Bounds of the manager's counts: replacements of one worker in a row, zero-copy results
 #: held at once.
-MAX_RESPAWNS = 10_000
+MAX_RESPAWNS = 10 ** 9
 MAX_LEASES = 1_000_000
 #: The longest ``doze_time``: how long a dead peer may go unnoticed by a side waiting on it.
 MAX_DOZE = 10.0
