@@ -249,3 +249,156 @@ def test_workers_killed_by_sigint_are_not_a_crash_loop(tmp_path):
                                       max_respawns=1) as pool:
         assert pool.result(pool.submit(1)) == 2
     assert marker.read_text() == "xxxx"
+
+
+# -- threads -------------------------------------------------------------------------------
+
+def test_two_threads_sampling_share_one_stream_without_errors():
+    n = 400
+    errors, got = [], {0: [], 1: []}
+
+    with MultiprocessingSampler(StepSampler(replay_buffer(300), 8, seed=3), n_workers=2,
+                                n_buffers=4, ctx="fork", doze_time=0.01) as m:
+        def run(i):
+            try:
+                for _ in range(n // 2):
+                    got[i].append(tuple(indices_of(m.sample())))
+                    if len(got[i]) % 50 == 0:
+                        m.stats()
+            except BaseException as e:   # (any error at all fails the test)
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert errors == []
+    with MultiprocessingSampler(StepSampler(replay_buffer(300), 8, seed=3), n_workers=2,
+                                n_buffers=4, ctx="fork") as ref:
+        expected = [tuple(indices_of(ref.sample())) for _ in range(n)]
+    # every batch of the stream went to exactly one thread, each thread's in stream order
+    assert sorted(got[0] + got[1]) == sorted(expected)
+    for i in (0, 1):
+        positions = [expected.index(b) for b in got[i]]
+        assert positions == sorted(positions)
+
+
+def test_two_threads_running_epochs_each_get_a_whole_epoch():
+    errors, seen = [], {0: [], 1: []}
+    with MultiprocessingSampler(StepSampler(replay_buffer(200), 8, seed=0), n_workers=2,
+                                n_buffers=4, ctx="fork", doze_time=0.01) as m:
+        def run(i):
+            try:
+                for b in m.epoch_iter():
+                    seen[i] += indices_of(b)
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert errors == []
+    assert sorted(seen[0]) == sorted(seen[1]) == list(range(200))
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.002, 0.02])
+def test_close_from_another_thread_while_sampling(delay):
+    import multiprocessing as mp
+    for attempt in range(5):
+        s = _data.SlowSampler(replay_buffer(80), 4, seed=attempt, delay=0.005)
+        m = MultiprocessingSampler(s, n_workers=2, n_buffers=4, ctx="fork", doze_time=0.01,
+                                   batches_per_task=1)
+        outcome = []
+
+        def run():
+            try:
+                while True:
+                    m.sample()
+            except RuntimeError as e:
+                outcome.append(str(e))
+            except BaseException as e:
+                outcome.append(e)
+
+        t = threading.Thread(target=run)
+        t.start()
+        time.sleep(0.05 + delay * attempt)
+        m.close()
+        t.join(30)
+        assert not t.is_alive()
+        assert len(outcome) == 1 and isinstance(outcome[0], str) and "closed" in outcome[0]
+        # nothing started after close() returned, nothing left running
+        assert wait_until(lambda: not mp.active_children(), timeout=5)
+
+
+def test_workers_killed_meanwhile_start_no_process_after_close():
+    """The sampling thread finds a worker dead while close() runs in another: it must not
+    start a replacement."""
+    import multiprocessing as mp
+    for attempt in range(5):
+        m = MultiprocessingSampler(_data.SlowSampler(replay_buffer(80), 4, seed=0,
+                                                     delay=0.01),
+                                   n_workers=2, n_buffers=4, ctx="fork", doze_time=0.005,
+                                   batches_per_task=1)
+        m.sample()
+        pids = [p.pid for p in m._manager.workers]
+        done = []
+
+        def run():
+            try:
+                while True:
+                    m.sample()
+            except BaseException as e:
+                done.append(e)
+
+        t = threading.Thread(target=run)
+        t.start()
+        time.sleep(0.02)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        m.close()
+        t.join(30)
+        assert not t.is_alive() and len(done) == 1
+        assert isinstance(done[0], RuntimeError), repr(done[0])
+        assert wait_until(lambda: not mp.active_children(), timeout=5)
+
+
+CLOSE_FROM_A_THREAD = """
+import sys, threading, time
+sys.path.insert(0, {tests!r})
+from unienv_mp import MultiprocessingSampler
+import _data
+
+if __name__ == "__main__":
+    m = MultiprocessingSampler(_data.SlowSampler(_data.replay_buffer(80), 4, seed=0,
+                                                 delay=0.002),
+                               n_workers=2, n_buffers=4, ctx="fork", doze_time=0.005,
+                               batches_per_task=1)
+    def run():
+        try:
+            while True:
+                m.sample()
+        except RuntimeError:
+            pass
+    threads = [threading.Thread(target=run, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    threading.Thread(target=m.close).start()
+    print("closing", flush=True)
+"""
+
+
+def test_the_interpreter_exits_after_close_from_another_thread(tmp_path):
+    script = tmp_path / "main.py"
+    script.write_text(CLOSE_FROM_A_THREAD.format(tests=os.path.dirname(__file__)))
+    for _ in range(3):
+        p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                           timeout=60)
+        assert p.returncode == 0, p.stderr
+        assert "Traceback" not in p.stderr, p.stderr

@@ -581,7 +581,7 @@ def test_an_epoch_closed_by_a_ctrl_c_leaves_no_task_behind():
         s.sample()
         it = s.epoch_iter()
         next(it)
-        with interrupt_at(MS._epoch, line_of(MS._epoch, "manager.cancel(t)")) as i:
+        with interrupt_at(MS._end_epoch, line_of(MS._end_epoch, "manager.cancel(t)")) as i:
             assert interrupted(it.close)
         assert i.fired
         no_orphans(s)
@@ -597,7 +597,7 @@ def test_an_epoch_on_kept_workers_closed_by_a_ctrl_c_leaves_no_task_behind():
         assert kept is not None
         it = s.epoch_iter()
         next(it)
-        with interrupt_at(MS._epoch, line_of(MS._epoch, "manager.cancel(t)")) as i:
+        with interrupt_at(MS._end_epoch, line_of(MS._end_epoch, "manager.cancel(t)")) as i:
             assert interrupted(it.close)
         assert i.fired
         orphans = [t for t, task in kept._tasks.items() if not task.cancelled]

@@ -120,7 +120,7 @@ class _LivenessCheck:
         if proc is not None and _process.has_exited(proc):
             raise WorkerDied(handle)
         if handle.shut_down:
-            raise RuntimeError("manager was closed while waiting")
+            raise RuntimeError("this manager was closed (from another thread) during the call")
         if self.stall_ns is not None:
             handle.check_stall(self.stall_ns)
 
@@ -223,6 +223,8 @@ class WorkerHandle:
         process when this returns or raises (a ``KeyboardInterrupt`` arriving meanwhile
         is raised once the handle has it), or no process is left running."""
         _process.exit_if_reimporting_main()
+        if self.shut_down:
+            raise RuntimeError("this worker's manager was closed: no process starts now")
         launch = self._launch
         task_entry = P.ENTRY_HEADER + TASK_INLINE
         result_entry = P.ENTRY_HEADER + RESULT_INLINE

@@ -18,6 +18,7 @@ import collections
 import os
 import queue as _queue
 import signal
+import threading
 import time
 import warnings
 from multiprocessing import util as _mputil
@@ -32,15 +33,19 @@ from . import stats as _stats
 from ._ring import DEFAULT_SPIN as _DEFAULT_SPIN
 from ._ring import Event, Segment
 from ._stalls import Stall
-from ._validate import (MAX_LEASES, MAX_RESPAWNS, check_bool, check_context, check_doze_time, check_index,
-                        check_int, check_seconds, check_spin, check_workers)
+from ._validate import (MAX_LEASES, MAX_RESPAWNS, check_bool, check_context, check_doze_time,
+                        check_index, check_int, check_seconds, check_spin, check_workers)
 from ._work_encoder import WorkEncoder, spill_entry
 from ._worker_handle import (RESULT_INLINE, TASK_CAPACITY, TASK_INLINE, Launch, WorkerDied,
                              WorkerHandle, WorkerStalled)
 from .errors import RingClosed, WorkerDiedError, WorkerError
 
 __all__ = ["MultiProcessingSampleManager", "TaskInfoT", "ResultT", "TASK_CAPACITY",
-           "TASK_INLINE", "RESULT_INLINE"]
+           "TASK_INLINE", "RESULT_INLINE", "CLOSE_WAIT"]
+
+#: Seconds close() waits for a call running in another thread to leave (it is woken at
+#: once; this bounds a call stuck in a work function's ``start_later`` or the like).
+CLOSE_WAIT = 10.0
 
 TaskInfoT = TypeVar("TaskInfoT")
 ResultT = TypeVar("ResultT")
@@ -76,6 +81,7 @@ _AT_SLOT = P.AT_SLOT
 _untag = P.untag
 _decode = _codec.decode
 _SlotLease = _codec.SlotLease
+_CLOSED_WHILE_WAITING = "this manager was closed (from another thread) during the call"
 
 # The pid of this process, read by _ensure_open on every call.  os.getpid() is a system
 # call; this is kept current by an at-fork hook instead.  Every way of going on running
@@ -141,18 +147,23 @@ class _Resources:
         self.done_event = None
         self.closed = False
 
+    def shut_down(self):
+        """Tell every worker to stop (their rings shut down, the done event set), and make
+        every wait on them raise: a call waiting in another thread returns."""
+        for w in self.workers:
+            w.shut_down_rings()
+        if self.done_event is not None:
+            try:
+                self.done_event.set()
+            except Exception:
+                pass
+
     def close(self, join_timeout=2.0):
         if self.closed:
             return
         self.closed = True
         try:
-            for w in self.workers:
-                w.shut_down_rings()
-            if self.done_event is not None:
-                try:
-                    self.done_event.set()
-                except Exception:
-                    pass
+            self.shut_down()   # (again: a process started since, by a call ending now)
             # (cut short, this kills the workers: a second close() does nothing)
             _process.stop_processes([w.proc for w in self.workers if w.proc is not None],
                                     join_timeout)
@@ -223,6 +234,11 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
     :meth:`stats` says where the time goes (see :class:`~unienv_mp.SamplerStats`): the
     workers count their work in their shared segments, with no message per task.
 
+    Threads: every method may be called from any thread.  Calls are serialised (a lock,
+    held for the whole call: a second thread waits while the first waits for a result),
+    and :meth:`close` is safe at any moment, from any thread (see there).  A forked child
+    cannot use its parent's manager: every call raises ``RuntimeError`` there.
+
     The work function must be picklable under the spawn and forkserver start methods.  If
     it has a ``batches_in(work)`` method, :meth:`stats` counts that many batches for each
     task (the sampler's chunks); otherwise one.
@@ -252,6 +268,9 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         # First, so that close() (also run at garbage collection) works on a half-built one.
         self._resources = _Resources()
         self.closed = True
+        # Held by every call (see "Threads" in the class docstring); re-entrant, for a
+        # call made from a signal handler or a garbage collection in the middle of one.
+        self._lock = threading.RLock()
         if not callable(target_fn):
             raise TypeError(f"target_fn must be callable, got {type(target_fn).__name__}")
         n_workers = check_workers(n_workers)
@@ -341,9 +360,10 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
     def start_all(self) -> None:
         """Start now every worker left to start later (see ``start_later``), as far as
         ``start_later()`` allows."""
-        self._ensure_open()
-        while self._start_deferred():
-            pass
+        with self._lock:
+            self._ensure_open()
+            while self._start_deferred():
+                pass
 
     def _start_deferred(self, quiet=False):
         """Start the next worker left to start later, if ``start_later()`` allows (else
@@ -362,7 +382,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 w, seed = self._deferred[0]
                 w.start(seed)
             except Exception as e:
-                if not quiet:
+                if not quiet or self.closed:
                     raise
                 left = len(self._deferred)
                 self._deferred.clear()
@@ -390,7 +410,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         Raises WorkerDiedError if a dead worker must not (respawn=False) or should not
         (it keeps dying) be replaced: after the process is taken off the lane, so that
         the next call starts a fresh one, with the whole budget, for the work left
-        waiting (a lane never keeps a dead process).  A stalled one is always replaced; its task in hand
+        waiting (a lane never keeps a dead process).  A stalled one is always replaced;
+        its task in hand
         fails with WorkerStalledError unless it may be tried again (see stall_timeout)."""
         w = lane.worker
         if isinstance(cause, WorkerStalled):
@@ -485,6 +506,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         while True:
             try:
                 if not w.has_process:
+                    if self.closed:
+                        raise RuntimeError(_CLOSED_WHILE_WAITING)
                     seed = (None if self._seeds is None
                             else int(self._seed_rng.integers(2 ** 31)))
                     w.start(seed)
@@ -524,51 +547,52 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         caller that keeps its tickets there loses none to a ``KeyboardInterrupt``: either
         the ticket is appended, or the work was not submitted (or is dropped when its
         result arrives)."""
-        if self.closed or _this_pid != self._owner_pid:
-            self._ensure_open()   # raises
-        if self._released:
-            self._give_back_released_slots()
-        if self._caller.since_ns is None:
-            self._caller.begin()
-        lanes = self._lanes
-        if worker is not None:
-            worker = check_index(worker, "worker", self._n_workers)
-            while worker >= len(lanes) and self._start_deferred():
-                pass
-            lane = lanes[check_index(worker, "worker", len(lanes))]
-        elif self.in_order:
-            i = self._next_worker
-            lane = lanes[i]
-            self._next_worker = (i + 1) % len(lanes)
-        else:
-            lane = min(lanes, key=lambda x: len(x.inflight) + len(x.waiting))
-        task = _Task()
-        ticket = task.ticket = self._next_ticket
-        task.work = work_info
-        self._next_ticket = ticket + 1
-        try:
-            self._tasks[ticket] = task
-            # Give the task to the worker, replacing its process first if it died.
-            if lane.waiting or not lane.worker.has_process:
-                lane.waiting.append(task)
-                self._restart(lane)
+        with self._lock:
+            if self.closed or _this_pid != self._owner_pid:
+                self._ensure_open()   # raises
+            if self._released:
+                self._give_back_released_slots()
+            if self._caller.since_ns is None:
+                self._caller.begin()
+            lanes = self._lanes
+            if worker is not None:
+                worker = check_index(worker, "worker", self._n_workers)
+                while worker >= len(lanes) and self._start_deferred():
+                    pass
+                lane = lanes[check_index(worker, "worker", len(lanes))]
+            elif self.in_order:
+                i = self._next_worker
+                lane = lanes[i]
+                self._next_worker = (i + 1) % len(lanes)
             else:
-                try:
-                    if len(lane.inflight) >= TASK_CAPACITY:
-                        self._make_room(lane)
-                    self._push_task(task, lane)
-                except WorkerDied as e:
-                    self._bury(lane, e)
+                lane = min(lanes, key=lambda x: len(x.inflight) + len(x.waiting))
+            task = _Task()
+            ticket = task.ticket = self._next_ticket
+            task.work = work_info
+            self._next_ticket = ticket + 1
+            try:
+                self._tasks[ticket] = task
+                # Give the task to the worker, replacing its process first if it died.
+                if lane.waiting or not lane.worker.has_process:
                     lane.waiting.append(task)
                     self._restart(lane)
-            if record is not None:
-                record.append(ticket)
-        except BaseException:
-            if record is None or not record or record[-1] != ticket:
-                self._abandon(task, lane)
-            # (else the caller has the ticket: interrupted after handing it over)
-            raise
-        return ticket
+                else:
+                    try:
+                        if len(lane.inflight) >= TASK_CAPACITY:
+                            self._make_room(lane)
+                        self._push_task(task, lane)
+                    except WorkerDied as e:
+                        self._bury(lane, e)
+                        lane.waiting.append(task)
+                        self._restart(lane)
+                if record is not None:
+                    record.append(ticket)
+            except BaseException:
+                if record is None or not record or record[-1] != ticket:
+                    self._abandon(task, lane)
+                # (else the caller has the ticket: interrupted after handing it over)
+                raise
+            return ticket
 
     def _abandon(self, task, lane):
         """``submit`` of ``task`` raised: its caller has no ticket.  Drop the task, or, if
@@ -582,7 +606,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
     def reset_order(self) -> None:
         """Deal the next task (submitted without ``worker``) to worker 0, and the ones
         after it round-robin from there, as in a new manager (``in_order``)."""
-        self._next_worker = 0
+        with self._lock:
+            self._next_worker = 0
 
     def _make_room(self, lane):
         """Keep at most TASK_CAPACITY tasks in flight on ``lane``'s worker: collect (not
@@ -595,6 +620,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             except _queue.Empty:
                 raise TimeoutError(f"worker {w.index} produced no result within "
                                    f"{self.timeout} s") from None
+            except RingClosed:
+                raise RuntimeError(_CLOSED_WHILE_WAITING) from None
 
     def _push_task(self, task, lane):
         """Push ``task`` onto the task ring of ``lane``'s worker; it is in
@@ -758,6 +785,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             except _queue.Empty:
                 raise TimeoutError(
                     f"no result from worker {w.index} within {timeout} s") from None
+            except RingClosed:
+                raise RuntimeError(_CLOSED_WHILE_WAITING) from None
             except WorkerDied as e:
                 self._bury(lane, e)
                 self._restart(lane)
@@ -801,47 +830,51 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         """The result of a :meth:`submit` ticket, waiting for it if needed.  Raises
         :class:`~unienv_mp.WorkerError` if the work raised, ``TimeoutError`` after
         ``timeout`` (default: the manager's ``timeout``) seconds."""
-        if self.closed or _this_pid != self._owner_pid:
-            self._ensure_open()   # raises
-        tasks = self._tasks
-        task = tasks.get(ticket)
-        if task is None or task.cancelled:
-            raise KeyError(f"unknown, cancelled or already collected ticket {ticket}")
-        if not task.arrived:
-            self._wait(task, self.timeout if timeout is None else timeout)
-        return self._deliver(task)
+        with self._lock:
+            if self.closed or _this_pid != self._owner_pid:
+                self._ensure_open()   # raises
+            tasks = self._tasks
+            task = tasks.get(ticket)
+            if task is None or task.cancelled:
+                raise KeyError(f"unknown, cancelled or already collected ticket {ticket}")
+            if not task.arrived:
+                self._wait(task, self.timeout if timeout is None else timeout)
+            return self._deliver(task)
 
     def ready(self, ticket: int) -> bool:
         """True if the result of ``ticket`` has arrived (collects what has arrived)."""
-        self._ensure_open()
-        task = self._tasks.get(ticket)
-        if task is None or task.cancelled:
-            raise KeyError(f"unknown, cancelled or already collected ticket {ticket}")
-        if not task.arrived:
-            self._poll_all(check_alive=True)
-        return task.arrived
+        with self._lock:
+            self._ensure_open()
+            task = self._tasks.get(ticket)
+            if task is None or task.cancelled:
+                raise KeyError(f"unknown, cancelled or already collected ticket {ticket}")
+            if not task.arrived:
+                self._poll_all(check_alive=True)
+            return task.arrived
 
     def cancel(self, ticket: int) -> None:
         """Forget a ticket: its result is dropped when it arrives."""
-        task = self._tasks.get(ticket)
-        if task is None:
-            return
-        task.cancelled = True
-        if task.arrived:
-            self._drop(task)
+        with self._lock:
+            task = self._tasks.get(ticket)
+            if task is None:
+                return
+            task.cancelled = True
+            if task.arrived:
+                self._drop(task)
 
     def wait_any(self, tickets, timeout: Optional[float] = None) -> int:
         """One of ``tickets`` whose result has arrived (collect it with :meth:`result`),
         waiting for one if none has.  Raises ``TimeoutError`` after ``timeout`` (default:
         the manager's ``timeout``) seconds, ``KeyError`` if no ticket is pending."""
-        self._ensure_open()
-        if not self._any_pending(tickets):
-            raise KeyError(f"none of the tickets {list(tickets)!r} is pending")
-        limit = self.timeout if timeout is None else timeout
-        ticket = self._first_ready(tickets, True, limit)
-        if ticket is None:
-            raise TimeoutError(f"no result within {limit} s")
-        return ticket
+        with self._lock:
+            self._ensure_open()
+            if not self._any_pending(tickets):
+                raise KeyError(f"none of the tickets {list(tickets)!r} is pending")
+            limit = self.timeout if timeout is None else timeout
+            ticket = self._first_ready(tickets, True, limit)
+            if ticket is None:
+                raise TimeoutError(f"no result within {limit} s")
+            return ticket
 
     def _poll_all(self, check_alive=False):
         """Accept every result already published by any worker (never blocks, except to
@@ -854,6 +887,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             try:
                 while True:
                     self._take(lane, w.next_result(0))
+            except RingClosed:
+                raise RuntimeError(_CLOSED_WHILE_WAITING) from None
             except _queue.Empty:
                 if check_alive and w.has_exited():
                     self._bury(lane)
@@ -866,48 +901,49 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         """Return the result of work added with :meth:`add_work`: the oldest one
         (``in_order``) or the first to finish.  Returns ``None`` if ``block`` is false or
         ``timeout`` expires before it arrives, as UniEnv's manager does."""
-        self._ensure_open()
-        while self._order and self._order[0] not in self._tasks:
-            self._order.popleft()   # collected with result() meanwhile
-        if not self._order:
-            raise RuntimeError("no work to fetch: add_work() first")
-        self._give_back_released_slots()
-        if self.in_order:
-            task = self._tasks[self._order[0]]
-            if not task.arrived:
-                if not block:
-                    self._poll_all(check_alive=True)
-                    if not task.arrived:
-                        return None
-                else:
-                    try:
-                        self._wait(task, timeout if timeout is not None else self.timeout)
-                    except TimeoutError:
-                        if timeout is not None:
+        with self._lock:
+            self._ensure_open()
+            while self._order and self._order[0] not in self._tasks:
+                self._order.popleft()   # collected with result() meanwhile
+            if not self._order:
+                raise RuntimeError("no work to fetch: add_work() first")
+            self._give_back_released_slots()
+            if self.in_order:
+                task = self._tasks[self._order[0]]
+                if not task.arrived:
+                    if not block:
+                        self._poll_all(check_alive=True)
+                        if not task.arrived:
                             return None
-                        raise
-            # The ticket leaves _order after its task leaves _tasks (cut short in between,
-            # the next fetch skips it), or when the result is an exception.
-            try:
-                value = self._deliver(task)
-            except Exception:
+                    else:
+                        try:
+                            self._wait(task, timeout if timeout is not None else self.timeout)
+                        except TimeoutError:
+                            if timeout is not None:
+                                return None
+                            raise
+                # The ticket leaves _order after its task leaves _tasks (cut short in between,
+                # the next fetch skips it), or when the result is an exception.
+                try:
+                    value = self._deliver(task)
+                except Exception:
+                    self._order.popleft()
+                    raise
                 self._order.popleft()
+                return value
+            limit = timeout if timeout is not None else self.timeout
+            ticket = self._first_ready(self._order, block, limit)
+            if ticket is None:
+                if block and timeout is None and limit is not None:
+                    raise TimeoutError(f"no result within {limit} s")
+                return None
+            try:
+                value = self._deliver(self._tasks[ticket])
+            except Exception:
+                self._order.remove(ticket)
                 raise
-            self._order.popleft()
-            return value
-        limit = timeout if timeout is not None else self.timeout
-        ticket = self._first_ready(self._order, block, limit)
-        if ticket is None:
-            if block and timeout is None and limit is not None:
-                raise TimeoutError(f"no result within {limit} s")
-            return None
-        try:
-            value = self._deliver(self._tasks[ticket])
-        except Exception:
             self._order.remove(ticket)
-            raise
-        self._order.remove(ticket)
-        return value
+            return value
 
     def _first_ready(self, tickets, block, limit):
         """A ticket among ``tickets`` whose result has arrived, waiting up to ``limit``
@@ -950,6 +986,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         return False
 
     def _check_all_alive(self):
+        if self.closed:
+            raise RuntimeError(_CLOSED_WHILE_WAITING)
         stall_ns = None if self.stall_timeout is None else int(self.stall_timeout * 1e9)
         for lane in self._lanes:
             w = lane.worker
@@ -972,37 +1010,59 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         see :class:`~unienv_mp.SamplerStats`.  ``reset=True``: the counters start again
         from zero once this is read.  A result counts as ``batches_in(work)`` batches if
         the work function has that method, else one."""
-        now = time.monotonic_ns()
-        count = (lambda work: 1) if self._batches_in is None else self._batches_in
-        tasks = self._tasks
-        ready = sum(count(task.work) for task in tasks.values() if task.arrived
-                    and not task.cancelled and task.status == _ST_OK and task.error is None)
-        workers = []
-        for lane in self._lanes:
-            w = lane.worker
-            counters = w.counters()
-            if w.has_process:   # published, not yet taken off the ring: in flight order
-                for ticket in list(lane.inflight)[:w.results_published]:
-                    task = tasks.get(ticket)
-                    if task is not None and not task.arrived and not task.cancelled:
-                        ready += count(task.work)
-            workers.append(lane.record.read(w.index, w.pid, counters, now, reset))
-        return self._caller.report(ready, workers, now, reset)
+        with self._lock:
+            now = time.monotonic_ns()
+            count = (lambda work: 1) if self._batches_in is None else self._batches_in
+            tasks = self._tasks
+            ready = sum(count(task.work) for task in tasks.values() if task.arrived
+                        and not task.cancelled and task.status == _ST_OK and task.error is None)
+            workers = []
+            for lane in self._lanes:
+                w = lane.worker
+                counters = w.counters()
+                if w.has_process:   # published, not yet taken off the ring: in flight order
+                    for ticket in list(lane.inflight)[:w.results_published]:
+                        task = tasks.get(ticket)
+                        if task is not None and not task.arrived and not task.cancelled:
+                            ready += count(task.work)
+                workers.append(lane.record.read(w.index, w.pid, counters, now, reset))
+            return self._caller.report(ready, workers, now, reset)
 
     # -- lifecycle ------------------------------------------------------------------------
 
     def close(self):
         """Stop the workers (asking first, then terminating any still running after ~2 s)
         and release the shared memory.  Results already handed out stay valid.
-        Idempotent."""
+        Idempotent, and safe from any thread at any moment: a call running in another
+        thread is woken and raises ``RuntimeError``, no process starts after this
+        returns, and the memory is released once that call has left (if it has not
+        within ``CLOSE_WAIT`` seconds, the processes are stopped and the memory is
+        released at the manager's garbage collection or at exit, with a
+        ``RuntimeWarning``)."""
         self.closed = True
-        finalizer = getattr(self, "_finalizer", None)
-        if finalizer is not None:
-            finalizer()
-        else:
-            self._resources.close()
-        self._tasks.clear()
-        self._order.clear()
+        resources = self._resources
+        resources.shut_down()   # first, without the lock: wakes a call waiting meanwhile
+        lock = getattr(self, "_lock", None)
+        got = lock is None or lock.acquire(timeout=CLOSE_WAIT)
+        try:
+            if not got:
+                warnings.warn(f"unienv_mp: a call on this {type(self).__name__} in another "
+                              f"thread did not end within {CLOSE_WAIT} s of close(); its "
+                              f"workers are stopped, its shared memory is released at "
+                              f"exit", RuntimeWarning, stacklevel=2)
+                _process.stop_processes(
+                    [w.proc for w in resources.workers if w.proc is not None], 2.0)
+                return
+            finalizer = getattr(self, "_finalizer", None)
+            if finalizer is not None:
+                finalizer()
+            else:
+                resources.close()
+            self._tasks.clear()
+            self._order.clear()
+        finally:
+            if got and lock is not None:
+                lock.release()
 
     def __enter__(self):
         return self

@@ -16,6 +16,7 @@ import collections
 import dataclasses
 import multiprocessing as _mp
 import os
+import threading
 import time
 from typing import Any, Optional
 
@@ -29,7 +30,7 @@ from ._streams import EpochProgress, Stream, base_seed
 from ._validate import (check_bool, check_context, check_doze_time, check_int, check_seconds,
                         check_workers, physical_memory)
 from .errors import WorkerError
-from .manager import MultiProcessingSampleManager
+from .manager import CLOSE_WAIT, MultiProcessingSampleManager
 
 __all__ = ["SamplerBase", "MultiprocessingSampler"]
 
@@ -108,6 +109,9 @@ class SamplerBase(BatchSampler):
         self._manager = None
         self._kept = None
         self._owner_pid = os.getpid()
+        # Held by every call but close() (see "Threads" in MultiprocessingSampler's
+        # docstring); re-entrant, for a call from a signal handler in the middle of one.
+        self._lock = threading.RLock()
         if not isinstance(sampler, BatchSampler):
             raise TypeError(f"sampler must be a unienv_data BatchSampler (e.g. StepSampler), "
                             f"got {type(sampler).__module__}.{type(sampler).__qualname__}")
@@ -265,57 +269,58 @@ class SamplerBase(BatchSampler):
     def _sample(self, name):
         # Runs once per batch.  Every attribute read on this class goes through
         # __getattribute__ and then its __getattr__ hook: each is read once here.
-        manager = self._manager
-        if manager is None or self._closed or _this_pid != self._owner_pid:
-            manager = self._ensure_manager()
-        stream = self._streams.get(name)
-        if stream is None:
-            stream = self._streams[name] = Stream(name, self._chunk_size(name), self._base)
-        ready = stream.ready
-        tickets = stream.tickets
-        k = stream.k
-        # keep n_buffers batches requested ahead (k per task), as UniEnv keeps n_buffers:
-        # the rest of the chunk being handed out counts, and the next task goes out as
-        # soon as fewer are left, so between n_buffers and n_buffers + k - 1 after a call
-        n_buffers = self.n_buffers
-        if ready and len(ready) + k * len(tickets) > n_buffers:
-            self._caller.batches += 1
-            return ready.popleft()
-        if self._caller.since_ns is None:
-            self._start_clock()   # (a manager made before the first request)
-        try:
-            # Nothing requested yet (the first call, or the first after manual_seed): one
-            # task alone, so that the batch waited for has a worker, and the CPUs, to
-            # itself; the rest once it is here.
-            cold = not (ready or tickets)
-            stream.top_up(manager.submit, 0 if cold else n_buffers)
-            if ready:
+        with self._lock:
+            manager = self._manager
+            if manager is None or self._closed or _this_pid != self._owner_pid:
+                manager = self._ensure_manager()
+            stream = self._streams.get(name)
+            if stream is None:
+                stream = self._streams[name] = Stream(name, self._chunk_size(name), self._base)
+            ready = stream.ready
+            tickets = stream.tickets
+            k = stream.k
+            # keep n_buffers batches requested ahead (k per task), as UniEnv keeps n_buffers:
+            # the rest of the chunk being handed out counts, and the next task goes out as
+            # soon as fewer are left, so between n_buffers and n_buffers + k - 1 after a call
+            n_buffers = self.n_buffers
+            if ready and len(ready) + k * len(tickets) > n_buffers:
                 self._caller.batches += 1
                 return ready.popleft()
-            ticket = tickets[0] if self.in_order else manager.wait_any(tickets)
+            if self._caller.since_ns is None:
+                self._start_clock()   # (a manager made before the first request)
             try:
-                value = manager.result(ticket)
-            except WorkerError:
-                # the chunk's batches are skipped; the other requests stand
+                # Nothing requested yet (the first call, or the first after manual_seed): one
+                # task alone, so that the batch waited for has a worker, and the CPUs, to
+                # itself; the rest once it is here.
+                cold = not (ready or tickets)
+                stream.top_up(manager.submit, 0 if cold else n_buffers)
+                if ready:
+                    self._caller.batches += 1
+                    return ready.popleft()
+                ticket = tickets[0] if self.in_order else manager.wait_any(tickets)
+                try:
+                    value = manager.result(ticket)
+                except WorkerError:
+                    # the chunk's batches are skipped; the other requests stand
+                    tickets.remove(ticket)
+                    stream.failed(ticket)
+                    raise
                 tickets.remove(ticket)
-                stream.failed(ticket)
+                stream.arrived(ticket, value)
+                if cold:
+                    stream.top_up(manager.submit, n_buffers)
+                self._caller.batches += 1
+                return ready.popleft()
+            except WorkerError:
                 raise
-            tickets.remove(ticket)
-            stream.arrived(ticket, value)
-            if cold:
-                stream.top_up(manager.submit, n_buffers)
-            self._caller.batches += 1
-            return ready.popleft()
-        except WorkerError:
-            raise
-        except BaseException:
-            # Cut short (Ctrl-C, a timeout, a worker that died for good): what was
-            # requested is asked for again next time, the position stays where it is.
-            with _process.interrupts_deferred():
-                for t in tickets:
-                    manager.cancel(t)
-                stream.reset()
-            raise
+            except BaseException:
+                # Cut short (Ctrl-C, a timeout, a worker that died for good): what was
+                # requested is asked for again next time, the position stays where it is.
+                with _process.interrupts_deferred():
+                    for t in tickets:
+                        manager.cancel(t)
+                    stream.reset()
+                raise
 
     def _chunk_size(self, name):
         """Batches per task of ``name``'s stream: ``batches_per_task``, or for methods
@@ -346,18 +351,21 @@ class SamplerBase(BatchSampler):
         return value
 
     def _epoch(self, getter):
-        self._ensure_open()
-        progress = self._resume.pop(getter, None)   # (an epoch restored by load_state_dict)
-        if progress is None:
-            # The permutation first, as UniEnv draws it.
-            progress = EpochProgress(getter, epoch_order(self.sampler), self.batch_size)
-        batches = split_epoch(progress.order, progress.batch_size)
-        todo = progress.remaining()
-        self._start_clock()
-        manager, _ = self._epoch_manager()   # (an own manager is in _epoch_managers)
-        users = self._epoch_users
-        users[manager] += 1
-        self._current_epoch = progress
+        # (each step holds the lock, none across a yield: see "Threads")
+        with self._lock:
+            self._ensure_open()
+            # (an epoch restored by load_state_dict)
+            progress = self._resume.pop(getter, None)
+            if progress is None:
+                # The permutation first, as UniEnv draws it.
+                progress = EpochProgress(getter, epoch_order(self.sampler), self.batch_size)
+            batches = split_epoch(progress.order, progress.batch_size)
+            todo = progress.remaining()
+            self._start_clock()
+            manager, _ = self._epoch_manager()   # (an own manager is in _epoch_managers)
+            users = self._epoch_users
+            users[manager] += 1
+            self._current_epoch = progress
         pending = collections.deque()
         number = {}   # ticket -> batch number
         nxt = 0
@@ -366,69 +374,79 @@ class SamplerBase(BatchSampler):
         ahead = 1
         try:
             while nxt < len(todo) or pending:
-                while nxt < len(todo) and len(pending) < ahead:
-                    manager.submit((getter, batches[todo[nxt]]), record=pending)
-                    number[pending[-1]] = todo[nxt]
-                    nxt += 1
-                ticket = pending[0] if self.in_order else manager.wait_any(pending)
-                value = self._collect(manager, pending, ticket)
-                progress.handed_out(number.pop(ticket))
-                self._caller.batches += 1
-                if ahead == 1:
-                    # the rest, while the caller uses this batch
-                    ahead = self.n_buffers
-                    while nxt < len(todo) and len(pending) < ahead - 1:
+                with self._lock:
+                    if self._closed:
+                        raise RuntimeError(f"this {type(self).__name__} is closed")
+                    while nxt < len(todo) and len(pending) < ahead:
                         manager.submit((getter, batches[todo[nxt]]), record=pending)
                         number[pending[-1]] = todo[nxt]
                         nxt += 1
+                    ticket = pending[0] if self.in_order else manager.wait_any(pending)
+                    value = self._collect(manager, pending, ticket)
+                    progress.handed_out(number.pop(ticket))
+                    self._caller.batches += 1
+                    if ahead == 1:
+                        # the rest, while the caller uses this batch
+                        ahead = self.n_buffers
+                        while nxt < len(todo) and len(pending) < ahead - 1:
+                            manager.submit((getter, batches[todo[nxt]]), record=pending)
+                            number[pending[-1]] = todo[nxt]
+                            nxt += 1
                 yield value
         finally:
             # Also on an early break (generator closed) or an error: drop what is in flight.
             # (The epoch is over: the next one draws a new permutation.)
-            # (one step: a Ctrl-C cannot leave tickets behind on a manager that lives on)
-            with _process.interrupts_deferred():
-                if self._current_epoch is progress:
-                    self._current_epoch = None
-                users[manager] -= 1
-                if users[manager] <= 0:
-                    del users[manager]
-                # its own, or retired (see _retire) while this epoch ran: the last epoch
-                # on it closes it
-                last = manager in self._epoch_managers and manager not in users
-                if not last and not manager.closed:
-                    for t in pending:
-                        manager.cancel(t)
-            if last:
-                if not manager.closed:
-                    self._ended_wait_ns += int(manager.stats().wait_seconds * 1e9)
-                manager.close()
-                self._epoch_managers.discard(manager)
+            with self._lock:
+                self._end_epoch(manager, progress, pending)
+
+    def _end_epoch(self, manager, progress, pending):
+        """An epoch on ``manager`` ended (``pending``: its tickets in flight)."""
+        users = self._epoch_users
+        # (one step: a Ctrl-C cannot leave tickets behind on a manager that lives on)
+        with _process.interrupts_deferred():
+            if self._current_epoch is progress:
+                self._current_epoch = None
+            users[manager] -= 1
+            if users[manager] <= 0:
+                del users[manager]
+            # its own, or retired (see _retire) while this epoch ran: the last epoch
+            # on it closes it
+            last = manager in self._epoch_managers and manager not in users
+            if not last and not manager.closed:
+                for t in pending:
+                    manager.cancel(t)
+        if last:
+            if not manager.closed:
+                self._ended_wait_ns += int(manager.stats().wait_seconds * 1e9)
+            manager.close()
+            self._epoch_managers.discard(manager)
 
     def stats(self, reset: bool = False):
         """Where the time went since the first request (or the last ``stats(reset=True)``),
         as a :class:`~unienv_mp.SamplerStats`: batches handed out, the time spent waiting
         for them, the batches ready, each worker's counters, and the bottleneck.  The
         workers are the ``sample*`` workers (or, before there are any, those kept for
-        epochs, or those of the epoch being iterated).  ``reset=True``: the counters start again from zero once this is
-        read."""
-        now = time.monotonic_ns()
-        wait_ns = self._ended_wait_ns
-        ready = sum(len(st.ready) for st in self._streams.values())
-        workers = None
-        for manager in (self._manager, self._kept, *self._epoch_managers):
-            if manager is None or manager.closed:
-                continue
-            part = manager.stats(reset=reset)
-            wait_ns += int(part.wait_seconds * 1e9)
-            ready += part.ready
-            if workers is None:
-                workers = part.workers
-        caller = self._caller
-        caller.wait_ns = wait_ns
-        out = caller.report(ready, workers or [], now, reset)
-        if reset:
-            self._ended_wait_ns = 0
-        return dataclasses.replace(out, gather_path=self.gather_path)
+        epochs, or those of the epoch being iterated).  ``reset=True``: the counters start
+        again from zero once this is read."""
+        with self._lock:
+            now = time.monotonic_ns()
+            wait_ns = self._ended_wait_ns
+            ready = sum(len(st.ready) for st in self._streams.values())
+            workers = None
+            for manager in (self._manager, self._kept, *self._epoch_managers):
+                if manager is None or manager.closed:
+                    continue
+                part = manager.stats(reset=reset)
+                wait_ns += int(part.wait_seconds * 1e9)
+                ready += part.ready
+                if workers is None:
+                    workers = part.workers
+            caller = self._caller
+            caller.wait_ns = wait_ns
+            out = caller.report(ready, workers or [], now, reset)
+            if reset:
+                self._ended_wait_ns = 0
+            return dataclasses.replace(out, gather_path=self.gather_path)
 
     @property
     def gather_path(self):
@@ -492,11 +510,12 @@ class SamplerBase(BatchSampler):
         follows is the same as from a fresh sampler seeded with ``seed``: the ``sample*``
         streams start again from their first batch, and the next epoch draws its
         permutation from the new seed."""
-        with _process.interrupts_deferred():   # (one step: a Ctrl-C cannot cut it in two)
-            self.sampler.manual_seed(seed)
-            self._drop_streams()
-            self._base = base_seed(self.sampler)
-            self._resume = {}
+        with self._lock:
+            with _process.interrupts_deferred():   # (one step: a Ctrl-C cannot cut it in two)
+                self.sampler.manual_seed(seed)
+                self._drop_streams()
+                self._base = base_seed(self.sampler)
+                self._resume = {}
 
     def _drop_streams(self):
         """Cancel what every stream requested and forget the streams (the batches of a
@@ -517,15 +536,16 @@ class SamplerBase(BatchSampler):
         iterated (its permutation and which of its batches were handed out).  Batches
         requested ahead but not handed out yet are not part of it.  See
         :meth:`load_state_dict`."""
-        return {
-            "format": _state.FORMAT, "version": _state.VERSION,
-            "configuration": self._configuration(self._streams),
-            "base_seed": self._base,
-            "rngs": _state.capture_rngs(self.sampler),
-            "streams": {name: st.position() for name, st in self._streams.items()},
-            "epochs": [p.position() for p in (self._current_epoch, *self._resume.values())
-                       if p is not None],
-        }
+        with self._lock:
+            return {
+                "format": _state.FORMAT, "version": _state.VERSION,
+                "configuration": self._configuration(self._streams),
+                "base_seed": self._base,
+                "rngs": _state.capture_rngs(self.sampler),
+                "streams": {name: st.position() for name, st in self._streams.items()},
+                "epochs": [p.position() for p in (self._current_epoch, *self._resume.values())
+                           if p is not None],
+            }
 
     def load_state_dict(self, state):
         """Go on from ``state`` (from :meth:`state_dict` of a sampler built the same way:
@@ -537,21 +557,22 @@ class SamplerBase(BatchSampler):
         yields exactly the rest of it, and the one after starts a new epoch as the
         original's would have.  Raises ``ValueError`` (saying what differs) for a state
         of another configuration."""
-        _state.check(state, self._configuration(
-            state.get("streams", {}) if isinstance(state, dict) else {}))
-        epochs = [EpochProgress.from_position(p) for p in state["epochs"]]
-        for p in epochs:
-            if len(p.order) != len(self.sampler.data) or p.batch_size != self.batch_size:
-                raise ValueError("the state's epoch does not fit this sampler's data")
-        streams = {name: Stream.from_position(name, int(state["base_seed"]), pos)
-                   for name, pos in state["streams"].items()}
-        with _process.interrupts_deferred():   # (one step: a Ctrl-C cannot cut it in two)
-            self._drop_streams()
-            self._base = int(state["base_seed"])
-            _state.restore_rngs(self.sampler, state["rngs"])
-            self._streams = streams
-            self._current_epoch = None
-            self._resume = {p.getter: p for p in epochs}
+        with self._lock:
+            _state.check(state, self._configuration(
+                state.get("streams", {}) if isinstance(state, dict) else {}))
+            epochs = [EpochProgress.from_position(p) for p in state["epochs"]]
+            for p in epochs:
+                if len(p.order) != len(self.sampler.data) or p.batch_size != self.batch_size:
+                    raise ValueError("the state's epoch does not fit this sampler's data")
+            streams = {name: Stream.from_position(name, int(state["base_seed"]), pos)
+                       for name, pos in state["streams"].items()}
+            with _process.interrupts_deferred():   # (one step: a Ctrl-C cannot cut it in two)
+                self._drop_streams()
+                self._base = int(state["base_seed"])
+                _state.restore_rngs(self.sampler, state["rngs"])
+                self._streams = streams
+                self._current_epoch = None
+                self._resume = {p.getter: p for p in epochs}
 
     def _configuration(self, methods):
         methods = set(methods) | {n for n in self._sampler_methods() if n.startswith("sample")}
@@ -629,25 +650,44 @@ class SamplerBase(BatchSampler):
 
     def close(self):
         """End the workers and release the shared memory; batches already returned stay
-        valid.  Idempotent."""
+        valid.  Idempotent, and safe from any thread at any moment: a call running in
+        another thread meanwhile raises ``RuntimeError``, and no worker starts after this
+        returns."""
         if (getattr(self, "_closed", True) and getattr(self, "_manager", None) is None
                 and getattr(self, "_kept", None) is None
                 and not getattr(self, "_epoch_managers", None)):
             return
         self._closed = True
+        # First without the lock, which a call in another thread may hold while it waits
+        # on a manager: closing the managers wakes it.  Then again with it, for a manager
+        # that such a call made meanwhile.
+        self._close_managers()
+        lock = getattr(self, "_lock", None)
+        got = lock is not None and lock.acquire(timeout=CLOSE_WAIT)
+        try:
+            self._close_managers()
+            # (positions kept, for a state_dict() after close(); requests dropped)
+            self._streams = {name: Stream.from_position(name, self._base, st.position())
+                             for name, st in getattr(self, "_streams", {}).items()}
+        finally:
+            if got:
+                lock.release()
+
+    def _close_managers(self):
         # (each manager is dropped once closed: a close() cut short is finished by the next)
-        if self._manager is not None:
-            self._manager.close()
-            self._manager = None
-        if getattr(self, "_kept", None) is not None:
-            self._kept.close()
-            self._kept = None
+        manager = self._manager
+        if manager is not None:
+            manager.close()
+            if self._manager is manager:
+                self._manager = None
+        kept = getattr(self, "_kept", None)
+        if kept is not None:
+            kept.close()
+            if self._kept is kept:
+                self._kept = None
         for epoch_manager in list(getattr(self, "_epoch_managers", ())):
             epoch_manager.close()
             self._epoch_managers.discard(epoch_manager)
-        # (positions kept, for a state_dict() after close(); requests dropped)
-        self._streams = {name: Stream.from_position(name, self._base, st.position())
-                         for name, st in self._streams.items()}
 
     def __enter__(self):
         return self
@@ -664,7 +704,8 @@ class MultiprocessingSampler(SamplerBase):
     methods and properties), with batches moved through shared memory instead of pickles.
     As in UniEnv, the ``sample*`` workers start at the first call and see the data as it
     was then (the first of them starts then, the others later with the same copy: see
-    the manager's ``start_later``) (unless it is shared between processes, e.g. a ReplayBuffer made with
+    the manager's ``start_later``) (unless it is shared between processes, e.g. a
+    ReplayBuffer made with
     ``multiprocessing=True``), and an epoch over unshared data covers it as it is when
     the epoch starts: on workers that exist if their copy is still current, else on new
     ones (see ``persistent_workers``).
@@ -754,8 +795,18 @@ class MultiprocessingSampler(SamplerBase):
     move the position.  A worker that raises does not end the sampler: the call that
     needed that batch raises :class:`~unienv_mp.WorkerError` (with the worker's
     traceback) and later calls work.
-    After :meth:`close` every method raises ``RuntimeError``.  The sampler is not
-    thread-safe: use it from one thread.
+    After :meth:`close` every method raises ``RuntimeError``.
+
+    Threads: the ``sample*`` methods, :meth:`stats`, :meth:`state_dict`,
+    :meth:`load_state_dict` and :meth:`manual_seed` may be called from any thread; calls
+    are serialised (a lock: a second thread waits while the first waits for its batch),
+    and every batch goes to exactly one caller.  An epoch iterator is a generator: one
+    thread at a time may advance it (Python raises ``ValueError`` otherwise), while other
+    threads sample or run epochs of their own.  :meth:`close` is safe from any thread at
+    any moment: a call running meanwhile raises ``RuntimeError``, and no worker starts
+    after it returns.  A forked child cannot use its parent's sampler: its first call
+    raises ``RuntimeError``, before any batch (see the README on batches held across a
+    fork).
     """
 
     def __init__(
