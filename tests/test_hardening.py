@@ -253,6 +253,16 @@ def test_workers_killed_by_sigint_are_not_a_crash_loop(tmp_path):
 
 # -- threads -------------------------------------------------------------------------------
 
+def _in_two_threads(run):
+    """Run ``run(0)`` and ``run(1)`` in two threads at once, and wait for both."""
+    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+        assert not t.is_alive()
+
+
 def test_two_threads_sampling_share_one_stream_without_errors():
     n = 400
     errors, got = [], {0: [], 1: []}
@@ -268,11 +278,7 @@ def test_two_threads_sampling_share_one_stream_without_errors():
             except BaseException as e:   # (any error at all fails the test)
                 errors.append(e)
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        _in_two_threads(run)
     assert errors == []
     with MultiprocessingSampler(StepSampler(replay_buffer(300), 8, seed=3), n_workers=2,
                                 n_buffers=4, ctx="fork") as ref:
@@ -295,11 +301,7 @@ def test_two_threads_running_epochs_each_get_a_whole_epoch():
             except BaseException as e:
                 errors.append(e)
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        _in_two_threads(run)
     assert errors == []
     assert sorted(seen[0]) == sorted(seen[1]) == list(range(200))
 
