@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -16,6 +17,7 @@ import pytest
 from unienv_data.samplers import StepSampler
 
 from unienv_mp import MultiprocessingSampler, WorkerDiedError
+from unienv_mp import stats as _stats
 from unienv_mp.manager import MultiProcessingSampleManager
 
 import _data
@@ -404,3 +406,78 @@ def test_the_interpreter_exits_after_close_from_another_thread(tmp_path):
                            timeout=60)
         assert p.returncode == 0, p.stderr
         assert "Traceback" not in p.stderr, p.stderr
+
+
+# -- a stopped worker ----------------------------------------------------------------------
+
+def _idle(worker):
+    """True once the worker waits for a task, with none on its ring."""
+    counters = worker.counters()
+    return counters is not None and not counters[_stats.TASK_SINCE] and not len(worker._tasks)
+
+
+def _reference_stream(n):
+    with MultiprocessingSampler(StepSampler(replay_buffer(100), 4, seed=0), n_workers=1,
+                                n_buffers=2, ctx="fork", batches_per_task=1) as m:
+        return [indices_of(m.sample()) for _ in range(n)]
+
+
+@pytest.mark.parametrize("respawn", [True, False])
+def test_a_worker_stopped_between_tasks_is_replaced(respawn):
+    expected = _reference_stream(10)
+    with MultiprocessingSampler(StepSampler(replay_buffer(100), 4, seed=0), n_workers=1,
+                                n_buffers=2, ctx="fork", batches_per_task=1,
+                                stall_timeout=0.5, respawn=respawn, timeout=30) as m:
+        got = [indices_of(m.sample()) for _ in range(3)]
+        worker = m._manager._lanes[0].worker
+        assert wait_until(lambda: _idle(worker))
+        pid = worker.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.warns(RuntimeWarning, match="took none of the tasks") as record:
+                got += [indices_of(m.sample()) for _ in range(7)]
+        finally:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        assert "the process is stopped" in str(record[0].message)
+        assert worker.pid != pid and m.stats().workers[0].respawns == 1
+    assert got == expected      # its tasks went to the replacement: the same stream
+
+
+class StopsItselfOnFifth(StepSampler):
+    """Its 5th sample_index() call in a process stops that process (SIGSTOP)."""
+
+    def __init__(self, data, batch_size, seed=None):
+        super().__init__(data, batch_size, seed=seed)
+        self.calls = 0
+
+    def sample_index(self):
+        self.calls += 1
+        if self.calls == 5:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return super().sample_index()
+
+
+def test_a_worker_stopped_on_a_task_is_not_waited_on_for_its_stacks():
+    expected = _reference_stream(8)
+    with MultiprocessingSampler(StopsItselfOnFifth(replay_buffer(100), 4, seed=0),
+                                n_workers=1, n_buffers=2, ctx="fork", batches_per_task=1,
+                                stall_timeout=0.5, timeout=30) as m:
+        with pytest.warns(RuntimeWarning, match="was on one task") as record:
+            got = [indices_of(m.sample()) for _ in range(8)]
+    assert "the process is stopped" in str(record[0].message)
+    assert got == expected
+
+
+def test_the_time_worker_init_fn_takes_is_not_a_stall():
+    def init(seed):
+        time.sleep(1.5)
+
+    with MultiProcessingSampleManager(lambda x: x + 1, n_workers=1, ctx="fork",
+                                      worker_init_fn=init, stall_timeout=0.3) as pool:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            assert [pool.result(pool.submit(i)) for i in range(3)] == [1, 2, 3]
+        assert pool.stats().workers[0].respawns == 0

@@ -26,8 +26,8 @@ from multiprocessing.connection import wait as _wait_ready
 
 __all__ = ["open_pidfd", "has_exited", "exit_code", "describe_exit", "send_signal",
            "stop_processes", "stop_half_started", "exit_with_parent", "interrupts_deferred",
-           "PipeEnd", "read_available", "cpu_seconds", "machine_cpu_ticks", "sigint_held_from_children",
-           "ignore_sigint"]
+           "PipeEnd", "read_available", "cpu_seconds", "is_stopped", "machine_cpu_ticks",
+           "sigint_held_from_children", "ignore_sigint"]
 
 # The pidfd of a started process, kept on its Process object: an int >= 0, -1 once it is
 # closed or when the process was already gone when started, None where there are none.
@@ -85,6 +85,17 @@ def cpu_seconds(pid):
         return (int(fields[11]) + int(fields[12])) / _TICK   # utime, stime
     except (OSError, IndexError, ValueError):
         return None
+
+
+def is_stopped(pid):
+    """True if process ``pid`` is stopped (state ``T``: SIGSTOP, SIGTSTP; ``t``: by a
+    tracer), from ``/proc``; False if it runs, sleeps, or cannot be read (gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split(None, 1)[0]
+        return state in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
 
 
 def machine_cpu_ticks():

@@ -51,7 +51,8 @@ class WorkerDied(Exception):
 
 class WorkerStalled(WorkerDied):
     """The process of worker ``handle`` has been on one task (``ticket``) for ``seconds``,
-    longer than the manager's ``stall_timeout``: it is to be killed and replaced."""
+    longer than the manager's ``stall_timeout``, or has taken none of the tasks waiting for
+    it for that long (``ticket`` None): it is to be killed and replaced."""
 
     def __init__(self, handle, ticket, seconds):
         super().__init__(handle)
@@ -185,6 +186,8 @@ class WorkerHandle:
         # result entries taken off the ring and not yet recorded by the manager (see
         # next_result): the ring appends each one here itself
         self._popped = collections.deque()
+        self._pushed = 0            # tasks pushed to this incarnation
+        self._owing_since = None    # (tasks it had ended, ns) when first seen owing work idle
 
     @property
     def has_process(self):
@@ -287,6 +290,8 @@ class WorkerHandle:
                 self._slot_maps = {}
                 self._free_slots = collections.deque()
                 self._next_slot = 0
+                self._pushed = 0
+                self._owing_since = None
                 adopted = True
         except BaseException:
             if not adopted:
@@ -348,7 +353,10 @@ class WorkerHandle:
 
     def check_stall(self, stall_ns):
         """Raise WorkerStalled if the process has been on its task in hand for longer than
-        ``stall_ns`` nanoseconds."""
+        ``stall_ns`` nanoseconds, or has taken none of the tasks waiting for it for that
+        long (``ticket`` None) while it was stopped (SIGSTOP, a debugger) or after it
+        had ended tasks before (so it is past ``worker_init_fn``, whose time is not a
+        stall)."""
         counters = self._counters
         if counters is None:
             return
@@ -356,10 +364,28 @@ class WorkerHandle:
         # and again, a ticket that did not change is the one TASK_SINCE belongs to)
         ticket = counters[_stats.TICKET]
         since = counters[_stats.TASK_SINCE]
-        if since and counters[_stats.TICKET] == ticket:
-            elapsed = time.monotonic_ns() - since
-            if elapsed > stall_ns:
-                raise WorkerStalled(self, ticket, elapsed / 1e9)
+        if since:
+            self._owing_since = None
+            if counters[_stats.TICKET] == ticket:
+                elapsed = time.monotonic_ns() - since
+                if elapsed > stall_ns:
+                    raise WorkerStalled(self, ticket, elapsed / 1e9)
+            return
+        # Between tasks.  It owes work while it has ended fewer tasks than it was given
+        # (each task ends, TASKS counted, before the worker takes the next); the clock
+        # starts again whenever it ends one.
+        ended = counters[_stats.TASKS]
+        if ended >= self._pushed:
+            self._owing_since = None
+            return
+        now = time.monotonic_ns()
+        mark = self._owing_since
+        if mark is None or mark[0] != ended:
+            self._owing_since = (ended, now)
+            return
+        elapsed = now - mark[1]
+        if elapsed > stall_ns and (ended or _process.is_stopped(self.pid)):
+            raise WorkerStalled(self, None, elapsed / 1e9)
 
     def stacks(self, timeout=2.0):
         """The process's Python stacks, all threads, as text (faulthandler's format), or a
@@ -368,6 +394,8 @@ class WorkerHandle:
         fd, proc = self._stack_fd, self.proc
         if fd is None or proc is None:
             return "(no process)"
+        if _process.is_stopped(proc.pid):
+            return "(none: the process is stopped, e.g. by SIGSTOP, and cannot write them)"
         _process.read_available(fd, 0)   # (anything left from an earlier request)
         _process.send_signal(proc, signal.SIGUSR1)
         text = _process.read_available(fd, timeout).decode("utf-8", "replace")
@@ -385,6 +413,7 @@ class WorkerHandle:
             tasks.push_tagged(tag, slot, ticket, payload, False, None, record=record)
         except _queue.Full:
             tasks.push_tagged(tag, slot, ticket, payload, check=self._check, record=record)
+        self._pushed += 1
 
     def next_result(self, timeout):
         """The oldest result entry ``(tag, slot, ticket, payload)`` not recorded yet (see

@@ -219,7 +219,11 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
       replacement; the task's result is :class:`~unienv_mp.WorkerStalledError` (raised
       by the call that collects it) if it stalls ``max_respawns + 1`` times in a row, or
       at once with ``respawn=False``.  The other tasks of that worker go to the
-      replacement either way.
+      replacement either way.  A worker that takes none of the tasks waiting for it for
+      longer (it was stopped, by SIGSTOP or a debugger, or has stopped responding after
+      its first task) is killed and replaced too, with the warning, whatever
+      ``respawn`` says: no task is to blame.  A stopped process cannot give its stacks,
+      and is not waited on for them.
     * ``start_later``: None (default): every worker starts now.  A function: only worker 0
       starts now, so that a first result can come after one process start rather than
       ``n_workers`` of them (each start of a large parent under fork copies its page
@@ -443,6 +447,10 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         failed = None   # a stalled task whose result is its stall
         if give_up is not None:
             pass
+        elif stall is not None and stall.ticket is None:
+            # (it took no task: none is to blame, nor counted as failing)
+            deaths = lane.deaths_in_a_row
+            stall.warn(True, stacklevel=4)
         elif stall is not None:
             task = self._tasks.get(stall.ticket)
             if not self.respawn or deaths > self.max_respawns:

@@ -769,7 +769,9 @@ class MultiprocessingSampler(SamplerBase):
             stacks are taken; with ``respawn`` a ``RuntimeWarning`` carries them and the
             task is made again (given up, with :class:`~unienv_mp.WorkerStalledError`,
             after ``max_respawns + 1`` stalls in a row), without, the call raises
-            ``WorkerStalledError`` (see the manager's ``stall_timeout``).
+            ``WorkerStalledError``.  One that takes none of the tasks waiting for it for
+            longer (stopped, say) is replaced, with the warning (see the manager's
+            ``stall_timeout``).
         persistent_workers: whether epochs over data not shared between processes run on
             workers that already exist (DataLoader's name).  Workers hold a copy of such
             data as it was when they started, and an epoch covers the data as it is when
