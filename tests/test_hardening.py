@@ -2,6 +2,7 @@
 arguments taken and then harmful, a forked child reusing its parent's sampler, close() from
 another thread, two threads sampling, a stopped worker, corrupt rings, and Ctrl-C at
 start-up."""
+import ctypes
 import math
 import os
 import signal
@@ -16,7 +17,8 @@ import torch
 import pytest
 from unienv_data.samplers import StepSampler
 
-from unienv_mp import MultiprocessingSampler, WorkerDiedError
+from unienv_mp import CodecError, MultiprocessingSampler, WorkerDiedError
+from unienv_mp import _protocol as P
 from unienv_mp import stats as _stats
 from unienv_mp.manager import MultiProcessingSampleManager
 
@@ -481,3 +483,139 @@ def test_the_time_worker_init_fn_takes_is_not_a_stall():
             warnings.simplefilter("error", RuntimeWarning)
             assert [pool.result(pool.submit(i)) for i in range(3)] == [1, 2, 3]
         assert pool.stats().workers[0].respawns == 0
+
+
+# -- a worker that corrupts its own ring or slot descriptors --------------------------------
+
+def _worker_locals():
+    """The local variables of worker_main, from inside the work function it runs."""
+    frame = sys._getframe()
+    while frame.f_code.co_name != "worker_main":
+        frame = frame.f_back
+    return frame.f_locals
+
+
+def _scribble_on_next_cell(ring):
+    """Write, as a stray pointer might, a sequence number far ahead into the cell the
+    parent pops next (see the layout at the top of csrc/umr_ring.c)."""
+    base = ring.segment.address + ring.offset
+    header = (ctypes.c_uint64 * 4).from_address(base)   # magic, version|entry, cap, stride
+    capacity, stride = header[2], header[3]
+    tail = ctypes.c_uint64.from_address(base + 2 * 64).value
+    cell = base + 5 * 64 + (tail % capacity) * stride
+    ctypes.c_uint64.from_address(cell).value = 2 * (tail + 10 * capacity) + 1
+
+
+def _corrupt(kind):
+    """Push onto this worker's result ring an entry it could not have written (or, for
+    "ring", break the ring), before the result of the task in hand."""
+    loc = _worker_locals()
+    ring, slot, ticket = loc["results"], loc["slot"], loc["ticket"]
+    ok_inline, ok_slot = P.tag(P.ST_OK, P.AT_INLINE), P.tag(P.ST_OK, P.AT_SLOT)
+    if kind == "ring":
+        _scribble_on_next_cell(ring)
+        time.sleep(60)   # (it is killed long before)
+    elif kind == "tag":
+        ring.push_tagged(0x7F7F, slot, ticket, b"")
+    elif kind == "unknown ticket":
+        ring.push_tagged(ok_inline, slot, 2 ** 40, b"x")
+    elif kind == "earlier ticket":
+        ring.push_tagged(ok_inline, slot, ticket - 1, b"x")
+    elif kind == "other slot":
+        ring.push_tagged(ok_slot, slot + 1000, ticket, P.SLOT_DESC.pack(0, 3, 1, 4096, 8))
+    elif kind == "short descriptor":
+        ring.push_tagged(ok_slot, slot, ticket, b"\0" * 8)
+    elif kind == "descriptor fd":
+        ring.push_tagged(ok_slot, slot, ticket, P.SLOT_DESC.pack(2 ** 32 - 1, 987, 1, 4096, 8))
+    elif kind == "descriptor of stdout":
+        ring.push_tagged(ok_slot, slot, ticket, P.SLOT_DESC.pack(2 ** 32 - 1, 1, 1, 4096, 8))
+    elif kind == "descriptor size":
+        ring.push_tagged(ok_slot, slot, ticket,
+                         P.SLOT_DESC.pack(2 ** 32 - 1, 1, 1, 4096, 2 ** 40))
+    else:
+        raise AssertionError(kind)
+
+
+class CorruptsItsResults(StepSampler):
+    """On its ``on``-th sample_index() call in a process, corrupts that worker's result
+    ring (see _corrupt): once in all, taking the marker file away, or every time
+    (``marker`` None)."""
+
+    def __init__(self, data, batch_size, kind, on=3, marker=None, seed=None):
+        super().__init__(data, batch_size, seed=seed)
+        self.kind, self.on, self.marker = kind, on, marker
+        self.calls = 0
+
+    def sample_index(self):
+        self.calls += 1
+        if self.calls == self.on:
+            try:
+                if self.marker is not None:
+                    os.unlink(self.marker)
+            except FileNotFoundError:
+                pass
+            else:
+                _corrupt(self.kind)
+        return super().sample_index()
+
+
+_CORRUPTIONS = {
+    "ring": "its result ring: ring memory is corrupt",
+    "tag": "tag 0x7f7f",
+    "unknown ticket": "was not given to it",
+    "earlier ticket": "ticket",
+    "other slot": "slot 10",
+    "short descriptor": "a payload of 8 bytes",
+    "descriptor fd": "as its descriptor 987",
+    "descriptor of stdout": "as its descriptor 1",
+    "descriptor size": "holds a result of 1099511627776 bytes",
+}
+
+
+def _corrupting_sampler(tmp_path, kind, **options):
+    marker = tmp_path / "corrupt"
+    marker.write_text("")
+    s = CorruptsItsResults(replay_buffer(100), 4, kind, marker=str(marker), seed=0)
+    return MultiprocessingSampler(s, n_workers=1, n_buffers=2, ctx="fork",
+                                  batches_per_task=1, timeout=30, **options)
+
+
+@pytest.mark.parametrize("kind", sorted(_CORRUPTIONS))
+def test_a_worker_that_corrupts_its_results_is_replaced_and_the_stream_goes_on(tmp_path, kind):
+    expected = _reference_stream(8)
+    with _corrupting_sampler(tmp_path, kind) as m:
+        got = [indices_of(m.sample())]
+        first_pid = m._manager._lanes[0].worker.pid
+        with pytest.warns(RuntimeWarning, match="wrote a corrupt result entry") as record:
+            got += [indices_of(m.sample()) for _ in range(7)]
+        message = str(record[0].message)
+        assert _CORRUPTIONS[kind] in message, message
+        assert f"pid {first_pid}" in message and "killed and replaced" in message
+        worker = m._manager._lanes[0].worker
+        assert worker.incarnation == 2 and worker.pid != first_pid
+        assert m.stats().workers[0].respawns == 1
+    assert got == expected   # nothing lost, nothing repeated
+    assert wait_until(lambda: not os.path.exists(f"/proc/{first_pid}"))
+
+
+@pytest.mark.parametrize("kind", ["ring", "descriptor fd", "unknown ticket"])
+def test_without_respawn_the_caller_gets_one_codec_error_and_nothing_is_lost(tmp_path, kind):
+    expected = _reference_stream(8)
+    got = []
+    with _corrupting_sampler(tmp_path, kind, respawn=False) as m:
+        with pytest.raises(CodecError, match="corrupt result entry.*respawn=False"):
+            while True:
+                got.append(indices_of(m.sample()))
+        assert len(got) < 8 and _lane_processes_alive(m)
+        got += [indices_of(m.sample()) for _ in range(8 - len(got))]
+    assert got == expected
+
+
+def test_a_worker_that_keeps_corrupting_them_is_given_up(tmp_path):
+    s = CorruptsItsResults(replay_buffer(100), 4, "descriptor fd", on=1, seed=0)
+    with MultiprocessingSampler(s, n_workers=1, n_buffers=2, ctx="fork", batches_per_task=1,
+                                timeout=30) as m:
+        with pytest.warns(RuntimeWarning, match="wrote a corrupt result entry"):
+            with pytest.raises(CodecError, match="4 times in a row.*giving up"):
+                m.sample()
+        assert _lane_processes_alive(m)

@@ -141,16 +141,16 @@ def _close_pidfd(proc):
             pass
 
 
-def has_exited(proc):
-    """True if the started process ``proc`` has ended: its pidfd says so; without one,
-    ``is_alive()`` and then the sentinel do."""
+def has_exited(proc, wait=0.0):
+    """True if the started process ``proc`` has ended, or ends within ``wait`` seconds: its
+    pidfd says so; without one, ``is_alive()`` and then the sentinel do."""
     fd = getattr(proc, _PIDFD, None)
     try:
         if fd is not None:
-            return fd < 0 or _poll_pidfd(fd, 0) != 0
+            return fd < 0 or _poll_pidfd(fd, int(wait * 1000)) != 0
         if not proc.is_alive():
             return True
-        return bool(_wait_ready([proc.sentinel], 0))
+        return bool(_wait_ready([proc.sentinel], wait))
     except (ValueError, OSError):
         return True   # the Process object was closed
 

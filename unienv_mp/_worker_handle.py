@@ -12,6 +12,7 @@ What to run, in which order, and what to do when a process dies is the manager's
 (:mod:`unienv_mp.manager`).
 """
 import collections
+import errno
 import os
 import pickle
 import queue as _queue
@@ -24,11 +25,11 @@ from . import _protocol as P
 from . import stats as _stats
 from ._ring import RingBuffer, Segment, segment_from_peer
 from ._transfer import Parcel
-from .errors import PeerGoneError
+from .errors import CodecError, PeerGoneError
 from .worker import worker_main
 
-__all__ = ["WorkerHandle", "WorkerDied", "WorkerStalled", "Launch", "TASK_CAPACITY",
-           "TASK_INLINE", "RESULT_INLINE"]
+__all__ = ["WorkerHandle", "WorkerDied", "WorkerStalled", "WorkerCorrupt", "Launch",
+           "TASK_CAPACITY", "TASK_INLINE", "RESULT_INLINE"]
 
 #: Tasks a worker can have queued (its task ring); the manager keeps at most that many in
 #: flight on one worker.
@@ -39,6 +40,10 @@ TASK_INLINE = 8192
 RESULT_INLINE = 4096
 
 _unpack_slot = P.SLOT_DESC.unpack
+_SLOT_DESC_SIZE = P.SLOT_DESC.size
+_STATUSES = frozenset((P.ST_OK, P.ST_ERROR, P.ST_FATAL))
+_AT_INLINE = P.AT_INLINE
+_AT_SLOT = P.AT_SLOT
 
 
 class WorkerDied(Exception):
@@ -58,6 +63,19 @@ class WorkerStalled(WorkerDied):
         super().__init__(handle)
         self.ticket = ticket
         self.seconds = seconds
+
+
+class WorkerCorrupt(WorkerDied):
+    """What the process of worker ``handle`` wrote on its result ring is not a result
+    entry it could have written (``what``: how it is wrong), e.g. user code in the worker
+    wrote through a stray pointer into its ring or a slot descriptor: the process is to be
+    killed and replaced, as if it had died.  ``error`` is the :class:`CodecError` that
+    says so."""
+
+    def __init__(self, handle, what):
+        super().__init__(handle)
+        self.error = CodecError(f"worker {handle.index} (pid {handle.pid}) wrote a corrupt "
+                                f"result entry: {what}")
 
 
 class Launch:
@@ -186,6 +204,7 @@ class WorkerHandle:
         # result entries taken off the ring and not yet recorded by the manager (see
         # next_result): the ring appends each one here itself
         self._popped = collections.deque()
+        self.repeated = False       # the last next_result returned an entry returned before
         self._pushed = 0            # tasks pushed to this incarnation
         self._owing_since = None    # (tasks it had ended, ns) when first seen owing work idle
 
@@ -424,17 +443,37 @@ class WorkerHandle:
 
         An entry stays here until the manager says it recorded it, so a ``KeyboardInterrupt``
         landing anywhere between its pop and the end of its recording loses nothing: the
-        next call returns the same entry, to be recorded again."""
+        next call returns the same entry, to be recorded again (and sets ``repeated``).
+
+        Raises WorkerCorrupt if the ring is corrupt or the entry is not one the worker
+        could have written (a status or place that does not exist, a slot number it was
+        never given, a slot descriptor of the wrong size)."""
         popped = self._popped
         if popped:
+            self.repeated = True
             return popped[0]
+        self.repeated = False
         results = self._results
         try:
-            return results.pop_tagged(False, None, into=popped)   # a result already there
-        except _queue.Empty:
-            if timeout == 0:
+            try:
+                entry = results.pop_tagged(False, None, into=popped)   # one already there
+            except _queue.Empty:
+                if timeout == 0:
+                    raise
+                entry = results.pop_tagged(True, timeout, check=self._check, into=popped)
+        except (RuntimeError, ValueError) as e:
+            if self.shut_down:   # (the liveness check's RuntimeError: closed meanwhile)
                 raise
-        return results.pop_tagged(True, timeout, check=self._check, into=popped)
+            raise WorkerCorrupt(self, f"its result ring: {e}") from None
+        t, slot, _, payload = entry
+        status = t >> 8
+        where = t & 0xFF
+        if status not in _STATUSES or not (
+                where == _AT_INLINE or (where == _AT_SLOT and slot < self._next_slot
+                                        and len(payload) == _SLOT_DESC_SIZE)):
+            raise WorkerCorrupt(self, f"tag {t:#x}, slot {slot}, a payload of "
+                                      f"{len(payload)} bytes")
+        return entry
 
     def result_recorded(self):
         """The entry :meth:`next_result` returned is recorded: drop it."""
@@ -466,16 +505,33 @@ class WorkerHandle:
         """``(segment, nbytes)`` of the result that a result entry's ``desc``
         (``SLOT_DESC``) places in ``slot``, mapping the slot's segment here the first time
         (and again when the worker grew it).  Raises WorkerDied if the process died before
-        it could be mapped, ``OSError`` if mapping failed otherwise."""
-        gen, fd, ino, size, nbytes = _unpack_slot(desc)
+        it could be mapped, WorkerCorrupt if the living process described a slot it does
+        not have, ``OSError`` if mapping failed otherwise (out of descriptors or memory
+        here)."""
+        gen, fd, ino, size, nbytes = _unpack_slot(desc)   # (next_result checked its size)
         slot_maps = self._slot_maps
         mapped = slot_maps.get(slot)
         if mapped is not None and mapped[0] == gen:
+            if nbytes > mapped[1].size:
+                raise WorkerCorrupt(self, f"slot {slot} of {mapped[1].size} bytes holds a "
+                                          f"result of {nbytes} bytes")
             return mapped[1], nbytes
+        if nbytes > size:
+            raise WorkerCorrupt(self, f"slot {slot} of {size} bytes holds a result of "
+                                      f"{nbytes} bytes")
         try:
             seg = segment_from_peer(self.pid, fd, ino, size, f"slot{self.index}")
         except PeerGoneError:
-            raise WorkerDied(self) from None
+            # (a process exiting closes its descriptors a moment before it is seen ended)
+            if _process.has_exited(self.proc, 0.2):
+                raise WorkerDied(self) from None
+            raise WorkerCorrupt(self, f"slot {slot}: it has no shared-memory segment of "
+                                      f"inode {ino} and at least {size} bytes as its "
+                                      f"descriptor {fd}") from None
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+                raise
+            raise WorkerCorrupt(self, f"slot {slot}: its descriptor {fd}: {e}") from None
         seg.unlink()  # no descriptor needed: the mapping is what we use
         slot_maps[slot] = (gen, seg)
         return seg, nbytes

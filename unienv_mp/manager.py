@@ -11,8 +11,10 @@ given to a new task only after the last view is garbage collected.
 Faults: a worker that raises sends the exception back (the caller gets
 :class:`~unienv_mp.WorkerError`, the worker carries on); a worker that dies is noticed
 within one ``doze_time`` of the caller waiting on it, replaced, and its unfinished tasks are
-given to the replacement (or :class:`~unienv_mp.WorkerDiedError` is raised).  Workers end
-with the parent however the parent ends (see :mod:`unienv_mp._process`).
+given to the replacement (or :class:`~unienv_mp.WorkerDiedError` is raised); so is one that
+wrote a result entry it could not have written, which is killed first (a warning, or
+:class:`~unienv_mp.CodecError` instead).  Workers end with the parent however the parent
+ends (see :mod:`unienv_mp._process`).
 """
 import collections
 import os
@@ -36,9 +38,9 @@ from ._stalls import Stall
 from ._validate import (MAX_LEASES, MAX_RESPAWNS, check_bool, check_context, check_doze_time,
                         check_index, check_int, check_seconds, check_spin, check_workers)
 from ._work_encoder import WorkEncoder, spill_entry
-from ._worker_handle import (RESULT_INLINE, TASK_CAPACITY, TASK_INLINE, Launch, WorkerDied,
-                             WorkerHandle, WorkerStalled)
-from .errors import RingClosed, WorkerDiedError, WorkerError
+from ._worker_handle import (RESULT_INLINE, TASK_CAPACITY, TASK_INLINE, Launch, WorkerCorrupt,
+                             WorkerDied, WorkerHandle, WorkerStalled)
+from .errors import CodecError, RingClosed, WorkerDiedError, WorkerError
 
 __all__ = ["MultiProcessingSampleManager", "TaskInfoT", "ResultT", "TASK_CAPACITY",
            "TASK_INLINE", "RESULT_INLINE", "CLOSE_WAIT"]
@@ -415,17 +417,23 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         (it keeps dying) be replaced: after the process is taken off the lane, so that
         the next call starts a fresh one, with the whole budget, for the work left
         waiting (a lane never keeps a dead process).  A stalled one is always replaced;
-        its task in hand
-        fails with WorkerStalledError unless it may be tried again (see stall_timeout)."""
+        its task in hand fails with WorkerStalledError unless it may be tried again (see
+        stall_timeout).  One that wrote a corrupt result entry (a WorkerCorrupt) is killed
+        here and dies like any other, but with a warning, or a CodecError instead of the
+        WorkerDiedError; nothing more is read from its rings."""
         w = lane.worker
+        corrupt = None
         if isinstance(cause, WorkerStalled):
             # (kept before the kill: its death is this stall)
             lane.stall = Stall(w, cause, self.stall_timeout)
             w.kill()
+        elif isinstance(cause, WorkerCorrupt):
+            corrupt = cause.error
+            w.kill()
         stall = lane.stall
         code = w.exit_code(1.0)
         pid = w.pid
-        if w.has_process:
+        if w.has_process and corrupt is None:
             try:
                 while True:
                     self._take(lane, w.next_result(0))
@@ -434,7 +442,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         how = _process.describe_exit(code)
         # (a SIGINT is a terminal's Ctrl-C that reached the worker too, not a crash)
         deaths = lane.deaths_in_a_row + (code != -signal.SIGINT)
-        give_up = None   # the WorkerDiedError to raise once the process is detached
+        give_up = None   # the error to raise once the process is detached
         if code == _process.EXIT_MAIN_REIMPORTED and stall is None:
             # a replacement would make the same mistake: one error, with the fix
             give_up = WorkerDiedError(
@@ -447,6 +455,18 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         failed = None   # a stalled task whose result is its stall
         if give_up is not None:
             pass
+        elif corrupt is not None:
+            if not self.respawn:
+                give_up = CodecError(f"{corrupt}; the worker was killed (respawn=False)")
+            elif deaths > self.max_respawns:
+                give_up = CodecError(
+                    f"{corrupt}; the worker was killed: it died or did this {deaths} times "
+                    f"in a row without producing a result ({self.max_respawns} "
+                    f"replacements), giving up")
+            else:
+                warnings.warn(f"{corrupt}; the worker was killed and replaced, and its "
+                              f"unfinished tasks are given to the replacement",
+                              RuntimeWarning, stacklevel=4)
         elif stall is not None and stall.ticket is None:
             # (it took no task: none is to blame, nor counted as failing)
             deaths = lane.deaths_in_a_row
@@ -672,16 +692,24 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             raise WorkerError.from_payload(info, w.index, "could not start: ")
         tasks = self._tasks
         task = tasks.get(ticket)
-        if task is None or task.worker != w.index:
+        if task is None:
             # no longer wanted (dropped, or delivered by a recording cut short)
             try:
                 lane.inflight.remove(ticket)
             except ValueError:
-                pass
+                if not w.repeated:   # (a recording cut short removed it already)
+                    raise WorkerCorrupt(w, f"ticket {ticket} was not given to it") from None
             return
         if task.arrived:
+            if task.worker != w.index or not w.repeated:
+                raise WorkerCorrupt(w, f"ticket {ticket}: its result came already")
             self._arrived(lane, task)   # (finish a recording cut short)
             return
+        # (pushed to this process is exactly: in its lane's inflight, see the top)
+        if task.worker != w.index or ticket not in lane.inflight or (
+                where == _AT_SLOT and slot != task.slot):
+            raise WorkerCorrupt(w, f"ticket {ticket}, slot {slot}: no such task was given "
+                                   f"to it")
         if where == _AT_SLOT:
             try:
                 task.seg, task.nbytes = w.map_slot(slot, payload)
