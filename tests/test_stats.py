@@ -164,6 +164,52 @@ def test_a_slow_caller_makes_the_caller_the_bottleneck():
     assert "more workers will not help" in st.advice()
 
 
+def test_waiting_for_a_worker_still_starting_is_start_up():
+    c = S.CallerRecord()
+    c.since_ns = 0
+    c.waited(0, 3_000, 2_000)     # started 2 us into a 3 us wait
+    c.waited(4_000, 5_000, 2_000)   # started before: all of it the pipeline's
+    c.waited(6_000, 7_000, 0)     # not started at all (e.g. the wait timed out)
+    assert (c.startup_ns, c.wait_ns) == (3_000, 2_000)
+    st = c.report(0, [], 10_000)
+    assert st.startup_seconds == 3e-6 and st.wait_seconds == 2e-6
+    assert st.wait_fraction == pytest.approx(2 / 7)   # of the 7 us the workers ran
+
+
+def test_the_cpu_time_a_worker_took_to_start_is_not_in_its_cpu_fraction():
+    record = S.WorkerRecord(0)
+    counters = [0] * S.COUNTERS
+    counters[S.STARTED] = 10 * 10 ** 9
+    counters[S.START_CPU] = 2 * 10 ** 9           # 2 s of imports before it started
+    st = record.report(0, 1, counters, 20 * 10 ** 9, cpu_seconds=3.0,
+                       launched_ns=7 * 10 ** 9)
+    assert st.cpu_fraction == pytest.approx(0.1)   # 1 s of CPU in its 10 s alive
+    assert st.startup_seconds == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("slow", ["consumer", "workers"])
+def test_the_advice_on_a_spawn_run_leaves_the_start_up_out(slow):
+    rb = replay_buffer(100)
+    s = (StepSampler(rb, 4, seed=0) if slow == "consumer"
+         else _data.SlowSampler(rb, 4, seed=0, delay=0.03))
+    with MultiprocessingSampler(s, n_workers=2, n_buffers=2, ctx="spawn") as m:
+        for _ in range(30):
+            m.sample()
+            if slow == "consumer":
+                time.sleep(0.02)    # the training step
+        st = m.stats()
+    # most of the time went to starting the workers (importing torch, unpickling)
+    assert st.startup_seconds > 0.2 and st.wall_seconds > st.startup_seconds
+    assert all(w.startup_seconds > 0.2 for w in st.workers)
+    assert all(w.cpu_fraction is not None and w.cpu_fraction < 0.5 for w in st.workers)
+    if slow == "consumer":
+        assert st.wait_fraction < 0.1 and st.bottleneck == "consumer", st
+        assert "more workers will not help" in st.advice()
+    else:
+        assert st.wait_fraction > 0.6 and st.bottleneck == "workers", st
+        assert st.advice().startswith("workers are the bottleneck: try n_workers=")
+
+
 def test_reset_starts_the_counters_again():
     rb = replay_buffer(100)
     with MultiprocessingSampler(StepSampler(rb, 4, seed=0), n_workers=2, ctx="fork",

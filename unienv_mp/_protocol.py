@@ -77,7 +77,7 @@ ENC_CODEC = 3
 # -- manager and workers -------------------------------------------------------------------
 
 WORKER_MAGIC = 0x4B524F57  # b"WORK"
-WORKER_VERSION = 4
+WORKER_VERSION = 5
 WORKER_HEADER = struct.Struct("<IIQQQQQQ")  # magic, version, task_off, task_cap, task_entry,
 #                                             result_off, result_cap, result_entry
 STATS_AT = 64

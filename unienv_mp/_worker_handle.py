@@ -44,6 +44,7 @@ _SLOT_DESC_SIZE = P.SLOT_DESC.size
 _STATUSES = frozenset((P.ST_OK, P.ST_ERROR, P.ST_FATAL))
 _AT_INLINE = P.AT_INLINE
 _AT_SLOT = P.AT_SLOT
+_STARTED = _stats.STARTED
 
 
 class WorkerDied(Exception):
@@ -205,6 +206,7 @@ class WorkerHandle:
         # next_result): the ring appends each one here itself
         self._popped = collections.deque()
         self.repeated = False       # the last next_result returned an entry returned before
+        self.launched_ns = None     # monotonic ns at which its process was started
         self._pushed = 0            # tasks pushed to this incarnation
         self._owing_since = None    # (tasks it had ended, ns) when first seen owing work idle
 
@@ -287,6 +289,7 @@ class WorkerHandle:
                 # Ctrl-C; one arriving here meanwhile is raised after the start)
                 with _process.sigint_held_from_children(
                         launch.ctx.get_start_method() != "fork"):
+                    launched = time.monotonic_ns()
                     proc.start()
             except (pickle.PicklingError, TypeError, AttributeError) as e:
                 raise TypeError(
@@ -305,6 +308,7 @@ class WorkerHandle:
                 self._rings = (tasks, results)
                 self._counters, self._stack_fd = counters, stack_r
                 self.proc, self.pid = proc, proc.pid
+                self.launched_ns = launched
                 self._popped = collections.deque()
                 self._slot_maps = {}
                 self._free_slots = collections.deque()
@@ -369,6 +373,12 @@ class WorkerHandle:
         without a process."""
         counters = self._counters
         return None if counters is None else _stats.read(counters)
+
+    @property
+    def started_ns(self):
+        """Monotonic ns at which the process began taking tasks (0: not yet, or none)."""
+        counters = self._counters
+        return 0 if counters is None else counters[_STARTED]
 
     def check_stall(self, stall_ns):
         """Raise WorkerStalled if the process has been on its task in hand for longer than

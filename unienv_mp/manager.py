@@ -801,7 +801,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         try:
             self._wait_for(task, timeout)
         finally:
-            self._caller.wait_ns += time.monotonic_ns() - t0
+            self._caller.waited(t0, time.monotonic_ns(),
+                                self._lanes[task.worker].worker.started_ns)
 
     def _wait_for(self, task, timeout):
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -1061,7 +1062,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                         task = tasks.get(ticket)
                         if task is not None and not task.arrived and not task.cancelled:
                             ready += count(task.work)
-                workers.append(lane.record.read(w.index, w.pid, counters, now, reset))
+                workers.append(lane.record.read(w.index, w.pid, counters, now, reset,
+                                                w.launched_ns if w.has_process else None))
             return self._caller.report(ready, workers, now, reset)
 
     # -- lifecycle ------------------------------------------------------------------------

@@ -142,6 +142,7 @@ class SamplerBase(BatchSampler):
         self._check_memory()
         self._caller = _stats.CallerRecord()   # batches handed out (see stats)
         self._ended_wait_ns = 0     # the waits of epoch managers closed since
+        self._ended_startup_ns = 0  # (and their start-up part)
         self._base = base_seed(sampler)
         self._streams = {}          # method -> Stream
         self._current_epoch = None  # the epoch being handed out: EpochProgress
@@ -417,7 +418,9 @@ class SamplerBase(BatchSampler):
                     manager.cancel(t)
         if last:
             if not manager.closed:
-                self._ended_wait_ns += int(manager.stats().wait_seconds * 1e9)
+                part = manager.stats()
+                self._ended_wait_ns += int(part.wait_seconds * 1e9)
+                self._ended_startup_ns += int(part.startup_seconds * 1e9)
             manager.close()
             self._epoch_managers.discard(manager)
 
@@ -431,6 +434,7 @@ class SamplerBase(BatchSampler):
         with self._lock:
             now = time.monotonic_ns()
             wait_ns = self._ended_wait_ns
+            startup_ns = self._ended_startup_ns
             ready = sum(len(st.ready) for st in self._streams.values())
             workers = None
             for manager in (self._manager, self._kept, *self._epoch_managers):
@@ -438,14 +442,17 @@ class SamplerBase(BatchSampler):
                     continue
                 part = manager.stats(reset=reset)
                 wait_ns += int(part.wait_seconds * 1e9)
+                startup_ns += int(part.startup_seconds * 1e9)
                 ready += part.ready
                 if workers is None:
                     workers = part.workers
             caller = self._caller
             caller.wait_ns = wait_ns
+            caller.startup_ns = startup_ns
             out = caller.report(ready, workers or [], now, reset)
             if reset:
                 self._ended_wait_ns = 0
+                self._ended_startup_ns = 0
             return dataclasses.replace(out, gather_path=self.gather_path)
 
     @property

@@ -13,13 +13,15 @@ are kept by the parent, in a :class:`WorkerRecord` per worker index, and added.
 The counter block (``COUNTERS`` 64-bit words at ``_protocol.STATS_AT`` of a worker's
 segment)::
 
-    STARTED      monotonic ns at which the worker began taking tasks
+    STARTED      monotonic ns at which the worker began taking tasks (after its
+                 ``worker_init_fn``; 0 before)
     TASKS        tasks done
     BATCHES      batches made (a task of k batches counts k)
     ERRORS       tasks whose work function raised
     BUSY         ns spent on tasks (making the result and writing it into its slot)
     TASK_SINCE   monotonic ns at which the task in hand began (0: waiting for one)
     TICKET       the ticket of the task in hand
+    START_CPU    CPU ns the process had used at STARTED (imports, unpickling, init)
     HIST + i     batches whose time (the task's time over its batches) fell in bucket i
 
 Bucket ``i`` holds times in ``[bucket_edge(i), bucket_edge(i + 1))`` nanoseconds: four
@@ -38,9 +40,9 @@ __all__ = ["SamplerStats", "WorkerStats"]
 
 # -- the counter block ---------------------------------------------------------------------
 
-STARTED, TASKS, BATCHES, ERRORS, BUSY, TASK_SINCE, TICKET, MADE = range(8)   # (WorkerCounters
-#                                                                         writes them out)
-HIST = 8
+# (WorkerCounters writes these indices out)
+STARTED, TASKS, BATCHES, ERRORS, BUSY, TASK_SINCE, TICKET, MADE, START_CPU = range(9)
+HIST = 9
 N_BUCKETS = 96
 COUNTERS = HIST + N_BUCKETS
 _SUMMED = (TASKS, BATCHES, ERRORS, BUSY, MADE)
@@ -64,14 +66,22 @@ def bucket_edge(i):
 
 class WorkerCounters:
     """A worker's own side of its counter block: ``view`` is a memoryview of the block
-    cast to unsigned 64-bit words (the worker is its only writer)."""
+    cast to unsigned 64-bit words (the worker is its only writer).  All zero until
+    :meth:`started` (``now_ns`` given: started now)."""
     __slots__ = ("view",)
 
-    def __init__(self, view, now_ns):
+    def __init__(self, view, now_ns=None):
         self.view = view
         for i in range(COUNTERS):
             view[i] = 0
-        view[STARTED] = now_ns
+        if now_ns is not None:
+            self.started(now_ns, 0)
+
+    def started(self, now_ns, cpu_ns):
+        """The worker begins taking tasks at ``now_ns``, having used ``cpu_ns`` of CPU
+        time to get there.  (STARTED last: the parent reads it first.)"""
+        self.view[START_CPU] = cpu_ns
+        self.view[STARTED] = now_ns
 
     def begin(self, ticket, now_ns):
         """A task (``ticket``) begins, at ``now_ns``."""
@@ -173,32 +183,36 @@ class WorkerRecord:
         self.cpu_baseline = (None if counters is None or cpu_seconds is None
                              else (counters[STARTED], cpu_seconds))
 
-    def read(self, index, pid, counters, now_ns, reset=False):
+    def read(self, index, pid, counters, now_ns, reset=False, launched_ns=None):
         """:meth:`report`, with the CPU time of process ``pid`` (None: it has none now)
         read from ``/proc``; ``reset=True``: then :meth:`reset`, so that the counters
         start again from zero."""
         cpu = None if pid is None else _process.cpu_seconds(pid)
-        out = self.report(index, pid, counters, now_ns, cpu)
+        out = self.report(index, pid, counters, now_ns, cpu, launched_ns)
         if reset:
             self.reset(counters, now_ns, cpu)
         return out
 
-    def report(self, index, pid, counters, now_ns, cpu_seconds=None):
+    def report(self, index, pid, counters, now_ns, cpu_seconds=None, launched_ns=None):
         """The :class:`WorkerStats` of this index, its current process's ``counters``
-        being as given (None: it has none now), and the CPU time that process used since
-        it started (None: unknown)."""
+        being as given (None: it has none now), the CPU time that process used since
+        it started (None: unknown), and when the parent started it (``launched_ns``,
+        monotonic; None: unknown)."""
         alive = self.alive_ns
         c = self.totals
         if counters is not None and not counters[STARTED]:
             counters = None   # (a process not started yet: nothing of it to count)
-        task_seconds = cpu_fraction = None
+        task_seconds = cpu_fraction = startup = None
+        if counters is not None and launched_ns is not None:
+            startup = max(0, counters[STARTED] - launched_ns) / 1e9
         if counters is not None and cpu_seconds is not None:
-            since_ns, used = counters[STARTED], cpu_seconds
+            # (the CPU time it took to start is not part of its time alive)
+            since_ns, used = counters[STARTED], cpu_seconds - counters[START_CPU] / 1e9
             base = self.cpu_baseline
             if base is not None and base[0] == counters[STARTED]:   # (the same process)
                 since_ns, used = self.reset_ns, cpu_seconds - base[1]
             lived = now_ns - max(since_ns, counters[STARTED])
-            cpu_fraction = min(1.0, used * 1e9 / lived) if lived > 0 else 0.0
+            cpu_fraction = max(0.0, min(1.0, used * 1e9 / lived)) if lived > 0 else 0.0
         if counters is not None:
             c = added(c, since(counters, self.baseline))
             alive += now_ns - max(counters[STARTED], self.reset_ns)
@@ -212,17 +226,20 @@ class WorkerRecord:
             busy_fraction=min(1.0, c[BUSY] / alive) if alive > 0 else 0.0,
             seconds_per_batch_mean=c[MADE] / batches / 1e9 if batches else None,
             seconds_per_batch_p99=quantile(c, 0.99), respawns=self.respawns,
-            errors=c[ERRORS], task_seconds=task_seconds, cpu_fraction=cpu_fraction)
+            errors=c[ERRORS], task_seconds=task_seconds, cpu_fraction=cpu_fraction,
+            startup_seconds=startup)
 
 
 class CallerRecord:
     """What a manager counts of the caller's side: ``batches`` handed out, ``wait_ns`` spent
-    waiting for them, since the first request (:meth:`begin`) or the last reset."""
-    __slots__ = ("batches", "wait_ns", "since_ns", "machine_since")
+    waiting for them, less ``startup_ns`` spent waiting for workers still starting, since
+    the first request (:meth:`begin`) or the last reset."""
+    __slots__ = ("batches", "wait_ns", "startup_ns", "since_ns", "machine_since")
 
     def __init__(self):
         self.batches = 0
         self.wait_ns = 0
+        self.startup_ns = 0
         self.since_ns = None        # monotonic ns of the first request (None: none yet)
         self.machine_since = None   # the machine's CPU ticks then (machine_cpu_ticks)
 
@@ -231,6 +248,16 @@ class CallerRecord:
         self.since_ns = time.monotonic_ns()
         self.machine_since = _process.machine_cpu_ticks()
 
+    def waited(self, t0_ns, t1_ns, started_ns):
+        """The caller waited from ``t0_ns`` to ``t1_ns`` for a worker whose process began
+        taking tasks at ``started_ns`` (0: not yet): the part before that is start-up."""
+        if started_ns == 0 or started_ns > t0_ns:
+            startup = (t1_ns if started_ns == 0 else min(started_ns, t1_ns)) - t0_ns
+            self.startup_ns += startup
+            self.wait_ns += t1_ns - t0_ns - startup
+        else:
+            self.wait_ns += t1_ns - t0_ns
+
     def report(self, ready, workers, now_ns, reset=False):
         """The :class:`SamplerStats` of the caller's side and ``workers`` (their
         :class:`WorkerStats`), ``ready`` batches waiting to be handed out; ``reset=True``:
@@ -238,17 +265,21 @@ class CallerRecord:
         since = self.since_ns
         wall = 0.0 if since is None else (now_ns - since) / 1e9
         wait = self.wait_ns / 1e9
-        wait_fraction = min(1.0, wait / wall) if wall > 0 else 0.0
+        startup = self.startup_ns / 1e9
+        running = wall - startup
+        wait_fraction = min(1.0, wait / running) if running > 0 else 0.0
         busy = sum(x.busy_fraction for x in workers) / len(workers) if workers else 0.0
         machine = _process.machine_cpu_ticks()
         out = SamplerStats(
             batches=self.batches, wait_seconds=wait, wall_seconds=wall,
             wait_fraction=wait_fraction, ready=ready, workers=workers,
+            startup_seconds=startup,
             bottleneck=bottleneck(wait_fraction, busy, self.batches),
             machine_idle_fraction=idle_between(self.machine_since, machine))
         if reset:
             self.batches = 0
             self.wait_ns = 0
+            self.startup_ns = 0
             self.since_ns = now_ns
             self.machine_since = machine
         return out
@@ -283,8 +314,14 @@ class WorkerStats:
         errors: tasks whose work function raised.
         task_seconds: how long the task in hand has been running (None: waiting).
         cpu_fraction: CPU time the current process used over its time alive since the
-            reset (0 to 1, None if unknown; read from ``/proc`` in clock ticks).  Busy but not on a CPU: it waits for something else (I/O, a
-            sleep, a lock, or a CPU the machine does not have free).
+            reset (0 to 1, None if unknown; read from ``/proc`` in clock ticks), its
+            start-up not counted.  Busy but not on a CPU: it waits for something else
+            (I/O, a sleep, a lock, or a CPU the machine does not have free).
+        startup_seconds: how long the current process took to start: from the parent's
+            start of it until it could take tasks (the process's start, imports and
+            unpickling the sampler under spawn and forkserver, ``worker_init_fn``).
+            Not part of its time alive.  None without a process, before it has
+            started, or where unknown (Ray).
     """
     index: int
     pid: Optional[int]
@@ -297,6 +334,7 @@ class WorkerStats:
     errors: int
     task_seconds: Optional[float] = None
     cpu_fraction: Optional[float] = None
+    startup_seconds: Optional[float] = None
 
 
 @dataclass
@@ -307,9 +345,14 @@ class SamplerStats:
     Attributes:
         batches: batches handed to the caller (for a manager: results, each counted as
             its work function's ``batches_in(work)``, 1 by default).
-        wait_seconds: time the caller spent blocked waiting for them.
+        wait_seconds: time the caller spent blocked waiting for them, less
+            ``startup_seconds``.
+        startup_seconds: time the caller spent blocked waiting for workers that were
+            still starting (see :attr:`WorkerStats.startup_seconds`): neither the
+            caller waiting on a slow pipeline nor the workers' busy time.  (0 for Ray.)
         wall_seconds: time since the first request (or the reset).
-        wait_fraction: ``wait_seconds / wall_seconds``.
+        wait_fraction: ``wait_seconds / (wall_seconds - startup_seconds)``: how much of
+            the time the workers were running the caller waited for them.
         ready: batches finished and waiting to be handed out right now.
         workers: one :class:`WorkerStats` per worker index.
         gather_path: ``"direct"`` or ``"generic"`` for a sampler (None for a manager).
@@ -331,6 +374,7 @@ class SamplerStats:
     gather_path: Optional[str] = None
     bottleneck: Optional[str] = None
     machine_idle_fraction: Optional[float] = None
+    startup_seconds: float = 0.0
 
     @property
     def busy_fraction(self):

@@ -148,8 +148,7 @@ def worker_main(index, target_fn, seg, doorbell_seg, parent_pid, init_fn, seed, 
         # the signal handler itself, so they come even from a thread stuck in C code.
         faulthandler.register(signal.SIGUSR1, file=stack_pipe.fd, all_threads=True)
     counters = _stats.WorkerCounters(
-        memoryview(seg)[P.STATS_AT:P.STATS_AT + 8 * _stats.COUNTERS].cast("Q"),
-        time.monotonic_ns())
+        memoryview(seg)[P.STATS_AT:P.STATS_AT + 8 * _stats.COUNTERS].cast("Q"))
     batches_in = getattr(target_fn, "batches_in", None)
     clock = time.monotonic_ns
     begin, end = counters.begin, counters.end
@@ -213,6 +212,7 @@ def worker_main(index, target_fn, seg, doorbell_seg, parent_pid, init_fn, seed, 
                                 _fatal_payload(e, inline_max))
             doorbell.notify()
             return
+    counters.started(clock(), time.process_time_ns())
     slots = _Slots(index)
     try:
         while True:
