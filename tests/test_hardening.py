@@ -488,9 +488,10 @@ def test_the_time_worker_init_fn_takes_is_not_a_stall():
 # -- a worker that corrupts its own ring or slot descriptors --------------------------------
 
 def _worker_locals():
-    """The local variables of worker_main, from inside the work function it runs."""
+    """The local variables of the worker's task loop, from inside the work function it
+    runs."""
     frame = sys._getframe()
-    while frame.f_code.co_name != "worker_main":
+    while frame.f_code.co_name != "_serve":
         frame = frame.f_back
     return frame.f_locals
 
@@ -510,7 +511,7 @@ def _corrupt(kind):
     """Push onto this worker's result ring an entry it could not have written (or, for
     "ring", break the ring), before the result of the task in hand."""
     loc = _worker_locals()
-    ring, slot, ticket = loc["results"], loc["slot"], loc["ticket"]
+    ring, slot, ticket = loc["out"].ring, loc["slot"], loc["ticket"]
     ok_inline, ok_slot = P.tag(P.ST_OK, P.AT_INLINE), P.tag(P.ST_OK, P.AT_SLOT)
     if kind == "ring":
         _scribble_on_next_cell(ring)

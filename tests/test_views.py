@@ -11,7 +11,7 @@ from unienv_data.batches.slicestack_batch import SliceStackedBatch
 from unienv_data.batches.subitem_batch import SubItemBatch
 
 from unienv_mp import MultiprocessingSampler, _codec, _rows, _views, gather
-from unienv_mp.worker import SlotWriter
+from unienv_mp._protocol import SlotWriter
 
 import _views_data as vd
 from test_gather import assert_identical, getters_refused

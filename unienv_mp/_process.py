@@ -17,6 +17,7 @@ import ctypes
 import os
 import select
 import signal
+import sys
 import threading
 import time
 from multiprocessing import context as _mp_context
@@ -27,7 +28,7 @@ from multiprocessing.connection import wait as _wait_ready
 __all__ = ["open_pidfd", "has_exited", "exit_code", "describe_exit", "send_signal",
            "stop_processes", "stop_half_started", "exit_with_parent", "interrupts_deferred",
            "PipeEnd", "read_available", "cpu_seconds", "is_stopped", "machine_cpu_ticks",
-           "sigint_held_from_children", "ignore_sigint"]
+           "sigint_held_from_children", "ignore_sigint", "limit_threads"]
 
 # The pidfd of a started process, kept on its Process object: an int >= 0, -1 once it is
 # closed or when the process was already gone when started, None where there are none.
@@ -337,6 +338,15 @@ def sigint_held_from_children(ignore=False):
             signal.signal(signal.SIGINT, previous)
         if old_mask is not None and signal.SIGINT not in old_mask:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def limit_threads():
+    """Run torch ops single-threaded in a worker, as torch's DataLoader does: a forked
+    child inherits the parent's OpenMP pool state but not its threads, and the first
+    parallel op would wait forever for them.  The workers are the parallelism."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
 
 
 def ignore_sigint():

@@ -37,7 +37,8 @@ entry is ``(tag(status, where), slot, ticket, payload)``: the encoded result inl
 ``SLOT_DESC``, the slot segment it was written into (the worker creates and grows its own
 slots; the parent maps each through ``/proc/<worker>/fd`` the first time it sees it).  With
 ``ST_ERROR`` (and ``ST_FATAL``: the worker could not start and exits) the result is the
-error description made by :func:`unienv_mp.worker.error_payload`.
+error description made by :func:`unienv_mp.errors.error_payload`.  A work function may return
+a :class:`SlotWriter`, which writes its result into the slot itself.
 """
 import struct
 
@@ -95,6 +96,23 @@ ST_FATAL = 3     # the worker could not start; it exits after sending this
 SLOT_DESC = struct.Struct("<IiQQQ")
 #: (pid, fd, inode, size, nbytes) of a parent's spill segment holding a task's work info
 TASK_SPILL_DESC = struct.Struct("<qiQQQ")
+
+class SlotWriter:
+    """A result that writes itself into the worker's memory, instead of being encoded by
+    the codec: what a work function returns to gather a batch straight into a slot (see
+    :mod:`unienv_mp.gather`).
+
+    ``nbytes``: the bytes it needs.  ``write_into(buffer, cache)`` writes a complete slot
+    encoding (as :func:`_codec.write` would) at the start of ``buffer``, a writable buffer
+    of at least ``nbytes``; ``cache`` is a dict that lives as long as that buffer does, for
+    whatever the writer keeps per buffer (views of it, typically).
+    """
+    __slots__ = ()
+    nbytes = 0
+
+    def write_into(self, buffer, cache):
+        raise NotImplementedError
+
 
 #: The types of the work items that travel pickled (see is_simple).
 SIMPLE_TYPES = (str, int, bool, type(None))

@@ -2,9 +2,13 @@
 layer can use it."""
 
 import pickle
+import traceback
 
 __all__ = ["RingClosed", "CodecError", "WorkerError", "WorkerStalledError", "WorkerDiedError",
-           "PeerGoneError"]
+           "PeerGoneError", "error_payload"]
+
+#: Longest traceback (and message) text a worker sends, in characters (the end is kept).
+MAX_TRACEBACK = 20_000
 
 
 def _dumps_or_none(obj):
@@ -25,6 +29,32 @@ def _loads_or_none(data):
         return pickle.loads(data)
     except Exception:
         return None
+
+
+def error_payload(exc, max_traceback=MAX_TRACEBACK, max_message=MAX_TRACEBACK):
+    """What a worker sends for an exception: type, message, traceback, and the exception
+    itself, pickled (bytes), when it survives pickling *and unpickling* here (an exception
+    whose ``__init__`` takes other arguments than its ``args`` pickles but does not load).
+    It is pickled on its own so that the receiver, which may not be able to import its
+    class, still gets the rest (see ``WorkerError.from_payload``)."""
+    try:
+        original = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
+        if type(pickle.loads(original)) is not type(exc):
+            original = None
+    except Exception:
+        original = None
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    if len(tb) > max_traceback:
+        tb = "...\n" + tb[-max_traceback:]
+    try:
+        message = str(exc)
+    except Exception:
+        message = f"<{type(exc).__name__} whose str() failed>"
+    if len(message) > max_message:
+        message = message[:max_message] + "..."
+    t = type(exc)
+    return {"type": f"{t.__module__}.{t.__qualname__}", "message": message,
+            "traceback": tb, "exception": original}
 
 
 def _rebuild_worker_error(cls, exc_type, exc_message, worker_traceback, original, worker):
@@ -71,7 +101,7 @@ class WorkerError(RuntimeError):
 
     @classmethod
     def from_payload(cls, info, worker=None, prefix=""):
-        """The error a worker described in ``info`` (``worker.error_payload``'s dict: type,
+        """The error a worker described in ``info`` (:func:`error_payload`'s dict: type,
         message, traceback, and the exception pickled on its own, or None), its message
         prefixed with ``prefix``.  ``original`` is None if the exception cannot be loaded
         here (e.g. its class lives in a module only the worker can import)."""

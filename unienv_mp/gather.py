@@ -35,7 +35,7 @@ import sys
 import numpy as np
 
 from . import _codec, _rows, _unienv
-from .worker import SlotWriter
+from ._protocol import SlotWriter
 
 __all__ = ["NotDirect", "check", "row_nbytes", "Gatherer", "DIRECT_METHODS", "PlannedBatch"]
 

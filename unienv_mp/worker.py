@@ -5,66 +5,30 @@ import faulthandler
 import os
 import pickle
 import signal
-import sys
 import time
-import traceback
 
 from . import _codec
 from . import _process
 from . import _protocol as P
 from . import stats as _stats
 from ._ring import Event, RingBuffer, Segment, segment_from_peer
-from .errors import RingClosed
+from .errors import MAX_TRACEBACK, RingClosed, error_payload
+
+__all__ = ["worker_main"]
 
 _ST_OK = P.ST_OK
 _PAGE = 4096
 _MIN_SLOT = 64 * 1024
-_MAX_TRACEBACK = 20_000
 
 
 class _Stop(Exception):
     """The worker was told to stop (done_event set)."""
 
 
-def limit_threads():
-    """Run torch ops single-threaded in a worker, as torch's DataLoader does: a forked
-    child inherits the parent's OpenMP pool state but not its threads, and the first
-    parallel op would wait forever for them.  The workers are the parallelism."""
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.set_num_threads(1)
-
-
-def error_payload(exc, max_traceback=_MAX_TRACEBACK, max_message=_MAX_TRACEBACK):
-    """What a worker sends for an exception: type, message, traceback, and the exception
-    itself, pickled (bytes), when it survives pickling *and unpickling* here (an exception
-    whose ``__init__`` takes other arguments than its ``args`` pickles but does not load).
-    It is pickled on its own so that the receiver, which may not be able to import its
-    class, still gets the rest (see ``WorkerError.from_payload``)."""
-    try:
-        original = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
-        if type(pickle.loads(original)) is not type(exc):
-            original = None
-    except Exception:
-        original = None
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    if len(tb) > max_traceback:
-        tb = "...\n" + tb[-max_traceback:]
-    try:
-        message = str(exc)
-    except Exception:
-        message = f"<{type(exc).__name__} whose str() failed>"
-    if len(message) > max_message:
-        message = message[:max_message] + "..."
-    t = type(exc)
-    return {"type": f"{t.__module__}.{t.__qualname__}", "message": message,
-            "traceback": tb, "exception": original}
-
-
 def _fatal_payload(exc, limit):
     """The encoded error of a worker that cannot start (or cannot write a result into a
     slot), cut down to fit inline."""
-    for tb, msg, keep in ((_MAX_TRACEBACK, _MAX_TRACEBACK, True), (2000, 500, False),
+    for tb, msg, keep in ((MAX_TRACEBACK, MAX_TRACEBACK, True), (2000, 500, False),
                           (200, 100, False)):
         info = error_payload(exc, tb, msg)
         if not keep:
@@ -74,23 +38,6 @@ def _fatal_payload(exc, limit):
             return data
     return _codec.encode({"type": "builtins.Exception", "message": "worker could not start",
                           "traceback": "", "exception": None})
-
-
-class SlotWriter:
-    """A result that writes itself into the worker's memory, instead of being encoded by
-    the codec: what a work function returns to gather a batch straight into a slot (see
-    :mod:`unienv_mp.gather`).
-
-    ``nbytes``: the bytes it needs.  ``write_into(buffer, cache)`` writes a complete slot
-    encoding (as :func:`_codec.write` would) at the start of ``buffer``, a writable buffer
-    of at least ``nbytes``; ``cache`` is a dict that lives as long as that buffer does, for
-    whatever the writer keeps per buffer (views of it, typically).
-    """
-    __slots__ = ()
-    nbytes = 0
-
-    def write_into(self, buffer, cache):
-        raise NotImplementedError
 
 
 class _Slots:
@@ -126,11 +73,76 @@ class _Slots:
         return entry
 
 
+class _Results:
+    """The worker's side of its result ring: publishes each result, inline or in a slot,
+    and rings the parent's doorbell."""
+
+    def __init__(self, index, ring, doorbell, check):
+        self.ring = ring
+        self.doorbell = doorbell
+        self.check = check
+        self.inline_max = ring.entry_size - P.ENTRY_HEADER
+        self.slots = _Slots(index)
+
+    def send(self, status, slot, ticket, value):
+        """Publish the result; returns its status (a result that cannot be written is an
+        error)."""
+        ring, check = self.ring, self.check
+        if isinstance(value, P.SlotWriter):
+            try:
+                where, payload = self._write(slot, value)
+            except Exception as e:   # e.g. rows out of bounds, no memory for a slot
+                status, value = P.ST_ERROR, error_payload(e)
+            else:
+                ring.push_tagged(P.tag(status, where), slot, ticket, payload, check=check)
+                self.doorbell.notify()
+                return status
+        try:
+            p = _codec.prepare(value)
+        except Exception as e:   # e.g. a CUDA tensor, an unpicklable leaf
+            status, p = P.ST_ERROR, _codec.prepare(error_payload(e))
+        if p.nbytes <= self.inline_max:
+            ring.push_tagged(P.tag(status, P.AT_INLINE), slot, ticket,
+                             _codec.encode_prepared(p), check=check)
+        else:
+            try:
+                gen, sseg, cache = self.slots.get(slot, p.nbytes)
+                with memoryview(sseg) as mv:
+                    _codec.write(p, mv)
+                desc = P.SLOT_DESC.pack(gen, sseg.fd, sseg.ino, sseg.size, p.nbytes)
+            except Exception as e:   # e.g. out of memory or descriptors for a slot
+                status = P.ST_ERROR
+                ring.push_tagged(P.tag(status, P.AT_INLINE), slot, ticket,
+                                 _fatal_payload(e, self.inline_max), check=check)
+            else:
+                ring.push_tagged(P.tag(status, P.AT_SLOT), slot, ticket, desc, check=check)
+        self.doorbell.notify()
+        return status
+
+    def _write(self, slot, writer):
+        """Let ``writer`` write its result (inline if it is small, as encoded results
+        are); returns where it is and the entry's payload."""
+        nbytes = writer.nbytes
+        if nbytes <= self.inline_max:
+            buf, cache = self.slots.inline_buffer(nbytes)
+            writer.write_into(buf, cache)
+            return P.AT_INLINE, buf
+        gen, sseg, cache = self.slots.get(slot, nbytes)
+        writer.write_into(sseg, cache)
+        return P.AT_SLOT, P.SLOT_DESC.pack(gen, sseg.fd, sseg.ino, sseg.size, nbytes)
+
+    def fatal(self, exc):
+        """The worker cannot start (``exc``): say so, before it exits."""
+        self.ring.push_tagged(P.tag(P.ST_FATAL, P.AT_INLINE), 0, 0,
+                              _fatal_payload(exc, self.inline_max))
+        self.doorbell.notify()
+
+
 def worker_main(index, target_fn, seg, doorbell_seg, parent_pid, init_fn, seed, options):
     """Entry point of a worker process (see MultiProcessingSampleManager)."""
     _process.ignore_sigint()   # Ctrl-C is the parent's to handle
     _process.exit_with_parent(parent_pid, options.get("pdeathsig", False))
-    limit_threads()
+    _process.limit_threads()
     poll = options.get("poll_interval", 0.005)
     spin = options.get("spin", 20e-6)
     done_event = options.get("done_event")
@@ -138,9 +150,13 @@ def worker_main(index, target_fn, seg, doorbell_seg, parent_pid, init_fn, seed, 
     if magic != P.WORKER_MAGIC or version != P.WORKER_VERSION:
         os._exit(3)
     tasks = RingBuffer.attach(seg, t_off, poll, spin)
-    results = RingBuffer.attach(seg, r_off, poll, spin)
-    doorbell = Event(doorbell_seg, 0)
-    inline_max = results.entry_size - P.ENTRY_HEADER
+
+    def check():
+        if done_event is not None and done_event.is_set():
+            raise _Stop
+
+    out = _Results(index, RingBuffer.attach(seg, r_off, poll, spin), Event(doorbell_seg, 0),
+                   check)
     stack_pipe = options.get("stack_pipe")
     if stack_pipe is not None:
         # The parent asks for this process's Python stacks with SIGUSR1 (a stalled task,
@@ -149,94 +165,44 @@ def worker_main(index, target_fn, seg, doorbell_seg, parent_pid, init_fn, seed, 
         faulthandler.register(signal.SIGUSR1, file=stack_pipe.fd, all_threads=True)
     counters = _stats.WorkerCounters(
         memoryview(seg)[P.STATS_AT:P.STATS_AT + 8 * _stats.COUNTERS].cast("Q"))
-    batches_in = getattr(target_fn, "batches_in", None)
-    clock = time.monotonic_ns
-    begin, end = counters.begin, counters.end
-
-    def check():
-        if done_event is not None and done_event.is_set():
-            raise _Stop
-
-    def send(status, slot, ticket, value):
-        """Publish the result; returns its status (a result that cannot be written is an
-        error)."""
-        if isinstance(value, SlotWriter):
-            try:
-                where, payload = write(slot, value)
-            except Exception as e:   # e.g. rows out of bounds, no memory for a slot
-                status, value = P.ST_ERROR, error_payload(e)
-            else:
-                results.push_tagged(P.tag(status, where), slot, ticket, payload, check=check)
-                doorbell.notify()
-                return status
-        try:
-            p = _codec.prepare(value)
-        except Exception as e:   # e.g. a CUDA tensor, an unpicklable leaf
-            status, p = P.ST_ERROR, _codec.prepare(error_payload(e))
-        if p.nbytes <= inline_max:
-            results.push_tagged(P.tag(status, P.AT_INLINE), slot, ticket,
-                                _codec.encode_prepared(p), check=check)
-        else:
-            try:
-                gen, sseg, cache = slots.get(slot, p.nbytes)
-                with memoryview(sseg) as mv:
-                    _codec.write(p, mv)
-                desc = P.SLOT_DESC.pack(gen, sseg.fd, sseg.ino, sseg.size, p.nbytes)
-            except Exception as e:   # e.g. out of memory or descriptors for a slot
-                status = P.ST_ERROR
-                results.push_tagged(P.tag(status, P.AT_INLINE), slot, ticket,
-                                    _fatal_payload(e, inline_max), check=check)
-            else:
-                results.push_tagged(P.tag(status, P.AT_SLOT), slot, ticket, desc,
-                                    check=check)
-        doorbell.notify()
-        return status
-
-    def write(slot, writer):
-        """Let ``writer`` write its result (inline if it is small, as encoded results
-        are); returns where it is and the entry's payload."""
-        nbytes = writer.nbytes
-        if nbytes <= inline_max:
-            buf, cache = slots.inline_buffer(nbytes)
-            writer.write_into(buf, cache)
-            return P.AT_INLINE, buf
-        gen, sseg, cache = slots.get(slot, nbytes)
-        writer.write_into(sseg, cache)
-        return P.AT_SLOT, P.SLOT_DESC.pack(gen, sseg.fd, sseg.ino, sseg.size, nbytes)
-
     if init_fn is not None and seed is not None:
         try:
             init_fn(seed)
         except Exception as e:
-            results.push_tagged(P.tag(P.ST_FATAL, P.AT_INLINE), 0, 0,
-                                _fatal_payload(e, inline_max))
-            doorbell.notify()
+            out.fatal(e)
             return
-    counters.started(clock(), time.process_time_ns())
-    slots = _Slots(index)
+    counters.started(time.monotonic_ns(), time.process_time_ns())
     try:
-        while True:
-            t, slot, ticket, payload = tasks.pop_tagged(check=check)
-            enc, where = P.untag(t)
-            if enc == P.OP_STOP:
-                break
-            t0 = clock()
-            begin(ticket, t0)
-            work = None
-            try:
-                if enc == P.ENC_PICKLE:
-                    work = pickle.loads(payload)
-                else:
-                    work = _read_work(where, payload, parent_pid)
-                value, status = target_fn(work), P.ST_OK
-            except Exception as e:
-                value, status = error_payload(e), P.ST_ERROR
-            status = send(status, slot, ticket, value)
-            n = 1 if batches_in is None or work is None else batches_in(work)
-            del work, value   # (destructors are part of the task: a hang there is a stall)
-            end(n, status != _ST_OK, clock() - t0)
+        _serve(tasks, target_fn, out, counters, parent_pid)
     except (RingClosed, _Stop):
         pass
+
+
+def _serve(tasks, target_fn, out, counters, parent_pid):
+    """Take tasks and publish their results until told to stop."""
+    batches_in = getattr(target_fn, "batches_in", None)
+    clock = time.monotonic_ns
+    begin, end, send, check = counters.begin, counters.end, out.send, out.check
+    while True:
+        t, slot, ticket, payload = tasks.pop_tagged(check=check)
+        enc, where = P.untag(t)
+        if enc == P.OP_STOP:
+            break
+        t0 = clock()
+        begin(ticket, t0)
+        work = None
+        try:
+            if enc == P.ENC_PICKLE:
+                work = pickle.loads(payload)
+            else:
+                work = _read_work(where, payload, parent_pid)
+            value, status = target_fn(work), P.ST_OK
+        except Exception as e:
+            value, status = error_payload(e), P.ST_ERROR
+        status = send(status, slot, ticket, value)
+        n = 1 if batches_in is None or work is None else batches_in(work)
+        del work, value   # (destructors are part of the task: a hang there is a stall)
+        end(n, status != _ST_OK, clock() - t0)
 
 
 def _read_work(where, payload, parent_pid):

@@ -10,7 +10,7 @@ from .. import _state
 from .. import gather as _gather
 from .._sampling import SamplerTarget
 from .._streams import base_seed
-from ..worker import error_payload
+from ..errors import error_payload
 from ._batch import pack
 
 __all__ = ["SamplerActor", "OK", "ERROR", "COULD_NOT_START"]
@@ -53,7 +53,7 @@ class SamplerActor:
     def run(self, work):
         """``(status, value, ns, pid, cpu)``: the work function's result on ``work``,
         packed for the trip (status ``OK``), or its exception as
-        ``worker.error_payload`` describes it (``ERROR``); how long that took, in
+        ``errors.error_payload`` describes it (``ERROR``); how long that took, in
         nanoseconds; and this process's id and CPU seconds so far."""
         start = time.monotonic_ns()
         if self.failure is not None:
