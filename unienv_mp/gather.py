@@ -37,7 +37,8 @@ import numpy as np
 from . import _codec, _rows, _unienv
 from ._protocol import SlotWriter
 
-__all__ = ["NotDirect", "check", "row_nbytes", "Gatherer", "DIRECT_METHODS", "PlannedBatch"]
+__all__ = ["NotDirect", "check", "row_nbytes", "sampled_rows", "Gatherer", "DIRECT_METHODS",
+           "PlannedBatch"]
 
 #: Sampler methods a direct plan can serve (``sample_index`` stays generic: it gathers
 #: nothing), by the epoch getter that computes the same thing from given indices.
@@ -344,6 +345,23 @@ def _is_index_tensor(arg):
             and arg.dtype == torch.int64 and arg.shape[0] > 0)
 
 
+def sampled_rows(buffer, idx):
+    """Storage rows of indices drawn by ``sample_index()`` over ``buffer``: the
+    ReplayBuffer's mapping ``(idx + count + offset) % count`` on one snapshot of its ring
+    state, as ``_logical_to_physical_index`` computes it, without its bounds check (a
+    reduction that costs more than gathering a small batch): the indices were drawn in
+    ``[0, len)``, and a buffer only grows while it is sampled, so they are in bounds.  For
+    those indices the mapping is ``(idx + offset) % count``, and ``idx`` itself when the
+    offset is 0.  (Used by the workers, and by the main job's in-process speed limit.)"""
+    ring = _unienv.ring_state(buffer)
+    if ring is None:
+        return _unienv.logical_to_physical(buffer, idx)
+    count, offset = ring
+    if offset == 0:
+        return idx
+    return (idx + offset).remainder_(count)
+
+
 class Gatherer:
     """Lives in a worker: turns a task ``(method, argument)`` into a :class:`SlotWriter`
     that gathers the batch into the worker's slot, or None for tasks it does not serve."""
@@ -385,7 +403,7 @@ class Gatherer:
         if self._view is not None:
             return self._view(getter, indices, k)
         if name in DIRECT_METHODS:
-            rows = [self._sampled_rows(idx) for idx in indices]
+            rows = [sampled_rows(self.buffer, idx) for idx in indices]
         else:
             # indices from outside: the ReplayBuffer's own mapping, bounds checks included
             rows = [_unienv.logical_to_physical(self.buffer, indices[0])]
@@ -415,22 +433,6 @@ class Gatherer:
         if name in _GETTERS and _is_index_tensor(arg) and self.structure(name) is not None:
             return name, None, [arg]
         return None
-
-    def _sampled_rows(self, idx):
-        """Storage rows of indices drawn by ``sample_index()``: the ReplayBuffer's mapping
-        ``(idx + count + offset) % count`` on one snapshot of its ring state, as
-        ``_logical_to_physical_index`` computes it, without its bounds check (a reduction
-        that costs more than gathering a small batch): the indices were drawn in
-        ``[0, len)``, and a buffer only grows while it is sampled, so they are in bounds.
-        For those indices the mapping is ``(idx + offset) % count``, and ``idx`` itself
-        when the offset is 0."""
-        ring = _unienv.ring_state(self.buffer)
-        if ring is None:
-            return _unienv.logical_to_physical(self.buffer, idx)
-        count, offset = ring
-        if offset == 0:
-            return idx
-        return (idx + offset).remainder_(count)
 
 
 class _Plan:
