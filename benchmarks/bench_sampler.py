@@ -1,6 +1,6 @@
-"""The main job's cases as pytest-benchmark groups, with the same rows
-(``unienv_mp.compare.CASES``); 4 workers, 8 buffers, fork; the consumer touches one byte
-per 4 KiB page of every batch.
+"""The main job's cases as pytest-benchmark groups, with the same rows (its modules are
+those of ``unienv_mp.bench``: ``config.CASES``); 4 workers, 8 buffers, fork; the consumer
+touches one byte per 4 KiB page of every batch.
 
 * ``sampler image`` / ``sampler state``: MultiprocessingSampler side by side: unienv_mp's,
   UniEnv's (``shared_memory`` False and True), UniEnv's StepSampler in process, a torch
@@ -15,22 +15,22 @@ per 4 KiB page of every batch.
   round is one batch.
 * ``online``: a round is one step of a loop that appends 4 transitions to a shared
   (``multiprocessing=True``) buffer, then samples 256 {state, action, clock};
-  ``extra_info`` holds the batches' staleness in loop steps (``compare.online_stepper``).
-* ``views, ...``: one group per view of the main job's views case (``compare.VIEWS``:
+  ``extra_info`` holds the batches' staleness in loop steps (``online.online_stepper``).
+* ``views, ...``: one group per view of the main job's views case (``views.VIEWS``:
   frame stacks, action chunks, columns, a combined dataset, batches of 256 over 20k steps
   in episodes of 200): unienv_mp (and its generic path), UniEnv's sampler with
   ``shared_memory=True``, UniEnv's StepSampler in process, the view's bare limit
   (``index_select`` of its final rows, mask included, into reused memory), and TorchRL's
   ``SliceSampler`` on the action chunks.  A round is one batch.
 * ``latency, ...``: one group per way of asking for a batch with nothing prefetched
-  (``compare.TRIGGERS``); a round is one such batch, its set-up (a pause, closing the
+  (``latency.TRIGGERS``); a round is one such batch, its set-up (a pause, closing the
   previous epoch or sampler) untimed.  UniEnv's ``manual_seed()`` keeps the batches its
   workers made, so that row is skipped.
 * ``epoch, first`` / ``epoch, later``: a round is one whole epoch of ``epoch_iter()`` over
   the image case's buffer (79 batches of 256); ``first``: each round on a new sampler (its
   first epoch, starting its workers; for the DataLoader, its first ``iter()``),
   ``later``: the rounds on one sampler after a first, untimed epoch.  The rows of
-  ``compare.CASES["epoch"]``: unienv_mp, as many steady-state ``sample()`` batches of
+  ``config.CASES["epoch"]``: unienv_mp, as many steady-state ``sample()`` batches of
   unienv_mp, UniEnv's sampler (``shared_memory=True``), UniEnv in process, and a torch
   DataLoader over ``UniEnvAsPyTorchDataset`` (4 workers, ``persistent_workers=True``).
 
@@ -40,52 +40,52 @@ command with a table each: ``python -m unienv_mp --case all``.
 import numpy as np
 import pytest
 
-from unienv_mp import compare
+from unienv_mp.bench import config, data, epochs, latency, measure, online, peers, views
 
 CASES = {
-    "image": compare.Config(transitions=20_000, batch_size=256, image_shape=(3, 128, 128)),
-    "state": compare.Config(transitions=20_000, batch_size=32, image_shape=()),
+    "image": config.Config(transitions=20_000, batch_size=256, image_shape=(3, 128, 128)),
+    "state": config.Config(transitions=20_000, batch_size=32, image_shape=()),
 }
-JPEG = compare.case_config("jpeg")
-ONLINE = compare.case_config("online")
-LATENCY = compare.case_config("latency")
+JPEG = config.case_config("jpeg")
+ONLINE = config.case_config("online")
+LATENCY = config.case_config("latency")
 # Enough rounds, after a warm-up as long as the deepest pipeline (n_buffers batches in flight,
 # each in a slot made and first touched on its first use), for the steady state to dominate
 ROUNDS = {"image": 200, "state": 2000, "jpeg": 100, "online": 2000, "view": 2000,
           "view_images": 60}
 WARMUP = {"image": 20, "state": 200, "jpeg": 10, "view": 200, "view_images": 10}
 LATENCY_ROUNDS = {"reseed": 40, "epoch": 15, "start": 10}
-VIEWS = compare.case_config("views")
+VIEWS = config.case_config("views")
 VIEW_IMAGES = ("framestack", "framestack_image", "combined")   # 25 MB a batch
-EPOCH = compare.case_config("epoch")
+EPOCH = config.case_config("epoch")
 EPOCH_ROUNDS = {"first": 3, "later": 5}
-MISSING = compare.available()
+MISSING = peers.available()
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request):
     cfg = CASES[request.param]
-    return request.param, cfg, compare.build_buffer(cfg)
+    return request.param, cfg, data.build_buffer(cfg)
 
 
 @pytest.fixture(scope="module")
 def jpeg_rb():
-    reason = compare.case_missing("jpeg", JPEG)
+    reason = config.case_missing("jpeg", JPEG)
     if reason is not None:
         pytest.skip(reason)
-    with compare.case_data("jpeg", JPEG) as rb:
+    with data.case_data("jpeg", JPEG) as rb:
         yield rb
 
 
 @pytest.fixture(scope="module")
 def views_data():
-    with compare.case_data("views", VIEWS) as data:
-        yield data
+    with data.case_data("views", VIEWS) as made:
+        yield made
 
 
 @pytest.fixture(scope="module")
 def latency_rb():
-    return compare.build_buffer(LATENCY)
+    return data.build_buffer(LATENCY)
 
 
 def _skip_missing(impl):
@@ -94,16 +94,16 @@ def _skip_missing(impl):
 
 
 def _bench_batches(benchmark, impl, rb, cfg, name, made=None):
-    next_batch, close = made or compare.make_sampler(impl, rb, cfg)
+    next_batch, close = made or peers.make_sampler(impl, rb, cfg)
     try:
         first = next_batch()
-        nbytes = compare.batch_nbytes(first)
+        nbytes = measure.batch_nbytes(first)
         del first
-        benchmark.pedantic(lambda: compare.touch(next_batch()), rounds=ROUNDS[name],
+        benchmark.pedantic(lambda: measure.touch(next_batch()), rounds=ROUNDS[name],
                            iterations=1, warmup_rounds=WARMUP[name])
     finally:
         close()
-    benchmark.extra_info["implementation"] = compare.LABELS[impl]
+    benchmark.extra_info["implementation"] = config.LABELS[impl]
     mean = _mean(benchmark)
     if mean is not None:
         benchmark.extra_info.update({"ms_per_batch": mean * 1e3, "batches_per_s": 1 / mean,
@@ -116,7 +116,7 @@ def _mean(benchmark):
     return None if stats is None else stats.stats.mean
 
 
-@pytest.mark.parametrize("impl", compare.IMPLEMENTATIONS)
+@pytest.mark.parametrize("impl", config.IMPLEMENTATIONS)
 def test_sampler(benchmark, case, impl):
     name, cfg, rb = case
     _skip_missing(impl)
@@ -124,40 +124,40 @@ def test_sampler(benchmark, case, impl):
     _bench_batches(benchmark, impl, rb, cfg, name)
 
 
-@pytest.mark.parametrize("impl", compare.CASES["jpeg"].rows)
+@pytest.mark.parametrize("impl", config.CASES["jpeg"].rows)
 def test_jpeg(benchmark, jpeg_rb, impl):
     _skip_missing(impl)
     benchmark.group = f"sampler jpeg: B={JPEG.batch_size}, decoded per batch, 4 workers, fork"
     _bench_batches(benchmark, impl, jpeg_rb, JPEG, "jpeg")
 
 
-@pytest.mark.parametrize("impl", compare.CASES["views"].rows)
-@pytest.mark.parametrize("view", compare.VIEWS)
+@pytest.mark.parametrize("impl", config.CASES["views"].rows)
+@pytest.mark.parametrize("view", views.VIEWS)
 def test_views(benchmark, views_data, view, impl):
     _skip_missing(impl)
-    made = compare.make_view_sampler(impl, view, views_data, VIEWS)
+    made = views.make_view_sampler(impl, view, views_data, VIEWS)
     if made is None:
-        pytest.skip(f"{compare.LABELS[impl]} has no sampler for this view")
-    benchmark.group = f"views, {compare.VIEWS[view].label}: B={VIEWS.batch_size}, 4 workers, fork"
+        pytest.skip(f"{config.LABELS[impl]} has no sampler for this view")
+    benchmark.group = f"views, {views.VIEWS[view].label}: B={VIEWS.batch_size}, 4 workers, fork"
     _bench_batches(benchmark, impl, None, VIEWS,
                    "view_images" if view in VIEW_IMAGES else "view", made)
 
 
-@pytest.mark.parametrize("impl", compare.CASES["online"].rows)
+@pytest.mark.parametrize("impl", config.CASES["online"].rows)
 def test_online(benchmark, impl):
     _skip_missing(impl)
     benchmark.group = (f"online: append {ONLINE.append}, then sample B={ONLINE.batch_size}, "
                        f"4 workers, fork")
-    rb = compare.build_online_buffer(ONLINE)
-    next_batch, close = compare.make_sampler(impl, rb, ONLINE)
+    rb = data.build_online_buffer(ONLINE)
+    next_batch, close = peers.make_sampler(impl, rb, ONLINE)
     stale = []
     try:
-        step = compare.online_stepper(next_batch, rb, ONLINE)
+        step = online.online_stepper(next_batch, rb, ONLINE)
         benchmark.pedantic(lambda: stale.append(step()[0]), rounds=ROUNDS["online"],
-                           iterations=1, warmup_rounds=compare.online_warmup(ONLINE))
+                           iterations=1, warmup_rounds=online.online_warmup(ONLINE))
     finally:
         close()
-    result = compare.OnlineResult(impl, compare.LABELS[impl],
+    result = online.OnlineResult(impl, config.LABELS[impl],
                                   staleness=stale[-ROUNDS["online"]:])
     benchmark.extra_info.update({"implementation": result.label,
                                  **{f"staleness_{k}": v
@@ -167,23 +167,23 @@ def test_online(benchmark, impl):
         benchmark.extra_info["ms_per_step"] = mean * 1e3
 
 
-@pytest.mark.parametrize("trigger", compare.TRIGGERS)
-@pytest.mark.parametrize("impl", compare.CASES["latency"].rows)
+@pytest.mark.parametrize("trigger", latency.TRIGGERS)
+@pytest.mark.parametrize("impl", config.CASES["latency"].rows)
 def test_latency(benchmark, latency_rb, impl, trigger):
     _skip_missing(impl)
-    benchmark.group = (f"latency, {compare.TRIGGERS[trigger]}: B={LATENCY.batch_size}, "
+    benchmark.group = (f"latency, {latency.TRIGGERS[trigger]}: B={LATENCY.batch_size}, "
                        f"4 workers, fork")
     try:
-        prepare, first_batch, close = compare.latency_probe(impl, trigger, latency_rb, LATENCY)
-    except compare.NotMeasurable as e:
+        prepare, first_batch, close = latency.latency_probe(impl, trigger, latency_rb, LATENCY)
+    except latency.NotMeasurable as e:
         pytest.skip(str(e))
     try:
-        benchmark.pedantic(lambda: compare.touch(first_batch()), setup=prepare,
+        benchmark.pedantic(lambda: measure.touch(first_batch()), setup=prepare,
                            rounds=LATENCY_ROUNDS[trigger], iterations=1)
     finally:
         close()
-    benchmark.extra_info.update({"implementation": compare.LABELS[impl],
-                                 "asked_for_by": compare.TRIGGERS[trigger]})
+    benchmark.extra_info.update({"implementation": config.LABELS[impl],
+                                 "asked_for_by": latency.TRIGGERS[trigger]})
     stats = getattr(benchmark, "stats", None)
     if stats is not None:   # (the main job's latency table gives p50 and p99)
         times = sorted(stats.stats.data)
@@ -193,11 +193,11 @@ def test_latency(benchmark, latency_rb, impl, trigger):
 
 @pytest.fixture(scope="module")
 def epoch_rb():
-    return compare.build_buffer(EPOCH)
+    return data.build_buffer(EPOCH)
 
 
 @pytest.mark.parametrize("which", ["first", "later"])
-@pytest.mark.parametrize("impl", compare.CASES["epoch"].rows)
+@pytest.mark.parametrize("impl", config.CASES["epoch"].rows)
 def test_epoch(benchmark, epoch_rb, impl, which):
     _skip_missing(impl)
     if which == "first" and impl == "unienv_mp_sample":
@@ -208,7 +208,7 @@ def test_epoch(benchmark, epoch_rb, impl, which):
 
     def run_epoch(epoch):
         for batch in epoch():
-            compare.touch(batch)
+            measure.touch(batch)
 
     def close_all():
         while runners:
@@ -218,14 +218,14 @@ def test_epoch(benchmark, epoch_rb, impl, which):
         if which == "first":
             def setup():
                 close_all()
-                runners.append(compare.epoch_runner(impl, epoch_rb, EPOCH))
+                runners.append(epochs.epoch_runner(impl, epoch_rb, EPOCH))
             benchmark.pedantic(lambda: run_epoch(runners[-1][0]), setup=setup,
                                rounds=EPOCH_ROUNDS[which], iterations=1)
         else:
-            runners.append(compare.epoch_runner(impl, epoch_rb, EPOCH))
+            runners.append(epochs.epoch_runner(impl, epoch_rb, EPOCH))
             run_epoch(runners[-1][0])
             benchmark.pedantic(lambda: run_epoch(runners[-1][0]),
                                rounds=EPOCH_ROUNDS[which], iterations=1)
     finally:
         close_all()
-    benchmark.extra_info["implementation"] = compare.LABELS[impl]
+    benchmark.extra_info["implementation"] = config.LABELS[impl]

@@ -47,17 +47,18 @@ def main(argv=None):
     from unienv_data.samplers import StepSampler
 
     import unienv_mp
-    from unienv_mp import compare
+    from unienv_mp.bench.config import Config
+    from unienv_mp.bench.data import build_buffer
     from unienv_mp.sampler import MultiprocessingSampler
 
     if a.case == "state":
-        cfg = compare.Config(transitions=20_000, batch_size=32, image_shape=())
+        cfg = Config(transitions=20_000, batch_size=32, image_shape=())
         n = a.buffers or 200
     else:
-        cfg = compare.Config(transitions=4_000, batch_size=256, image_shape=(3, 128, 128))
+        cfg = Config(transitions=4_000, batch_size=256, image_shape=(3, 128, 128))
         n = a.buffers or 24
     print(f"unienv_mp from {os.path.dirname(unienv_mp.__file__)}", file=sys.stderr)
-    rb = compare.build_buffer(cfg)
+    rb = build_buffer(cfg)
     s = MultiprocessingSampler(StepSampler(rb, cfg.batch_size, seed=0), n_workers=4,
                                n_buffers=n, ctx=mp.get_context("fork"), copy=a.copy)
     ctl = open(a.perf_control, "w") if a.perf_control else None

@@ -4,8 +4,8 @@ and how much memory the workers add, unienv_mp against UniEnv's MultiprocessingS
     PYTHONPATH=. python benchmarks/spawn_startup.py                 # 1 GiB, 4 workers
     PYTHONPATH=. python benchmarks/spawn_startup.py --gib 0.25 --workers 2 --json
 
-The buffer is the main job's (``compare.build_buffer``: a ReplayBuffer of {state 10 f32,
-action 7 f32, image 3x128x128 u8} rows), as many rows as make ``--gib`` GiB, sampled in
+The buffer is the main job's (``unienv_mp.bench.data.build_buffer``: a ReplayBuffer of
+{state 10 f32, action 7 f32, image 3x128x128 u8} rows), as many rows as make ``--gib`` GiB, sampled in
 batches of 256 by 4 workers started with spawn.  Each implementation runs in a fresh
 process of its own (UniEnv's reductions move the buffer's tensors into /dev/shm, which
 would change what the next one sees).  For each:
@@ -67,11 +67,12 @@ def measure(impl, gib, n_workers, batches_per_worker=8):
     import torch
     from unienv_data.samplers import StepSampler
 
-    from unienv_mp import compare
+    from unienv_mp.bench.config import Config
+    from unienv_mp.bench.data import build_buffer
 
     row = 10 * 4 + 7 * 4 + 3 * 128 * 128
     n = int(gib * (1 << 30) // row)
-    rb = compare.build_buffer(compare.Config(transitions=n, image_shape=(3, 128, 128)))
+    rb = build_buffer(Config(transitions=n, image_shape=(3, 128, 128)))
     data = sum(s.data.nbytes for s in rb.storage.storage_map.values())
     torch.set_num_threads(1)
     before = pss(os.getpid())["Pss"]

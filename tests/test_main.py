@@ -8,15 +8,14 @@ import threading
 
 import pytest
 
-from unienv_mp import __main__ as main_mod
-from unienv_mp import compare
+from unienv_mp.bench import cli, config, data, measure, peers, tables
 
 SMALL = ["--transitions", "300", "--image-shape", "3x8x8", "--batch-size", "16",
          "--workers", "2", "--buffers", "2", "--seconds", "0.3", "--no-progress"]
 
 
 def test_json_output_compares_side_by_side(capsys):
-    rc = main_mod.main(SMALL + ["--impl", "unienv_mp,in_process,unienv_shm", "--json"])
+    rc = cli.main(SMALL + ["--impl", "unienv_mp,in_process,unienv_shm", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0
     names = [r["name"] for r in out["results"]]
@@ -29,7 +28,7 @@ def test_json_output_compares_side_by_side(capsys):
 
 
 def test_table_output(capsys):
-    assert main_mod.main(SMALL + ["--impl", "unienv_mp,dataloader"]) == 0
+    assert cli.main(SMALL + ["--impl", "unienv_mp,dataloader"]) == 0
     text = capsys.readouterr().out
     assert "ms/batch" in text and "batches/s" in text and "MB/s" in text
     assert "unienv_mp MultiprocessingSampler" in text and "torch DataLoader" in text
@@ -37,15 +36,15 @@ def test_table_output(capsys):
 
 
 def test_state_case_and_quick(capsys):
-    args = main_mod.parse_args(["--case", "state", "--quick"])
-    cfg, _ = main_mod.make_config(args)
+    args = cli.parse_args(["--case", "state", "--quick"])
+    cfg, _ = cli.make_config(args)
     assert cfg.batch_size == 32 and cfg.image_shape == () and cfg.seconds < 2
 
 
 def test_missing_implementation_is_reported_and_skipped(monkeypatch, capsys):
-    monkeypatch.setattr(compare, "available",
+    monkeypatch.setattr(peers, "available",
                         lambda: {"unienv": "this unienv has no MultiprocessingSampler"})
-    assert main_mod.main(SMALL + ["--impl", "unienv,in_process", "--json"]) == 0
+    assert cli.main(SMALL + ["--impl", "unienv,in_process", "--json"]) == 0
     captured = capsys.readouterr()
     assert "skipping UniEnv MultiprocessingSampler" in captured.err
     out = json.loads(captured.out)
@@ -54,9 +53,9 @@ def test_missing_implementation_is_reported_and_skipped(monkeypatch, capsys):
 
 
 def test_nothing_to_compare(monkeypatch, capsys):
-    monkeypatch.setattr(compare, "available",
-                        lambda: {k: "torch is not installed" for k in compare.IMPLEMENTATIONS})
-    assert main_mod.main(SMALL) == 2
+    monkeypatch.setattr(peers, "available",
+                        lambda: {k: "torch is not installed" for k in config.IMPLEMENTATIONS})
+    assert cli.main(SMALL) == 2
     assert "torch is not installed" in capsys.readouterr().err
 
 
@@ -66,7 +65,7 @@ def test_plot_without_matplotlib_says_how_to_get_it_before_measuring(monkeypatch
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "matplotlib" else real(name, *a))
-    assert main_mod.main(SMALL + ["--impl", "in_process", "--plot",
+    assert cli.main(SMALL + ["--impl", "in_process", "--plot",
                                   str(tmp_path / "p.png")]) == 2
     captured = capsys.readouterr()
     assert "pip install 'unienv_mp[plot]'" in captured.err and captured.out == ""
@@ -84,29 +83,29 @@ def test_bad_options_are_refused(bad):
 
 def test_plot_writes_a_png(tmp_path, capsys):
     path = tmp_path / "bars.png"
-    assert main_mod.main(SMALL + ["--impl", "unienv_mp,in_process", "--plot", str(path)]) == 0
+    assert cli.main(SMALL + ["--impl", "unienv_mp,in_process", "--plot", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "plot saved" in capsys.readouterr().err
 
 
 # The in-process speed limit and TorchRL's ReplayBuffer: rows in the same comparison.
 
-TINY = compare.Config(transitions=300, batch_size=16, image_shape=(3, 8, 8), workers=2,
+TINY = config.Config(transitions=300, batch_size=16, image_shape=(3, 8, 8), workers=2,
                       buffers=2)
-needs_torchrl = pytest.mark.skipif("torchrl" in compare.available(),
+needs_torchrl = pytest.mark.skipif("torchrl" in peers.available(),
                                    reason="torchrl is not installed")
 
 
 @pytest.fixture(scope="module")
 def tiny_rb():
-    return compare.build_buffer(TINY)
+    return data.build_buffer(TINY)
 
 
 @pytest.fixture(scope="module")
 def wrapped_rb():
     """A full ring whose logical row 0 is physical row 37 (logical and physical differ)."""
     import torch
-    rb = compare.build_buffer(TINY)
+    rb = data.build_buffer(TINY)
     g = torch.Generator().manual_seed(1)
     rb.extend({"state": torch.rand(37, 10, generator=g) + 2,
                "action": torch.rand(37, 7, generator=g),
@@ -122,7 +121,7 @@ def any_rb(request):
 
 def _take(name, rb, n=3, seed=0):
     """``n`` batches of implementation ``name``, each as {key: a copy of its tensor}."""
-    next_batch, close = compare.make_sampler(name, rb, TINY, seed=seed)
+    next_batch, close = peers.make_sampler(name, rb, TINY, seed=seed)
     try:
         out = []
         for _ in range(n):
@@ -135,13 +134,13 @@ def _take(name, rb, n=3, seed=0):
 
 def _assert_rows_of_the_buffer(rb, batch):
     """Every row of ``batch`` is one transition of ``rb``: all keys from the same row."""
-    data = compare._dict_storage_tensors(rb)
+    tensors = data.dict_storage_tensors(rb)
     for i in range(TINY.batch_size):
-        match = (data["state"] == batch["state"][i]).all(dim=1).nonzero().flatten()
+        match = (tensors["state"] == batch["state"][i]).all(dim=1).nonzero().flatten()
         assert len(match) >= 1, "a sampled state is not in the buffer"
         j = int(match[0])
-        for k in data:
-            assert (batch[k][i] == data[k][j]).all(), k
+        for k in tensors:
+            assert (batch[k][i] == tensors[k][j]).all(), k
 
 
 @pytest.mark.parametrize("name", ["index_select",
@@ -165,7 +164,7 @@ def test_index_select_draws_the_step_samplers_indices_into_reused_memory(any_rb)
                          _take("in_process", any_rb, n=5, seed=7)):
         for k in ref:
             assert (mine[k] == ref[k]).all(), k
-    next_batch, close = compare.make_sampler("index_select", any_rb, TINY)
+    next_batch, close = peers.make_sampler("index_select", any_rb, TINY)
     first = next_batch()
     ptrs = {k: v.data_ptr() for k, v in first.items()}
     second = next_batch()
@@ -176,11 +175,11 @@ def test_index_select_draws_the_step_samplers_indices_into_reused_memory(any_rb)
 @needs_torchrl
 def test_torchrl_batches_can_be_touched_and_close_stops_its_threads(tiny_rb):
     before = set(threading.enumerate())
-    next_batch, close = compare.make_sampler("torchrl", tiny_rb, TINY)
+    next_batch, close = peers.make_sampler("torchrl", tiny_rb, TINY)
     b = next_batch()
     assert type(b).__name__ == "TensorDict"     # walked as is, not converted
-    assert compare.batch_nbytes(b) == 16 * (17 * 4 + 3 * 8 * 8)
-    assert compare.touch(b) == compare.touch({k: b[k] for k in b.keys()})
+    assert measure.batch_nbytes(b) == 16 * (17 * 4 + 3 * 8 * 8)
+    assert measure.touch(b) == measure.touch({k: b[k] for k in b.keys()})
     for _ in range(5):
         next_batch()
     assert set(threading.enumerate()) - before, "no prefetch threads"
@@ -190,11 +189,11 @@ def test_torchrl_batches_can_be_touched_and_close_stops_its_threads(tiny_rb):
 
 def test_new_rows_in_the_same_run(capsys):
     impls = ["unienv_mp", "in_process", "index_select", "torchrl"]
-    rc = main_mod.main(SMALL + ["--impl", ",".join(impls), "--json"])
+    rc = cli.main(SMALL + ["--impl", ",".join(impls), "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0
     ran = [r["name"] for r in out["results"]]
-    if "torchrl" in compare.available():
+    if "torchrl" in peers.available():
         impls.remove("torchrl")
         assert "torchrl" in out["skipped"]
     assert ran == impls
@@ -205,29 +204,29 @@ def test_new_rows_in_the_same_run(capsys):
 
 
 def test_default_run_includes_every_row():
-    args = main_mod.parse_args([])
+    args = cli.parse_args([])
     assert args.impls == ["unienv_mp", "unienv_mp_generic", "unienv", "unienv_shm",
                           "in_process", "dataloader", "index_select", "torchrl"]
-    assert compare.LABELS["index_select"] == "index_select into reused memory, in process"
-    assert compare.LABELS["torchrl"] == "TorchRL ReplayBuffer(prefetch=4)"
+    assert config.LABELS["index_select"] == "index_select into reused memory, in process"
+    assert config.LABELS["torchrl"] == "TorchRL ReplayBuffer(prefetch=4)"
 
 
 def test_impl_ray_adds_the_ray_row_to_the_default_rows():
-    assert main_mod.parse_args(["--impl", "ray"]).impls == [*compare.DEFAULT_IMPLEMENTATIONS,
+    assert cli.parse_args(["--impl", "ray"]).impls == [*config.DEFAULT_IMPLEMENTATIONS,
                                                             "ray"]
-    assert main_mod.parse_args(["--impl", "unienv_mp,ray"]).impls == ["unienv_mp", "ray"]
-    assert compare.LABELS["ray"] == "unienv_mp RaySampler (local Ray)"
-    assert "ray" in compare.CASES["image"].rows and "ray" in compare.CASES["jpeg"].rows
+    assert cli.parse_args(["--impl", "unienv_mp,ray"]).impls == ["unienv_mp", "ray"]
+    assert config.LABELS["ray"] == "unienv_mp RaySampler (local Ray)"
+    assert "ray" in config.CASES["image"].rows and "ray" in config.CASES["jpeg"].rows
 
 
 def test_table_says_slower_where_unienv_mp_loses():
-    cfg = compare.Config(transitions=300, batch_size=16, image_shape=())
+    cfg = config.Config(transitions=300, batch_size=16, image_shape=())
     # (name, batches, seconds): unienv_mp takes 100 ms a batch
     timings = [("unienv_mp", 10, 1.0), ("index_select", 25, 1.0), ("torchrl", 4, 1.0),
                ("in_process", 10, 1.03), ("dataloader", 10, 0.98)]
-    results = [compare.Result(n, compare.LABELS[n], b, s) for n, b, s in timings]
-    lines = main_mod.render_table(results, cfg).splitlines()
-    verdict = {n: next(line for line in lines if line.startswith(compare.LABELS[n]))
+    results = [measure.Result(n, config.LABELS[n], b, s) for n, b, s in timings]
+    lines = tables.render_table(results, cfg).splitlines()
+    verdict = {n: next(line for line in lines if line.startswith(config.LABELS[n]))
                .rsplit("  ", 1)[-1].strip() for n, _, _ in timings}
     assert verdict == {"unienv_mp": "-", "index_select": "2.5x slower",
                        "torchrl": "2.5x faster", "in_process": "1.03x faster",
@@ -241,7 +240,7 @@ def test_without_torchrl_asking_for_its_row_says_how_to_install_it():
     code = ("import sys; sys.modules['torchrl'] = sys.modules['tensordict'] = None\n"
             "import importlib.util; real = importlib.util.find_spec\n"
             "importlib.util.find_spec = lambda n, *a: None if n == 'torchrl' else real(n, *a)\n"
-            "from unienv_mp import __main__ as m\n"
+            "from unienv_mp.bench import cli as m\n"
             f"sys.exit(m.main({SMALL + ['--impl', 'in_process,torchrl', '--json']!r}))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=300)
@@ -254,13 +253,13 @@ def test_available_reports_missing_torchrl(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "torchrl" else real(name, *a))
-    missing = compare.available()
+    missing = peers.available()
     assert "torchrl" in missing and "torchrl" in missing["torchrl"]
     assert "index_select" not in missing
 
 
 def test_the_generic_path_row_runs_the_wrapped_sampler(capsys):
-    rc = main_mod.main(SMALL + ["--impl", "unienv_mp,unienv_mp_generic", "--json"])
+    rc = cli.main(SMALL + ["--impl", "unienv_mp,unienv_mp_generic", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     rows = {r["name"]: r for r in out["results"]}
@@ -270,10 +269,10 @@ def test_the_generic_path_row_runs_the_wrapped_sampler(capsys):
 
 
 def test_the_two_unienv_mp_rows_take_the_two_paths():
-    cfg = compare.Config(transitions=300, batch_size=16, image_shape=(3, 8, 8))
-    rb = compare.build_buffer(cfg)
+    cfg = config.Config(transitions=300, batch_size=16, image_shape=(3, 8, 8))
+    rb = data.build_buffer(cfg)
     for name, path in (("unienv_mp", "direct"), ("unienv_mp_generic", "generic")):
-        next_batch, close = compare.make_sampler(name, rb, cfg)
+        next_batch, close = peers.make_sampler(name, rb, cfg)
         try:
             assert next_batch.__self__.gather_path == path
             assert next_batch()["image"].shape == (16, 3, 8, 8)

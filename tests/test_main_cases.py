@@ -1,6 +1,7 @@
 """The main job's workload cases (jpeg, online, latency, --case all), the worker sweep and
 the charts: what each produces, not how fast."""
 import collections
+import dataclasses
 import glob
 import json
 import multiprocessing as mp
@@ -12,28 +13,28 @@ import numpy as np
 import pytest
 import torch
 
-from unienv_mp import __main__ as main_mod
-from unienv_mp import compare
+from unienv_mp.bench import (cli, config, data, epochs, index_select, latency, measure,
+                             online, peers, plots, tables, views)
 
 SMALL = ["--transitions", "300", "--image-shape", "3x8x8", "--batch-size", "16",
          "--workers", "2", "--buffers", "2", "--seconds", "0.3", "--no-progress"]
 TINY = dict(transitions=300, batch_size=16, image_shape=(3, 8, 8), workers=2, buffers=2,
             seconds=0.3, warmup=2)
 needs_pillow = pytest.mark.skipif(
-    compare.case_missing("jpeg", compare.Config()) is not None, reason="Pillow is missing")
+    config.case_missing("jpeg", config.Config()) is not None, reason="Pillow is missing")
 
 
 def _json_run(capsys, argv):
-    rc = main_mod.main(argv + ["--json"])
+    rc = cli.main(argv + ["--json"])
     return rc, json.loads(capsys.readouterr().out)
 
 
 # --- online: staleness -------------------------------------------------------------------
 
 def test_staleness_is_the_newest_step_written_minus_the_newest_clock_in_the_batch():
-    assert compare.staleness(10, {"clock": torch.tensor([3, 9, 7])}) == 1
-    assert compare.staleness(10, {"clock": np.array([10, 2])}) == 0
-    assert compare.staleness(12, {"clock": torch.tensor([4])}) == 8
+    assert online.staleness(10, {"clock": torch.tensor([3, 9, 7])}) == 1
+    assert online.staleness(10, {"clock": np.array([10, 2])}) == 0
+    assert online.staleness(12, {"clock": torch.tensor([4])}) == 8
 
 
 def _delayed(next_batch, depth):
@@ -50,17 +51,17 @@ def _delayed(next_batch, depth):
 
 @pytest.mark.parametrize("depth", [0, 3])
 def test_online_loop_measures_how_many_steps_a_batch_was_read_before(depth):
-    cfg = compare.Config(**{**TINY, "seconds": 0.1})
-    assert compare.online_warmup(cfg) > depth     # the queue is full when measuring starts
-    rb = compare.build_online_buffer(cfg)
-    next_batch, close = compare.make_sampler("in_process", rb, cfg)
-    res = compare.run_online(_delayed(next_batch, depth), rb, cfg)
+    cfg = config.Config(**{**TINY, "seconds": 0.1})
+    assert online.online_warmup(cfg) > depth     # the queue is full when measuring starts
+    rb = data.build_online_buffer(cfg)
+    next_batch, close = peers.make_sampler("in_process", rb, cfg)
+    res = online.run_online(_delayed(next_batch, depth), rb, cfg)
     close()
     assert res.batches >= cfg.min_batches and len(res.staleness) == res.batches
     assert set(res.staleness) == {depth}
     assert res.staleness_stats() == {"mean": depth, "p50": depth, "p99": depth, "max": depth}
     # every step appended cfg.append rows and stamped the whole clock column
-    steps = compare.online_warmup(cfg) + res.batches
+    steps = online.online_warmup(cfg) + res.batches
     assert len(rb) == min(cfg.transitions, cfg.transitions // 2 + steps * cfg.append)
     assert (rb.get_at(torch.arange(len(rb)))["clock"] == steps).all()
 
@@ -82,19 +83,19 @@ def test_online_case_reports_ms_per_step_and_staleness(capsys):
 
 
 def test_online_table():
-    cfg = compare.Config(**TINY)
-    points = [(2, compare.OnlineResult("unienv_mp", compare.LABELS["unienv_mp"], batches=100,
+    cfg = config.Config(**TINY)
+    points = [(2, online.OnlineResult("unienv_mp", config.LABELS["unienv_mp"], batches=100,
                                        seconds=1.0, staleness=[2, 3, 3, 4])),
-              (2, compare.OnlineResult("unienv", compare.LABELS["unienv"], batches=10,
+              (2, online.OnlineResult("unienv", config.LABELS["unienv"], batches=10,
                                        seconds=1.0, staleness=[8] * 4)),
-              (None, compare.OnlineResult("in_process", compare.LABELS["in_process"],
+              (None, online.OnlineResult("in_process", config.LABELS["in_process"],
                                           batches=50, seconds=1.0, staleness=[0] * 4))]
-    text = main_mod.online_table(points, cfg).format()
+    text = tables.online_table(points, cfg).format()
     lines = {line.split("  ")[0]: line.split() for line in text.splitlines()}
-    mp_row = lines[compare.LABELS["unienv_mp"]][-8:]
+    mp_row = lines[config.LABELS["unienv_mp"]][-8:]
     assert mp_row == ["10.000", "100", "0.000", "3.0", "3", "4", "4", "-"]
-    assert lines[compare.LABELS["unienv"]][-3:] == ["8", "10.0x", "faster"]
-    assert lines[compare.LABELS["in_process"]][-6:] == ["0.0", "0", "0", "0", "2.0x", "faster"]
+    assert lines[config.LABELS["unienv"]][-3:] == ["8", "10.0x", "faster"]
+    assert lines[config.LABELS["in_process"]][-6:] == ["0.0", "0", "0", "0", "2.0x", "faster"]
     assert "newest step the batch could contain" in text
 
 
@@ -102,8 +103,8 @@ def test_online_table():
 
 @needs_pillow
 def test_jpeg_buffer_keeps_its_images_as_jpeg_files(tmp_path):
-    cfg = compare.Config(**{**TINY, "transitions": 40, "image_shape": (3, 16, 24)})
-    rb = compare.build_jpeg_buffer(cfg, tmp_path)
+    cfg = config.Config(**{**TINY, "transitions": 40, "image_shape": (3, 16, 24)})
+    rb = data.build_jpeg_buffer(cfg, tmp_path)
     files = glob.glob(os.path.join(tmp_path, "**", "*.jpeg"), recursive=True)
     assert len(files) == 40
     with open(files[0], "rb") as f:
@@ -122,11 +123,11 @@ def test_jpeg_case_runs_its_rows_and_decodes_in_the_workers(capsys):
     for r in out["results"]:
         assert r["error"] is None and r["batches"] >= 5
         assert r["batch_bytes"] == 16 * (17 * 4 + 8 * 8 * 3)
-    cfg = compare.Config(**TINY)
-    with compare.case_data("jpeg", cfg) as rb:
+    cfg = config.Config(**TINY)
+    with data.case_data("jpeg", cfg) as rb:
         directory = rb.storage.storage_map["image"].cache_filename
         assert os.path.isdir(directory)
-        next_batch, close = compare.make_sampler("unienv_mp", rb, cfg)
+        next_batch, close = peers.make_sampler("unienv_mp", rb, cfg)
         try:
             # the worker calls the storage's get(), which decodes
             assert next_batch.__self__.gather_path == "generic"
@@ -137,15 +138,15 @@ def test_jpeg_case_runs_its_rows_and_decodes_in_the_workers(capsys):
 
 
 def test_jpeg_case_needs_an_rgb_image_shape(capsys):
-    assert "RGB" in compare.case_missing("jpeg", compare.Config(image_shape=(1, 8, 8)))
-    assert main_mod.main(SMALL + ["--case", "jpeg", "--image-shape", "none"]) == 2
+    assert "RGB" in config.case_missing("jpeg", config.Config(image_shape=(1, 8, 8)))
+    assert cli.main(SMALL + ["--case", "jpeg", "--image-shape", "none"]) == 2
     assert "skipping case jpeg: the jpeg case needs an RGB image shape" in (
         capsys.readouterr().err)
 
 
 def test_without_pillow_all_cases_but_jpeg_run():
     code = ("import sys; sys.modules['PIL'] = None\n"
-            "from unienv_mp import __main__ as m\n"
+            "from unienv_mp.bench import cli as m\n"
             f"sys.exit(m.main({SMALL + ['--case', 'all', '--impl', 'in_process', '--json']!r}))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=300)
@@ -153,7 +154,7 @@ def test_without_pillow_all_cases_but_jpeg_run():
     assert ("skipping case jpeg: Pillow, which UniEnv's ImageStorage needs, is not "
             "installed (pip install pillow)") in p.stderr
     out = json.loads(p.stdout)
-    assert [c["case"] for c in out["cases"]] == [c for c in compare.CASES if c != "jpeg"]
+    assert [c["case"] for c in out["cases"]] == [c for c in config.CASES if c != "jpeg"]
     for c in out["cases"]:
         rows = (c["results"] if c["case"] != "views" else
                 [r for view in c["results"].values() for r in view.values()])
@@ -184,9 +185,9 @@ def _copy(batch):
 def test_reseed_probe_returns_a_batch_of_the_new_seed():
     """manual_seed(s) then sample(): the batch comes from seed s, so it was made after the
     call, not taken from what was prefetched."""
-    cfg = compare.Config(**TINY)
-    rb = compare.build_buffer(cfg)
-    prepare, first_batch, close = compare.latency_probe("unienv_mp", "reseed", rb, cfg)
+    cfg = config.Config(**TINY)
+    rb = data.build_buffer(cfg)
+    prepare, first_batch, close = latency.latency_probe("unienv_mp", "reseed", rb, cfg)
     try:
         got = []
         for _ in range(2):
@@ -195,7 +196,7 @@ def test_reseed_probe_returns_a_batch_of_the_new_seed():
     finally:
         close()
     for seed, batch in enumerate(got, start=1):
-        next_batch, close = compare.make_sampler("unienv_mp", rb, cfg, seed=seed)
+        next_batch, close = peers.make_sampler("unienv_mp", rb, cfg, seed=seed)
         try:
             want = _copy(next_batch())
         finally:
@@ -204,29 +205,29 @@ def test_reseed_probe_returns_a_batch_of_the_new_seed():
 
 
 def test_latency_probes_close_what_they_start():
-    cfg = compare.Config(**TINY)
-    rb = compare.build_buffer(cfg)
+    cfg = config.Config(**TINY)
+    rb = data.build_buffer(cfg)
     for trigger in ("epoch", "start"):
-        prepare, first_batch, close = compare.latency_probe("unienv_mp", trigger, rb, cfg)
+        prepare, first_batch, close = latency.latency_probe("unienv_mp", trigger, rb, cfg)
         for _ in range(2):
             prepare()
             assert first_batch()["image"].shape == (16, 3, 8, 8)
         close()
         assert not mp.active_children()
-    with pytest.raises(compare.NotMeasurable, match="manual_seed"):
-        compare.latency_probe("unienv", "reseed", rb, cfg)
+    with pytest.raises(latency.NotMeasurable, match="manual_seed"):
+        latency.latency_probe("unienv", "reseed", rb, cfg)
     with pytest.raises(ValueError, match="trigger"):
-        compare.latency_probe("unienv_mp", "soon", rb, cfg)
+        latency.latency_probe("unienv_mp", "soon", rb, cfg)
 
 
 def test_latency_table_compares_by_p50_with_the_same_trigger():
-    cfg = compare.Config(**TINY)
-    r = compare.LatencyResult
-    points = [(2, r("unienv_mp", compare.LABELS["unienv_mp"], "epoch", [0.010, 0.020, 0.030])),
-              (2, r("unienv", compare.LABELS["unienv"], "epoch", [0.040, 0.040, 0.050])),
-              (2, r("unienv", compare.LABELS["unienv"], "reseed", skipped="no such call")),
-              (None, r("in_process", compare.LABELS["in_process"], "epoch", [0.005] * 3))]
-    text = main_mod.latency_table(points, cfg).format()
+    cfg = config.Config(**TINY)
+    r = latency.LatencyResult
+    points = [(2, r("unienv_mp", config.LABELS["unienv_mp"], "epoch", [0.010, 0.020, 0.030])),
+              (2, r("unienv", config.LABELS["unienv"], "epoch", [0.040, 0.040, 0.050])),
+              (2, r("unienv", config.LABELS["unienv"], "reseed", skipped="no such call")),
+              (None, r("in_process", config.LABELS["in_process"], "epoch", [0.005] * 3))]
+    text = tables.latency_table(points, cfg).format()
     rows = [line for line in text.splitlines() if "first batch of a new epoch_iter()" in line]
     assert rows[0].split()[-4:] == ["3", "20.00", "29.80", "-"]
     assert rows[1].rstrip().endswith("2.0x faster")
@@ -249,18 +250,18 @@ def test_epoch_case_times_every_epoch_of_each_row(capsys):
         assert all(0 < f <= e for f, e in zip(r["first_batch_s"], r["epoch_s"]))
         assert r["first_epoch_s"] == r["epoch_s"][0]
         assert r["later_epoch_s"] == pytest.approx(float(np.median(r["epoch_s"][1:])))
-    rc = main_mod.main(SMALL + ["--case", "epoch", "--impl", "unienv_mp,in_process"])
+    rc = cli.main(SMALL + ["--case", "epoch", "--impl", "unienv_mp,in_process"])
     text = capsys.readouterr().out
     assert rc == 0 and "later epochs s" in text
-    assert compare.LABELS["unienv_mp_sample"] in text
-    assert compare.LABELS["dataloader_epoch"] not in text
+    assert config.LABELS["unienv_mp_sample"] in text
+    assert config.LABELS["dataloader_epoch"] not in text
 
 
 @pytest.mark.parametrize("name", ["unienv_mp", "in_process", "dataloader_epoch"])
 def test_epoch_rows_cover_every_index_once_per_epoch(name):
-    cfg = compare.Config(**TINY)
-    rb = compare.build_buffer(cfg)
-    epoch, close = compare.epoch_runner(name, rb, cfg)
+    cfg = config.Config(**TINY)
+    rb = data.build_buffer(cfg)
+    epoch, close = epochs.epoch_runner(name, rb, cfg)
     try:
         for _ in range(2):
             seen = [int(round(float(x))) for b in epoch() for x in b["state"][:, 0]]
@@ -271,38 +272,38 @@ def test_epoch_rows_cover_every_index_once_per_epoch(name):
 
 
 def test_epoch_table_compares_later_epochs():
-    cfg = compare.Config(**TINY)
-    r = compare.EpochResult
-    points = [(2, r("unienv_mp", compare.LABELS["unienv_mp"], [0.5, 0.1, 0.1, 0.3],
+    cfg = config.Config(**TINY)
+    r = epochs.EpochResult
+    points = [(2, r("unienv_mp", config.LABELS["unienv_mp"], [0.5, 0.1, 0.1, 0.3],
                     [0.2, 0.01, 0.01, 0.02], 19)),
-              (2, r("unienv_mp_sample", compare.LABELS["unienv_mp_sample"], [0.1, 0.05],
+              (2, r("unienv_mp_sample", config.LABELS["unienv_mp_sample"], [0.1, 0.05],
                     [0.001, 0.001], 19)),
-              (None, r("in_process", compare.LABELS["in_process"], [0.3, 0.3, 0.4, 0.3],
+              (None, r("in_process", config.LABELS["in_process"], [0.3, 0.3, 0.4, 0.3],
                        [0.01] * 4, 19)),
-              (2, r("unienv_shm", compare.LABELS["unienv_shm"], error="boom"))]
-    text = main_mod.epoch_table(points, cfg).format()
+              (2, r("unienv_shm", config.LABELS["unienv_shm"], error="boom"))]
+    text = tables.epoch_table(points, cfg).format()
     line = {row.split("  ")[0]: row for row in text.splitlines()}
-    assert line[compare.LABELS["unienv_mp"]].split()[-5:] == [
+    assert line[config.LABELS["unienv_mp"]].split()[-5:] == [
         "0.500", "0.100", "200.0", "10.0", "-"]
-    assert line[compare.LABELS["in_process"]].rstrip().endswith("3.0x faster")
-    assert line[compare.LABELS["unienv_mp_sample"]].rstrip().endswith("2.0x slower")
+    assert line[config.LABELS["in_process"]].rstrip().endswith("3.0x faster")
+    assert line[config.LABELS["unienv_mp_sample"]].rstrip().endswith("2.0x slower")
     assert "failed: boom" in text and "19 batches of 16" in text
 
 
 # --- the worker sweep, --case all, charts ----------------------------------------------------
 
 def test_workers_option_parses_a_list():
-    assert main_mod.parse_args(["--workers", "1,2,4,8"]).workers == [1, 2, 4, 8]
-    assert main_mod.parse_args(["--workers", "4"]).workers == [4]
-    assert main_mod.parse_args(["--workers", "2,1,2"]).workers == [2, 1]
-    cfg, _ = main_mod.make_config(main_mod.parse_args(["--workers", "3,5"]))
+    assert cli.parse_args(["--workers", "1,2,4,8"]).workers == [1, 2, 4, 8]
+    assert cli.parse_args(["--workers", "4"]).workers == [4]
+    assert cli.parse_args(["--workers", "2,1,2"]).workers == [2, 1]
+    cfg, _ = cli.make_config(cli.parse_args(["--workers", "3,5"]))
     assert cfg.workers == 3
 
 
 @pytest.mark.parametrize("bad", ["0,2", "1,x", ""])
 def test_bad_worker_lists_are_refused(bad, capsys):
     with pytest.raises(SystemExit) as e:
-        main_mod.parse_args(["--workers", bad])
+        cli.parse_args(["--workers", bad])
     assert e.value.code == 2 and "--workers" in capsys.readouterr().err
 
 
@@ -317,13 +318,13 @@ def test_sweep_times_worker_rows_at_every_count_and_the_others_once(capsys):
 
 
 def test_sweep_table():
-    cfg = compare.Config(**TINY)
-    res = compare.Result
-    points = [(1, res("unienv_mp", compare.LABELS["unienv_mp"], 100, 1.0)),
-              (2, res("unienv_mp", compare.LABELS["unienv_mp"], 180, 1.0)),
-              (1, res("unienv", compare.LABELS["unienv"], error="boom")),
-              (None, res("in_process", compare.LABELS["in_process"], 150, 1.0))]
-    text = main_mod.sweep_table(points, cfg, "image").format()
+    cfg = config.Config(**TINY)
+    res = measure.Result
+    points = [(1, res("unienv_mp", config.LABELS["unienv_mp"], 100, 1.0)),
+              (2, res("unienv_mp", config.LABELS["unienv_mp"], 180, 1.0)),
+              (1, res("unienv", config.LABELS["unienv"], error="boom")),
+              (None, res("in_process", config.LABELS["in_process"], 150, 1.0))]
+    text = tables.sweep_table(points, cfg, "image").format()
     lines = text.splitlines()
     assert lines[1].split() == ["implementation", "1", "worker", "2", "workers", "no",
                                 "workers"]
@@ -342,18 +343,18 @@ def _pyplot():
 
 def test_sweep_chart_draws_a_line_per_implementation_and_in_process_flat():
     plt = _pyplot()
-    res = compare.Result
-    points = [(w, res("unienv_mp", compare.LABELS["unienv_mp"], n, 1.0))
+    res = measure.Result
+    points = [(w, res("unienv_mp", config.LABELS["unienv_mp"], n, 1.0))
               for w, n in ((1, 100), (2, 180), (4, 300))]
-    points += [(w, res("unienv", compare.LABELS["unienv"], n, 1.0))
+    points += [(w, res("unienv", config.LABELS["unienv"], n, 1.0))
                for w, n in ((1, 50), (2, 60), (4, 70))]
-    points.append((None, res("in_process", compare.LABELS["in_process"], 150, 1.0)))
-    fig = main_mod.sweep_figure(plt, points, "image")
+    points.append((None, res("in_process", config.LABELS["in_process"], 150, 1.0)))
+    fig = plots.sweep_figure(plt, points, "image")
     lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
-    mp_line = lines[compare.LABELS["unienv_mp"]]
+    mp_line = lines[config.LABELS["unienv_mp"]]
     assert list(mp_line.get_xdata()) == [1, 2, 4]
     assert list(mp_line.get_ydata()) == [100, 180, 300]
-    flat = lines[compare.LABELS["in_process"]]
+    flat = lines[config.LABELS["in_process"]]
     assert list(flat.get_ydata()) == [150, 150]
     assert fig.axes[0].get_xlabel() == "workers"
     plt.close(fig)
@@ -361,11 +362,11 @@ def test_sweep_chart_draws_a_line_per_implementation_and_in_process_flat():
 
 def test_table_chart_has_a_panel_for_time_and_one_for_main_cpu():
     plt = _pyplot()
-    res = compare.Result
-    results = [res("unienv_mp", compare.LABELS["unienv_mp"], 10, 0.02, main_cpu_s=0.001),
-               res("in_process", compare.LABELS["in_process"], 10, 0.05, main_cpu_s=0.05),
-               res("unienv", compare.LABELS["unienv"], error="boom")]
-    fig = main_mod.table_figure(plt, results, "image")
+    res = measure.Result
+    results = [res("unienv_mp", config.LABELS["unienv_mp"], 10, 0.02, main_cpu_s=0.001),
+               res("in_process", config.LABELS["in_process"], 10, 0.05, main_cpu_s=0.05),
+               res("unienv", config.LABELS["unienv"], error="boom")]
+    fig = plots.table_figure(plt, results, "image")
     # (the second panel's bars span 50x: a log axis)
     assert [ax.get_xlabel() for ax in fig.axes] == [
         "ms per batch (lower is better)",
@@ -379,9 +380,9 @@ def test_case_all_plots_one_file_per_case(tmp_path, capsys):
     path = tmp_path / "chart.png"
     argv = SMALL + ["--case", "all", "--impl", "in_process,unienv_mp", "--plot", str(path),
                     "--seconds", "0.1"]
-    assert main_mod.main(argv) == 0
+    assert cli.main(argv) == 0
     captured = capsys.readouterr()
-    for case in compare.CASES:
+    for case in config.CASES:
         assert f"== {case} ==" in captured.out
         png = tmp_path / f"chart-{case}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -390,7 +391,7 @@ def test_case_all_plots_one_file_per_case(tmp_path, capsys):
 
 
 def test_impl_list_without_rows_of_a_case_says_so(capsys):
-    assert main_mod.main(SMALL + ["--case", "online", "--impl", "index_select"]) == 2
+    assert cli.main(SMALL + ["--case", "online", "--impl", "index_select"]) == 2
     assert "--impl lists none of its rows (unienv_mp, unienv, in_process)" in (
         capsys.readouterr().err)
 
@@ -409,17 +410,17 @@ def test_views_case_times_every_view_and_torchrl_on_the_action_chunks(capsys):
     argv = SMALL + ["--case", "views", "--impl", "unienv_mp,in_process,index_select,torchrl"]
     rc, out = _json_run(capsys, argv)
     assert rc == 0
-    assert list(out["results"]) == list(compare.VIEWS)
+    assert list(out["results"]) == list(views.VIEWS)
     for view, row in out["results"].items():
         expected = ["unienv_mp", "in_process", "index_select"]
-        if view == "action_chunk" and "torchrl" not in compare.available():
+        if view == "action_chunk" and "torchrl" not in peers.available():
             expected.append("torchrl")
         assert list(row) == expected, view
         for r in row.values():
             assert r["error"] is None and r["batches"] > 0, (view, r)
-    assert main_mod.main(argv) == 0
+    assert cli.main(argv) == 0
     table = capsys.readouterr().out
-    for spec in compare.VIEWS.values():
+    for spec in views.VIEWS.values():
         assert spec.label in table
     assert "unienv_mp vs bare limit" in table and "episodes of 200" in table
 
@@ -429,13 +430,13 @@ def test_the_bare_limit_of_a_view_gathers_uniEnvs_batch():
     the other.)"""
     from unienv_data.samplers import StepSampler
     from test_gather import assert_identical
-    cfg = compare.replace(compare.case_config("views"), **TINY)
-    with compare.case_data("views", cfg) as (rb, halves):
-        for name, spec in compare.VIEWS.items():
+    cfg = dataclasses.replace(config.case_config("views"), **TINY)
+    with data.case_data("views", cfg) as (rb, halves):
+        for name, spec in views.VIEWS.items():
             if name == "combined":
                 continue
             view = spec.build(rb, halves)
-            limit, close = compare._view_limit_sampler(StepSampler(view, 16, seed=4), cfg)
+            limit, close = index_select.view_limit_sampler(StepSampler(view, 16, seed=4), cfg)
             reference = StepSampler(view, 16, seed=4)
             for _ in range(3):
                 assert_identical(limit(), reference.sample(), name)
@@ -450,7 +451,7 @@ def test_missing_optional_dependencies_stop_the_main_job_before_it_measures():
             "real = importlib.util.find_spec\n"
             "importlib.util.find_spec = lambda n, *a: None if n in ('matplotlib', 'torchrl')"
             " else real(n, *a)\n"
-            "from unienv_mp import __main__ as m\n"
+            "from unienv_mp.bench import cli as m\n"
             "sys.exit(m.main(sys.argv[1:]))")
     for argv, said in ((["--plot", "x.png"], "--plot needs matplotlib: pip install "
                                              "'unienv_mp[plot]'"),
@@ -464,7 +465,7 @@ def test_missing_optional_dependencies_stop_the_main_job_before_it_measures():
     p = subprocess.run([sys.executable, "-c", code] + SMALL[:-1] + ["--impl", "ray", "--case",
                                                                    "state", "--seconds", "0.1"],
                        capture_output=True, text=True, timeout=300)
-    if "ray" in compare.available():
+    if "ray" in peers.available():
         assert p.returncode == 2 and "--impl ray:" in p.stderr
     else:
         assert p.returncode == 0, p.stderr
@@ -474,27 +475,27 @@ def test_missing_optional_dependencies_stop_the_main_job_before_it_measures():
 def test_progress_is_a_line_per_row_without_a_terminal_and_nothing_with_no_progress(capsys):
     argv = [a for a in SMALL if a != "--no-progress"] + ["--case", "state", "--impl",
                                                         "in_process,unienv_mp"]
-    assert main_mod.main(argv) == 0
+    assert cli.main(argv) == 0
     err = capsys.readouterr().err.splitlines()
-    for label in (compare.LABELS["in_process"], compare.LABELS["unienv_mp"]):
+    for label in (config.LABELS["in_process"], config.LABELS["unienv_mp"]):
         assert f"state: {label} ..." in err
         assert any(line.startswith(f"state: {label}: done in ") for line in err), err
-    assert main_mod.main(argv + ["--no-progress"]) == 0
+    assert cli.main(argv + ["--no-progress"]) == 0
     captured = capsys.readouterr()
     assert captured.err == ""
-    assert compare.describe("state", compare.case_config("state")) == (
+    assert config.describe("state", config.case_config("state")) == (
         "state 10 f32, action 7 f32")   # (not "image no image")
 
 
 def test_charts_use_a_log_axis_where_rows_span_more_than_10x_and_keep_the_legend_aside():
     plt = _pyplot()
-    res = compare.Result
-    cfg = compare.case_config("state")
-    points = [(w, res("unienv_mp", compare.LABELS["unienv_mp"], n, 1.0))
+    res = measure.Result
+    cfg = config.case_config("state")
+    points = [(w, res("unienv_mp", config.LABELS["unienv_mp"], n, 1.0))
               for w, n in ((1, 20000), (2, 30000))]
-    points += [(w, res("unienv", compare.LABELS["unienv"], n, 1.0)) for w, n in ((1, 500),
+    points += [(w, res("unienv", config.LABELS["unienv"], n, 1.0)) for w, n in ((1, 500),
                                                                                (2, 600))]
-    fig = main_mod.sweep_figure(plt, points, "state", cfg)
+    fig = plots.sweep_figure(plt, points, "state", cfg)
     ax = fig.axes[0]
     assert ax.get_yscale() == "log" and "log scale" in ax.get_ylabel()
     assert "batches of 32" in ax.get_title() and "1-2 workers" in ax.get_title()
@@ -504,11 +505,11 @@ def test_charts_use_a_log_axis_where_rows_span_more_than_10x_and_keep_the_legend
     assert legend.get_window_extent().x0 >= ax.get_window_extent().x1
     plt.close(fig)
     close = [(None, res("a", "a", 10, 1.0)), (None, res("b", "b", 20, 1.0))]
-    fig = main_mod.sweep_figure(plt, close, "state", cfg)
+    fig = plots.sweep_figure(plt, close, "state", cfg)
     assert fig.axes[0].get_yscale() == "linear"
     plt.close(fig)
-    results = [res("unienv_mp", compare.LABELS["unienv_mp"], 100, 0.01),
-               res("in_process", compare.LABELS["in_process"], 10, 0.05)]
-    fig = main_mod.table_figure(plt, results, "state", cfg)
+    results = [res("unienv_mp", config.LABELS["unienv_mp"], 100, 0.01),
+               res("in_process", config.LABELS["in_process"], 10, 0.05)]
+    fig = plots.table_figure(plt, results, "state", cfg)
     assert fig.axes[0].get_xscale() == "log" and "batches of 32" in fig._suptitle.get_text()
     plt.close(fig)

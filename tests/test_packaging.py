@@ -50,6 +50,13 @@ def test_the_wheel_carries_the_stubs_and_every_subpackage():
     assert setuptools["exclude-package-data"]["*"] == ["*.c"]
 
 
+def test_tqdm_is_no_dependency():
+    """The main job's progress bars use tqdm where it is installed, a line per row where
+    it is not (tests/test_bench_layout.py): installing the package does not pull it in."""
+    required = _pyproject()["project"]["dependencies"]
+    assert not [d for d in required if d.lower().startswith("tqdm")]
+
+
 def test_classifiers_say_linux_cpython_and_cython():
     project = _pyproject()["project"]
     classifiers = set(project["classifiers"])
@@ -69,11 +76,14 @@ def test_only_unienv_mp_ray_imports_ray():
     import subprocess
     code = (
         "import importlib, pkgutil, sys, unienv_mp\n"
+        "import unienv_mp.bench\n"
         "names = [m.name for m in pkgutil.iter_modules(unienv_mp.__path__, 'unienv_mp.')\n"
         "         if m.name != 'unienv_mp.ray']\n"
+        "names += [m.name for m in pkgutil.iter_modules(unienv_mp.bench.__path__,\n"
+        "                                               'unienv_mp.bench.')]\n"
         "for name in names:\n"
         "    importlib.import_module(name)\n"
-        "assert 'unienv_mp.compare' in names and 'unienv_mp.sampler' in names, names\n"
+        "assert 'unienv_mp.bench.peers' in names and 'unienv_mp.sampler' in names, names\n"
         "print('ray' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)

@@ -375,9 +375,9 @@ def test_actors_that_do_not_fit_in_the_cluster_are_warned_about():
 
 
 def test_the_main_jobs_ray_row():
-    from unienv_mp import compare
-    cfg = compare.case_config("state", quick=True, seconds=0.3, workers=2)
-    res = compare.measure("ray", compare.build_buffer(cfg), cfg)
+    from unienv_mp.bench import config, data, measure
+    cfg = config.case_config("state", quick=True, seconds=0.3, workers=2)
+    res = measure.measure("ray", data.build_buffer(cfg), cfg)
     assert res.error is None and res.batches >= cfg.min_batches
     assert res.label == "unienv_mp RaySampler (local Ray)"
     assert res.stats.gather_path == "generic" and len(res.stats.workers) == 2

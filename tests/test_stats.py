@@ -345,10 +345,10 @@ def test_a_task_that_stalls_every_time_ends_in_worker_stalled_error():
 
 def test_the_main_job_says_where_the_time_went(capsys):
     import json
-    from unienv_mp import __main__ as main_mod
+    from unienv_mp.bench import cli
     small = ["--case", "state", "--transitions", "300", "--workers", "2", "--buffers", "2",
              "--seconds", "0.3", "--no-progress", "--impl", "unienv_mp,in_process"]
-    assert main_mod.main(small) == 0
+    assert cli.main(small) == 0
     text = capsys.readouterr().out
     line = next(x for x in text.splitlines() if x.startswith("Where unienv_mp"))
     assert "workers busy" in line and "the caller waiting" in line and "bottleneck:" in line
@@ -356,7 +356,7 @@ def test_the_main_job_says_where_the_time_went(capsys):
     advice = {"workers": "Workers are the bottleneck", "balanced": "Balanced: the workers",
               "consumer": "The caller is the bottleneck"}[bottleneck]
     assert line.split(".  ", 1)[1].startswith(advice)   # one line of advice, after the figures
-    assert main_mod.main(small + ["--json"]) == 0
+    assert cli.main(small + ["--json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["results"]}
     st = rows["unienv_mp"]["stats"]
     assert st["batches"] == rows["unienv_mp"]["batches"]     # the measured batches only

@@ -1,0 +1,153 @@
+"""The benchmark harness (``unienv_mp.bench``, the main job) stays apart from the library and
+in small pieces: the core package never imports it; no class over 400 lines, no function
+over 70; no private name imported from one of its modules into another; tqdm optional."""
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+import unienv_mp
+
+PACKAGE = os.path.dirname(unienv_mp.__file__)
+BENCH = os.path.join(PACKAGE, "bench")
+MAX_CLASS_LINES = 400
+MAX_FUNCTION_LINES = 70
+
+
+def _modules(folder, recurse=True):
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if d != "__pycache__" and recurse]
+        for name in sorted(files):
+            if name.endswith(".py"):
+                yield os.path.join(root, name)
+
+
+def _parse(path):
+    with open(path) as f:
+        return ast.parse(f.read(), path)
+
+
+def _rel(path):
+    return os.path.relpath(path, os.path.dirname(PACKAGE))
+
+
+HARNESS = sorted(_modules(BENCH)) + [os.path.join(PACKAGE, "__main__.py")]
+CORE = sorted(p for p in _modules(PACKAGE)
+              if not p.startswith(BENCH + os.sep) and os.path.basename(p) != "__main__.py")
+
+
+def too_long(tree):
+    """``(kind, name, line, lines)`` of every class over ``MAX_CLASS_LINES`` and every
+    function or method (nested ones too) over ``MAX_FUNCTION_LINES`` in ``tree``."""
+    out = []
+    for node in ast.walk(tree):
+        lines = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+        if isinstance(node, ast.ClassDef) and lines > MAX_CLASS_LINES:
+            out.append(("class", node.name, node.lineno, lines))
+        elif (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+              and lines > MAX_FUNCTION_LINES):
+            out.append(("function", node.name, node.lineno, lines))
+    return out
+
+
+def private_imports(tree):
+    """``(module, name, line)`` of every private name (a leading underscore) imported from
+    a module of the package: ``from .x import _y``, ``from unienv_mp.x import _y``."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            inside = node.level > 0 or (node.module or "").split(".")[0] == "unienv_mp"
+            for alias in node.names:
+                if inside and alias.name.startswith("_") and alias.name != "__version__":
+                    out.append((node.module or "." * node.level, alias.name, node.lineno))
+    return out
+
+
+def imports_bench(tree, path):
+    """Lines of ``tree`` (a module at ``path`` in the package) that import
+    ``unienv_mp.bench``, absolutely or relatively."""
+    package = os.path.relpath(os.path.dirname(path), os.path.dirname(PACKAGE)).split(os.sep)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            names = [module] + [f"{module}.{a.name}" for a in node.names]
+        else:
+            continue
+        if any(n == "unienv_mp.bench" or n.startswith("unienv_mp.bench.") for n in names):
+            out.append(node.lineno)
+    return out
+
+
+def test_the_harness_is_where_it_is_said_to_be():
+    names = {os.path.basename(p) for p in HARNESS}
+    assert {"cli.py", "config.py", "peers.py", "measure.py", "__main__.py"} <= names
+    assert not os.path.exists(os.path.join(PACKAGE, "compare.py"))
+    assert len(CORE) > 10 and all("bench" not in _rel(p).split(os.sep)[1:-1] for p in CORE)
+
+
+@pytest.mark.parametrize("path", HARNESS, ids=_rel)
+def test_no_class_or_function_of_the_harness_is_too_long(path):
+    assert not too_long(_parse(path)), too_long(_parse(path))
+
+
+@pytest.mark.parametrize("path", HARNESS, ids=_rel)
+def test_no_module_of_the_harness_imports_another_ones_private_names(path):
+    assert not private_imports(_parse(path)), private_imports(_parse(path))
+
+
+def test_the_core_package_never_imports_the_harness():
+    found = {_rel(p): imports_bench(_parse(p), p) for p in CORE}
+    assert not {p: lines for p, lines in found.items() if lines}
+    # the entry point alone does
+    main = os.path.join(PACKAGE, "__main__.py")
+    assert imports_bench(_parse(main), main)
+
+
+def test_the_checks_catch_what_they_check():
+    long_body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    assert too_long(ast.parse(f"def f():\n{long_body}\n"))
+    assert not too_long(ast.parse("def f():\n" + "\n".join(long_body.splitlines()[:-1])))
+    method = "class C:\n" + "\n".join("    " + line for line in
+                                       f"def m(self):\n{long_body}".splitlines())
+    assert [k for k, *_ in too_long(ast.parse(method))] == ["function"]
+    big_class = "class C:\n" + "\n".join(f"    a{i} = {i}" for i in range(MAX_CLASS_LINES))
+    assert [k for k, *_ in too_long(ast.parse(big_class))] == ["class"]
+    assert private_imports(ast.parse("from .peers import _SampleDataset"))
+    assert private_imports(ast.parse("from unienv_mp.bench.data import _photo_like"))
+    assert not private_imports(ast.parse("from .peers import make_sampler\n"
+                                         "from collections import _chain"))
+    core = os.path.join(PACKAGE, "sampler.py")
+    assert imports_bench(ast.parse("from .bench import cli"), core)
+    assert imports_bench(ast.parse("from . import bench"), core)
+    assert imports_bench(ast.parse("import unienv_mp.bench.config"), core)
+    assert not imports_bench(ast.parse("from . import gather"), core)
+    ray = os.path.join(PACKAGE, "ray", "sampler.py")
+    assert imports_bench(ast.parse("from ..bench.peers import make_sampler"), ray)
+    assert not imports_bench(ast.parse("from .bench import x"), ray)   # unienv_mp.ray.bench
+
+
+def test_the_harness_imports_and_reports_progress_without_tqdm():
+    """tqdm is optional: no module of the harness imports it when imported, and without it
+    a run says a line as each row starts and finishes."""
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "sys.modules['tqdm'] = None\n"
+        "import unienv_mp.bench\n"
+        "for m in pkgutil.iter_modules(unienv_mp.bench.__path__, 'unienv_mp.bench.'):\n"
+        "    importlib.import_module(m.name)\n"
+        "import unienv_mp.__main__\n"
+        "from unienv_mp.bench.progress import Progress\n"
+        "p = Progress(True)\n"
+        "p.tqdm = None if p.tqdm is None else sys.exit('tqdm used')\n"
+        "advance, close = p.timing('a row')\n"
+        "advance(0.5); close()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "a row ..." in out.stderr and "a row: done in" in out.stderr

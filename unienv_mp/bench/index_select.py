@@ -1,0 +1,76 @@
+"""The speed limit of in-process sampling (the ``index_select`` row): a StepSampler's own
+indices mapped to storage rows as the core's workers map them, every array gathered by
+``torch.index_select`` into output tensors allocated once and returned for every batch."""
+from .. import gather
+from .config import Config
+from .data import dict_storage_tensors
+
+
+def index_select_sampler(base, rb, cfg: Config):
+    """The speed limit of in-process sampling: ``base``'s own indices, mapped to storage
+    rows as the core's direct gather maps them (``gather.sampled_rows``: the ReplayBuffer's
+    arithmetic on one snapshot of its ring state, without the bounds check of its own
+    mapping, which costs more than the gather of a small batch; ``sample_index()`` draws
+    in ``[0, len)`` by construction), gathered by ``torch.index_select`` into output
+    tensors allocated once here and returned (the same ones) for every batch."""
+    import torch
+    data = dict_storage_tensors(rb)
+    out = {k: torch.empty((cfg.batch_size, *d.shape[1:]), dtype=d.dtype, device=d.device)
+           for k, d in data.items()}
+
+    def next_batch():
+        rows = gather.sampled_rows(rb, base.sample_index())
+        for k, d in data.items():
+            torch.index_select(d, 0, rows, out=out[k])
+        return out
+    return next_batch, lambda: None
+
+
+def view_limit_sampler(base, cfg: Config):
+    """The speed limit of in-process sampling of a view: ``base``'s own indices, the
+    view's final storage rows and valid mask computed as unienv_mp's workers compute them
+    (``unienv_mp._views``, the same table of rows), and every array gathered by
+    ``torch.index_select`` into output tensors allocated once here and returned (the same
+    ones) for every batch."""
+    root = gather.Planner(base).view
+    if root is None:
+        raise TypeError("not a view")
+    n = cfg.batch_size
+
+    def out_of(spec):
+        import torch
+        return torch.empty((n * spec.per_element, *spec.unit), dtype=spec.dtype)
+
+    specs = root.specs()[0]
+    outs = _tree_map(out_of, specs)
+    batch = _tree_map(lambda o, s: o.view(n, *s.shape), outs, specs)
+
+    def next_batch():
+        values = root.evaluate(base.sample_index(), False)[0]
+        _tree_map(_gather_parts, values, outs)
+        return batch
+    return next_batch, lambda: None
+
+
+def _gather_parts(parts, out):
+    """Gather each part's rows into ``out`` with ``index_select``; the rows of a part
+    that go to some positions only (a combined dataset's) go to the next rows of ``out``
+    instead, in one ``index_select`` too: the same rows moved, in another order, which is
+    what the speed limit is about."""
+    import torch
+    at = 0
+    for part in parts:
+        if part.pos is None:
+            torch.index_select(part.source.tensor, 0, part.data, out=out)
+            continue
+        n = int(part.data.shape[0])
+        torch.index_select(part.source.tensor, 0, part.data, out=out[at:at + n])
+        at += n
+
+
+def _tree_map(fn, tree, *others):
+    if isinstance(tree, dict):
+        return {k: _tree_map(fn, v, *(o[k] for o in others)) for k, v in tree.items()}
+    if isinstance(tree, tuple):
+        return tuple(_tree_map(fn, v, *(o[i] for o in others)) for i, v in enumerate(tree))
+    return fn(tree, *others)
