@@ -214,3 +214,29 @@ class DiesWhileMarked(StepSampler):
         if self.marker is not None and os.path.exists(self.marker):
             os.kill(os.getpid(), 9)
         return super().manual_seed(seed)
+
+
+class WorkerGone(Exception):
+    """Stands for a worker's death where the sampler runs in the process that made it (the
+    contract test's in-process fake manager)."""
+
+
+class GoneOnSeed(StepSampler):
+    """Raises ValueError when seeded with ``bad_seed``; dies when seeded while the file
+    ``marker`` exists: SIGKILLs its process, or, in the process that made it, raises
+    WorkerGone."""
+
+    def __init__(self, data, batch_size, seed=None, bad_seed=None, marker=None):
+        super().__init__(data, batch_size, seed=seed)
+        self.bad_seed = bad_seed
+        self.marker = marker
+        self.home = os.getpid()
+
+    def manual_seed(self, seed):
+        if self.marker is not None and os.path.exists(self.marker):
+            if os.getpid() == self.home:
+                raise WorkerGone(seed)
+            os.kill(os.getpid(), 9)
+        if self.bad_seed is not None and seed == self.bad_seed:
+            raise ValueError(f"bad seed {seed}")
+        return super().manual_seed(seed)

@@ -30,7 +30,7 @@ import _data
 from unienv_data.samplers import StepSampler
 
 from unienv_mp import MultiprocessingSampler
-from unienv_mp import _process, _work_encoder, _worker_handle, manager as M
+from unienv_mp import _backend, _process, _stalls, _work_encoder, _worker_handle, manager as M
 from unienv_mp._streams import Stream
 
 _NEVER_INTERRUPTED = {dis.opmap[name] for name in ("NOP", "PUSH_EXC_INFO", "POP_EXCEPT")}
@@ -47,7 +47,7 @@ def never_interrupted(code, offset):
         targets = _handlers[code] = {e.target for e in entries}
     return offset in targets
 PACKAGE_FILES = {M.__file__, _worker_handle.__file__, _work_encoder.__file__,
-                 _process.__file__}
+                 _process.__file__, _backend.__file__, _stalls.__file__}
 
 
 class Interrupter:
@@ -821,3 +821,61 @@ def test_a_ctrl_c_before_any_bytecode_of_the_stream_keeps_its_position(in_order,
         if not interrupter.fired:
             break
     assert n > 100
+
+
+# -- which code is interrupted at every bytecode --------------------------------------------
+
+#: The package's modules whose code the tests here (and tests/test_backend_contract.py, for
+#: the Ray manager) interrupt at every bytecode.
+INTERRUPTED = {os.path.relpath(f, os.path.dirname(M.__file__)) for f in PACKAGE_FILES} | {
+    "sampler.py", "_streams.py", os.path.join("ray", "manager.py")}
+
+#: Every other module of the package, and why a Ctrl-C in it needs no such test.
+NOT_INTERRUPTED = {
+    "__init__.py": "re-exports",
+    "__main__.py": "the main job's entry point (the benchmark harness, not the library)",
+    "_codec.pyx": "compiled: a signal is acted on once it returns to its (tested) caller",
+    "_ring.pyx": "compiled: as _codec; what a ring does is recorded inside the call",
+    "_rows.pyx": "compiled: as _codec",
+    "_fingerprint.py": "reads the data and returns a value: nothing kept across a call",
+    "_headroom.py": "a memory check before a segment is made: returns or raises",
+    "_protocol.py": "constants of the wire format, and SlotWriter (run in the workers)",
+    "_sampling.py": "the work function runs in the workers (SIGINT ignored); the parent's "
+                    "draws return values the tested sampler code records",
+    "_state.py": "builds and checks state_dict values: returns or raises",
+    "_transfer.py": "the Parcel, made before a worker's start, which is tested "
+                    "(test_a_ctrl_c_as_a_worker_starts_leaves_no_descriptor)",
+    "_unienv.py": "reads UniEnv's internals: returns or raises",
+    "_validate.py": "argument checks at construction",
+    "_views.py": "plans views: in the workers, and once at construction",
+    "compat.py": "UniEnv's helpers on the manager's add_work/fetch, which are tested "
+                 "(test_a_ctrl_c_anywhere_in_add_work_and_fetch_loses_nothing)",
+    "errors.py": "exception classes",
+    "gather.py": "runs in the workers, which ignore SIGINT",
+    "queue.py": "ShmQueue, the transport on its own, which promises no more than "
+                "multiprocessing.Queue does when a Ctrl-C lands in put or get",
+    "stats.py": "counters read into new objects: returns or raises",
+    "worker.py": "runs in the workers, which ignore SIGINT",
+    os.path.join("ray", "__init__.py"): "re-exports",
+    os.path.join("ray", "_actor.py"): "runs in the Ray actors",
+    os.path.join("ray", "_batch.py"): "packs and unpacks results: returns or raises",
+    os.path.join("ray", "sampler.py"): "RaySampler's own code builds and closes; its "
+                                       "sampling is SamplerBase's (sampler.py)",
+}
+
+
+def test_every_module_of_the_package_is_interrupted_or_says_why_not():
+    root = os.path.dirname(M.__file__)
+    modules = set()
+    for folder, dirs, files in os.walk(root):
+        rel = os.path.relpath(folder, root)
+        if rel.split(os.sep)[0] in ("bench", "__pycache__"):
+            continue   # (the benchmark harness, which the library never imports)
+        for name in files:
+            if name.endswith((".py", ".pyx")):
+                modules.add(os.path.normpath(os.path.join(rel, name)))
+    assert not INTERRUPTED & set(NOT_INTERRUPTED)
+    missing = modules - INTERRUPTED - set(NOT_INTERRUPTED)
+    assert not missing, f"modules neither interrupted by a test nor exempt: {sorted(missing)}"
+    gone = (INTERRUPTED | set(NOT_INTERRUPTED)) - modules
+    assert not gone, f"listed, but not in the package: {sorted(gone)}"

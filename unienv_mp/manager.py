@@ -32,6 +32,7 @@ from . import _codec
 from . import _process
 from . import _protocol as P
 from . import stats as _stats
+from ._backend import Dealer, TicketTable, no_result, none_pending, respawn_verdict
 from ._ring import DEFAULT_SPIN as _DEFAULT_SPIN
 from ._ring import Event, Segment
 from ._stalls import Stall
@@ -99,6 +100,11 @@ def _after_fork_in_child():
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _load(lane):
+    """How busy a lane is (tasks in flight or waiting), for a deal that is not in order."""
+    return len(lane.inflight) + len(lane.waiting)
 
 
 class _Task:
@@ -313,9 +319,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         self._seeds = worker_seeds
         self._seed_rng = np.random.default_rng(
             None if worker_seeds is None else [int(s) for s in worker_seeds])
-        self._next_ticket = 0
-        self._next_worker = 0                    # round-robin deal (in_order)
-        self._tasks = {}                         # ticket -> _Task (not yet delivered)
+        self._dealer = Dealer()                  # which worker gets the next task
+        self._tasks = TicketTable()              # ticket -> _Task (not yet delivered)
         self._order = collections.deque()        # tickets of add_work, for fetch()
         self._released = collections.deque()     # lease tokens given back by the GC
         self._leases = 0
@@ -456,13 +461,9 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         if give_up is not None:
             pass
         elif corrupt is not None:
-            if not self.respawn:
-                give_up = CodecError(f"{corrupt}; the worker was killed (respawn=False)")
-            elif deaths > self.max_respawns:
-                give_up = CodecError(
-                    f"{corrupt}; the worker was killed: it died or did this {deaths} times "
-                    f"in a row without producing a result ({self.max_respawns} "
-                    f"replacements), giving up")
+            verdict = respawn_verdict(self.respawn, deaths, self.max_respawns)
+            if verdict is not None:
+                give_up = CodecError(f"{corrupt}; the worker was killed; {verdict}")
             else:
                 warnings.warn(f"{corrupt}; the worker was killed and replaced, and its "
                               f"unfinished tasks are given to the replacement",
@@ -473,21 +474,18 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             stall.warn(True, stacklevel=4)
         elif stall is not None:
             task = self._tasks.get(stall.ticket)
-            if not self.respawn or deaths > self.max_respawns:
+            if respawn_verdict(self.respawn, deaths, self.max_respawns) is not None:
                 if task is not None and not task.arrived and task.worker == w.index:
                     failed = task
                 deaths = 0   # (the task that kept stalling is given up)
                 error = stall.error()
             else:
                 stall.warn(task is not None and not task.cancelled, stacklevel=4)
-        elif not self.respawn:
-            give_up = WorkerDiedError(f"worker {w.index} (pid {pid}) {how}; respawn=False",
-                                      worker=w.index, exitcode=code)
-        elif deaths > self.max_respawns:
-            give_up = WorkerDiedError(
-                f"worker {w.index} {how}; it died {deaths} times in a row "
-                f"without producing a result ({self.max_respawns} replacements), giving up",
-                worker=w.index, exitcode=code)
+        else:
+            verdict = respawn_verdict(self.respawn, deaths, self.max_respawns)
+            if verdict is not None:
+                give_up = WorkerDiedError(f"worker {w.index} (pid {pid}) {how}; {verdict}",
+                                          worker=w.index, exitcode=code)
         if give_up is not None:
             # The next call starts a fresh process, with the whole budget; the unfinished
             # work waits for it (nothing is lost: its caller may ask again).
@@ -588,18 +586,12 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 while worker >= len(lanes) and self._start_deferred():
                     pass
                 lane = lanes[check_index(worker, "worker", len(lanes))]
-            elif self.in_order:
-                i = self._next_worker
-                lane = lanes[i]
-                self._next_worker = (i + 1) % len(lanes)
             else:
-                lane = min(lanes, key=lambda x: len(x.inflight) + len(x.waiting))
+                lane = self._dealer.pick(lanes, self.in_order, _load)
             task = _Task()
-            ticket = task.ticket = self._next_ticket
             task.work = work_info
-            self._next_ticket = ticket + 1
             try:
-                self._tasks[ticket] = task
+                ticket = self._tasks.issue(task)
                 # Give the task to the worker, replacing its process first if it died.
                 if lane.waiting or not lane.worker.has_process:
                     lane.waiting.append(task)
@@ -616,7 +608,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 if record is not None:
                     record.append(ticket)
             except BaseException:
-                if record is None or not record or record[-1] != ticket:
+                if record is None or not record or record[-1] != task.ticket:
                     self._abandon(task, lane)
                 # (else the caller has the ticket: interrupted after handing it over)
                 raise
@@ -635,7 +627,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         """Deal the next task (submitted without ``worker``) to worker 0, and the ones
         after it round-robin from there, as in a new manager (``in_order``)."""
         with self._lock:
-            self._next_worker = 0
+            self._dealer.reset()
 
     def _make_room(self, lane):
         """Keep at most TASK_CAPACITY tasks in flight on ``lane``'s worker: collect (not
@@ -646,8 +638,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             try:
                 self._take(lane, w.next_result(self.timeout))
             except _queue.Empty:
-                raise TimeoutError(f"worker {w.index} produced no result within "
-                                   f"{self.timeout} s") from None
+                raise no_result(self.timeout, w.index) from None
             except RingClosed:
                 raise RuntimeError(_CLOSED_WHILE_WAITING) from None
 
@@ -820,8 +811,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 self._accept(lane, entry)   # (_take, inlined: this runs once per batch)
                 w.result_recorded()
             except _queue.Empty:
-                raise TimeoutError(
-                    f"no result from worker {w.index} within {timeout} s") from None
+                raise no_result(timeout, w.index) from None
             except RingClosed:
                 raise RuntimeError(_CLOSED_WHILE_WAITING) from None
             except WorkerDied as e:
@@ -870,10 +860,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         with self._lock:
             if self.closed or _this_pid != self._owner_pid:
                 self._ensure_open()   # raises
-            tasks = self._tasks
-            task = tasks.get(ticket)
-            if task is None or task.cancelled:
-                raise KeyError(f"unknown, cancelled or already collected ticket {ticket}")
+            task = self._tasks.pending(ticket)
             if not task.arrived:
                 self._wait(task, self.timeout if timeout is None else timeout)
             return self._deliver(task)
@@ -882,9 +869,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         """True if the result of ``ticket`` has arrived (collects what has arrived)."""
         with self._lock:
             self._ensure_open()
-            task = self._tasks.get(ticket)
-            if task is None or task.cancelled:
-                raise KeyError(f"unknown, cancelled or already collected ticket {ticket}")
+            task = self._tasks.pending(ticket)
             if not task.arrived:
                 self._poll_all(check_alive=True)
             return task.arrived
@@ -906,11 +891,11 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         with self._lock:
             self._ensure_open()
             if not self._any_pending(tickets):
-                raise KeyError(f"none of the tickets {list(tickets)!r} is pending")
+                raise none_pending(tickets)
             limit = self.timeout if timeout is None else timeout
             ticket = self._first_ready(tickets, True, limit)
             if ticket is None:
-                raise TimeoutError(f"no result within {limit} s")
+                raise no_result(limit)
             return ticket
 
     def _poll_all(self, check_alive=False):
@@ -972,7 +957,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             ticket = self._first_ready(self._order, block, limit)
             if ticket is None:
                 if block and timeout is None and limit is not None:
-                    raise TimeoutError(f"no result within {limit} s")
+                    raise no_result(limit)
                 return None
             try:
                 value = self._deliver(self._tasks[ticket])
@@ -993,7 +978,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 if task is not None and task.arrived:
                     return (t,)
             if not self._any_pending(tickets):   # (all cancelled meanwhile)
-                raise KeyError(f"none of the tickets {list(tickets)!r} is pending")
+                raise none_pending(tickets)
             return None
 
         found = find()

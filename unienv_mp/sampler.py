@@ -100,13 +100,15 @@ class SamplerBase(BatchSampler):
 
     Subclasses call ``SamplerBase.__init__`` with the options every backend has (see
     :class:`MultiprocessingSampler` for what they mean) and ``not_direct``: None if the
-    workers gather batches directly (see :mod:`unienv_mp.gather`), else why not.
+    workers gather batches directly (see :mod:`unienv_mp.gather`), else why not;
+    ``manager``: the manager of the ``sample*`` workers, if the subclass made it already
+    (any :class:`~unienv_mp._backend.Manager`).
     """
 
     def __init__(self, sampler, n_workers, n_buffers, *, in_order, copy, timeout, respawn,
-                 batches_per_task, not_direct):
+                 batches_per_task, not_direct, manager=None):
         self._closed = True   # first: __del__ -> close() must work on a half-built sampler
-        self._manager = None
+        self._manager = manager   # (made on first use by _new_sample_manager, if None)
         self._kept = None
         self._owner_pid = os.getpid()
         # Held by every call but close() (see "Threads" in MultiprocessingSampler's

@@ -23,9 +23,11 @@ import warnings
 import ray
 import ray.exceptions as _rx
 
+from .. import _process
 from .. import stats as _stats
+from .._backend import Dealer, TicketTable, no_result, none_pending, respawn_verdict
 from .._sampling import SamplerTarget
-from .._validate import check_int, check_seconds
+from .._validate import check_index, check_int, check_seconds
 from ..errors import WorkerDiedError, WorkerError
 from . import _actor
 from ._batch import unpack
@@ -49,12 +51,17 @@ def check_cpus(value, what="num_cpus_per_worker"):
 class _Task:
     __slots__ = ("ticket", "work", "lane", "ref", "cancelled")
 
-    def __init__(self, ticket, work, lane):
-        self.ticket = ticket
+    def __init__(self, work, lane):
+        self.ticket = None
         self.work = work
         self.lane = lane
         self.ref = None
         self.cancelled = False
+
+
+def _load(lane):
+    """How busy a lane is (tasks in flight), for a deal that is not in order."""
+    return len(lane.inflight)
 
 
 class _Lane:
@@ -136,9 +143,8 @@ class RayManager:
         options.update(actor_options or {})
         self._actor_class = ray.remote(_actor.SamplerActor).options(**options)
         self._batches_in = SamplerTarget.batches_in
-        self._tasks = {}             # ticket -> _Task, until delivered or cancelled
-        self._next_ticket = 0
-        self._next_worker = 0
+        self._tasks = TicketTable()  # ticket -> _Task, until delivered or cancelled
+        self._dealer = Dealer()
         self._caller = _stats.CallerRecord()   # batches handed out, time waited (stats)
         now = time.monotonic_ns()
         self._lanes = [_Lane(i, now) for i in range(n_workers)]
@@ -168,28 +174,32 @@ class RayManager:
 
     def _replace(self, lane, error):
         """``lane``'s actor is gone (``error`` said so): start another and send it every
-        task the old one had not delivered, or raise WorkerDiedError."""
+        task the old one had not delivered.  Raises WorkerDiedError if it must not
+        (respawn=False) or should not (it keeps dying) be replaced: after the new actor
+        has the tasks, with the whole budget, so that the next call goes on from there (a
+        lane never keeps a dead actor)."""
         deaths = lane.deaths_in_a_row + 1
         what = f"worker {lane.index} (Ray actor, pid {lane.pid})"
         cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        if not self.respawn:
-            raise WorkerDiedError(f"{what} died ({cause}); respawn=False", worker=lane.index)
-        if deaths > self.max_respawns:
-            raise WorkerDiedError(
-                f"{what} died ({cause}); it died {deaths} times in a row without producing "
-                f"a result ({self.max_respawns} replacements), giving up", worker=lane.index)
-        lane.deaths_in_a_row = deaths
-        now = time.monotonic_ns()
-        lane.record.process_ended(lane.counters.view, now)
-        lane.record.respawns += 1
-        try:
-            ray.kill(lane.actor, no_restart=True)
-        except Exception:
-            pass   # (already gone)
-        self._start(lane)
-        for ticket in lane.inflight:
-            task = self._tasks[ticket]
-            task.ref = lane.actor.run.remote(task.work)
+        verdict = respawn_verdict(self.respawn, deaths, self.max_respawns)
+        # One step that a Ctrl-C must not cut in two: every task in flight goes to the
+        # new actor (one left with the old one would count as a death again).
+        with _process.interrupts_deferred():
+            lane.deaths_in_a_row = 0 if verdict is not None else deaths
+            lane.record.process_ended(lane.counters.view, time.monotonic_ns())
+            lane.record.respawns += 1
+            try:
+                ray.kill(lane.actor, no_restart=True)
+            except Exception:
+                pass   # (already gone)
+            self._start(lane)
+            tasks = self._tasks
+            for ticket in lane.inflight:
+                task = tasks.get(ticket)
+                if task is not None:
+                    task.ref = lane.actor.run.remote(task.work)
+        if verdict is not None:
+            raise WorkerDiedError(f"{what} died ({cause}); {verdict}", worker=lane.index)
 
     def _ask(self, method, *args):
         """Call ``method`` of the first worker's actor and return what it answers (the
@@ -232,20 +242,13 @@ class RayManager:
             self._caller.begin()
         lanes = self._lanes
         if worker is not None:
-            worker = check_int(worker, "worker", 0)
-            if worker >= len(lanes):
-                raise ValueError(f"worker must be an index below {len(lanes)}, got {worker}")
-            lane = lanes[worker]
-        elif self.in_order:
-            lane = lanes[self._next_worker]
-            self._next_worker = (self._next_worker + 1) % len(lanes)
+            lane = lanes[check_index(worker, "worker", len(lanes))]
         else:
-            lane = min(lanes, key=lambda x: len(x.inflight))
-        ticket = self._next_ticket
-        self._next_ticket = ticket + 1
-        task = _Task(ticket, work, lane)
+            lane = self._dealer.pick(lanes, self.in_order, _load)
+        task = _Task(work, lane)
         task.ref = lane.actor.run.remote(work)
-        self._tasks[ticket] = task
+        # (in the table before in flight: a ticket in flight always has its task)
+        ticket = self._tasks.issue(task)
         lane.inflight.append(ticket)
         if record is not None:
             record.append(ticket)
@@ -253,13 +256,7 @@ class RayManager:
 
     def reset_order(self):
         """Deal the next task to worker 0, and the ones after it round-robin from there."""
-        self._next_worker = 0
-
-    def _task(self, ticket):
-        task = self._tasks.get(ticket)
-        if task is None or task.cancelled:
-            raise KeyError(f"unknown, cancelled or already collected ticket {ticket}")
-        return task
+        self._dealer.reset()
 
     def result(self, ticket, timeout=None):
         """The result of ``ticket``, waiting for it if needed.  Raises
@@ -267,7 +264,7 @@ class RayManager:
         ``timeout`` (default: the manager's) seconds, :class:`~unienv_mp.WorkerDiedError`
         if its actor died and is not replaced."""
         self._ensure_open()
-        task = self._task(ticket)
+        task = self._tasks.pending(ticket)
         limit = self.timeout if timeout is None else timeout
         deadline = None if limit is None else time.monotonic() + limit
         while True:
@@ -278,7 +275,7 @@ class RayManager:
             finally:
                 self._caller.wait_ns += time.monotonic_ns() - start
             if not ready:
-                raise TimeoutError(f"no result within {limit} s")
+                raise no_result(limit)
             try:
                 status, value, elapsed_ns, pid, cpu = ray.get(task.ref)
             except _LOST as e:
@@ -288,8 +285,11 @@ class RayManager:
 
     def _deliver(self, task, status, value, elapsed_ns, pid, cpu):
         lane = task.lane
+        try:
+            lane.inflight.remove(task.ticket)   # (out of flight first, see cancel)
+        except ValueError:
+            pass
         del self._tasks[task.ticket]
-        lane.inflight.remove(task.ticket)
         lane.pid, lane.cpu = pid, cpu
         counters = lane.counters
         if status == _actor.OK:
@@ -305,7 +305,7 @@ class RayManager:
     def ready(self, ticket):
         """True if the result of ``ticket`` has arrived."""
         self._ensure_open()
-        task = self._task(ticket)
+        task = self._tasks.pending(ticket)
         ready, _ = ray.wait([task.ref], timeout=0)
         return bool(ready)
 
@@ -320,7 +320,7 @@ class RayManager:
             if task is not None and not task.cancelled:
                 by_ref[task.ref] = t
         if not by_ref:
-            raise KeyError(f"none of the tickets {list(tickets)!r} is pending")
+            raise none_pending(tickets)
         limit = self.timeout if timeout is None else timeout
         start = time.monotonic_ns()
         try:
@@ -328,12 +328,14 @@ class RayManager:
         finally:
             self._caller.wait_ns += time.monotonic_ns() - start
         if not ready:
-            raise TimeoutError(f"no result within {limit} s")
+            raise no_result(limit)
         return by_ref[ready[0]]
 
     def cancel(self, ticket):
-        """Forget a ticket; its task is cancelled if it has not started."""
-        task = self._tasks.pop(ticket, None)
+        """Forget a ticket; its task is cancelled if it has not started.  (Out of flight
+        before out of the table: cut short in between, the task is still known, and is
+        forgotten by the next cancel of it.)"""
+        task = self._tasks.get(ticket)
         if task is None:
             return
         task.cancelled = True
@@ -341,6 +343,7 @@ class RayManager:
             task.lane.inflight.remove(ticket)
         except ValueError:
             pass
+        self._tasks.pop(ticket, None)
         try:
             ray.cancel(task.ref)
         except Exception:

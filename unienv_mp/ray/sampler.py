@@ -242,8 +242,7 @@ class RaySampler(SamplerBase):
                              timeout=timeout, respawn=respawn,
                              batches_per_task=batches_per_task,
                              not_direct="RaySampler's actors call the wrapped sampler's "
-                                        "methods")
-            self._manager = manager   # (SamplerBase starts without one)
+                                        "methods", manager=manager)
         except BaseException:
             self._close_manager()
             raise

@@ -1,0 +1,154 @@
+"""The backend contract: what :class:`~unienv_mp.sampler.SamplerBase` needs from the manager
+that runs its workers, and the parts every manager shares.
+
+A manager runs work items on workers and hands their results back by ticket:
+:class:`~unienv_mp.manager.MultiProcessingSampleManager` on processes,
+:class:`~unienv_mp.ray.manager.RayManager` on Ray actors.  :class:`Manager` is the
+interface (a ``typing.Protocol``); a new backend implements it, on the shared parts here:
+
+* :class:`TicketTable`: ticket -> task, for every task submitted and not yet delivered
+  or cancelled.
+* :class:`Dealer`: which worker gets a task submitted without one.
+* :func:`respawn_verdict`: the respawn budget, and why a worker is not replaced.
+* :func:`unknown_ticket`, :func:`none_pending`, :func:`no_result`: the errors of the
+  ticket calls; :func:`~unienv_mp._validate.check_index` checks a worker index.
+
+The rules every manager keeps, so that a ``KeyboardInterrupt`` landing between any two
+bytecodes loses nothing (``tests/test_interrupts.py`` checks the process manager's and
+the Ray manager's code, and this module's, at every bytecode):
+
+* ``submit`` hands its ticket over last: appending it to the caller's ``record`` is its
+  last step; if it raises before, the task is dropped (or dropped when its result comes).
+* ``cancel`` takes the ticket off its worker's in-flight list before the task leaves the
+  table: a ticket in flight always has its task (a replacement worker is sent every task
+  in flight).
+* A worker given up (respawn=False, or its budget spent) is taken off its lane before the
+  error is raised: the next call starts a fresh worker, with the whole budget, for the
+  work left waiting.  A lane never keeps a dead worker.
+"""
+from typing import Iterable, Optional, Protocol, runtime_checkable
+
+from .stats import SamplerStats
+
+__all__ = ["Manager", "TicketTable", "Dealer", "respawn_verdict", "unknown_ticket",
+           "none_pending", "no_result"]
+
+
+@runtime_checkable
+class Manager(Protocol):
+    """What :class:`~unienv_mp.sampler.SamplerBase` calls on its managers.
+
+    ``closed`` is True once :meth:`close` was called.  Every other call raises
+    ``RuntimeError`` then."""
+    closed: bool
+    in_order: bool
+
+    @property
+    def n_workers(self) -> int:
+        """Number of workers."""
+
+    def submit(self, work, worker: Optional[int] = None, *, record=None) -> int:
+        """Queue ``work`` (on worker ``worker``, or as :class:`Dealer` picks) and return
+        its ticket; ``record``: a list the ticket is appended to, as the last step."""
+
+    def result(self, ticket: int, timeout: Optional[float] = None):
+        """The result of ``ticket``, waiting up to ``timeout`` seconds (default: the
+        manager's); ``WorkerError`` if the work raised, ``TimeoutError``, ``KeyError``
+        (:func:`unknown_ticket`), ``WorkerDiedError`` if its worker is given up."""
+
+    def ready(self, ticket: int) -> bool:
+        """True if the result of ``ticket`` has arrived."""
+
+    def wait_any(self, tickets: Iterable[int], timeout: Optional[float] = None) -> int:
+        """One of ``tickets`` whose result has arrived, waiting for one; ``KeyError``
+        (:func:`none_pending`) if none is pending, ``TimeoutError``."""
+
+    def cancel(self, ticket: int) -> None:
+        """Forget ``ticket`` (nothing if it is unknown)."""
+
+    def reset_order(self) -> None:
+        """Deal the next task to worker 0 (see :class:`Dealer`)."""
+
+    def stats(self, reset: bool = False) -> SamplerStats:
+        """Where the time went (see :class:`~unienv_mp.SamplerStats`)."""
+
+    def close(self) -> None:
+        """Stop the workers; idempotent."""
+
+
+class TicketTable(dict):
+    """ticket -> task, for every task submitted and not delivered or cancelled yet.
+    Tickets are issued in increasing order from 0 and never reused.  A task is any object
+    with ``ticket`` and ``cancelled`` attributes."""
+    __slots__ = ("next_ticket",)
+
+    def __init__(self):
+        super().__init__()
+        self.next_ticket = 0
+
+    def issue(self, task):
+        """Give ``task`` the next ticket and enter it; returns the ticket.  (Cut short,
+        the ticket number may be lost, never issued twice.)"""
+        ticket = self.next_ticket
+        self.next_ticket = ticket + 1
+        task.ticket = ticket
+        self[ticket] = task
+        return ticket
+
+    def pending(self, ticket):
+        """The task of ``ticket``; :func:`unknown_ticket` if it is not in the table or
+        was cancelled."""
+        task = self.get(ticket)
+        if task is None or task.cancelled:
+            raise unknown_ticket(ticket)
+        return task
+
+
+class Dealer:
+    """Which worker gets a task submitted without one: with ``in_order``, round-robin from
+    worker 0 (:meth:`reset` starts again there), else the least loaded."""
+    __slots__ = ("next",)
+
+    def __init__(self):
+        self.next = 0
+
+    def pick(self, lanes, in_order, load):
+        """The lane for the next task, of ``lanes`` (a sequence, which may have grown
+        since the last call); ``load(lane)``: how busy a lane is."""
+        if in_order:
+            i = self.next % len(lanes)
+            self.next = (i + 1) % len(lanes)
+            return lanes[i]
+        return min(lanes, key=load)
+
+    def reset(self):
+        """Deal the next task to worker 0."""
+        self.next = 0
+
+
+def respawn_verdict(respawn, deaths, max_respawns):
+    """Why a worker that has now died ``deaths`` times in a row without producing a result
+    is not to be replaced, as the end of its error message; None if it is to be."""
+    if not respawn:
+        return "respawn=False"
+    if deaths > max_respawns:
+        return (f"it died {deaths} times in a row without producing a result "
+                f"({max_respawns} replacements), giving up")
+    return None
+
+
+def unknown_ticket(ticket):
+    """The error of a ticket call given a ticket that is not pending."""
+    return KeyError(f"unknown, cancelled or already collected ticket {ticket}")
+
+
+def none_pending(tickets):
+    """The error of ``wait_any`` given no pending ticket."""
+    return KeyError(f"none of the tickets {list(tickets)!r} is pending")
+
+
+def no_result(limit, worker=None):
+    """The error of a wait that got no result within ``limit`` seconds (from ``worker``,
+    if one is named)."""
+    source = "" if worker is None else f" from worker {worker}"
+    return TimeoutError(f"no result{source} within {limit} s")
