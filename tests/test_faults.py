@@ -166,7 +166,7 @@ def test_an_interrupted_wait_does_not_leak_its_task():
     s = _data.SlowSampler(rb, 4, seed=0, delay=2)
     with MultiprocessingSampler(s, n_workers=1, n_buffers=1, ctx="fork", timeout=0.2) as m:
         pool = m._ensure_manager()
-        first = pool._next_ticket            # the ticket that sample() will wait for
+        first = pool._tasks.next_ticket        # the ticket that sample() will wait for
         with pytest.raises(TimeoutError):
             m.sample()
         assert pool._tasks[first].cancelled  # given up on, not left behind
