@@ -620,3 +620,89 @@ def test_a_worker_that_keeps_corrupting_them_is_given_up(tmp_path):
             with pytest.raises(CodecError, match="4 times in a row.*giving up"):
                 m.sample()
         assert _lane_processes_alive(m)
+
+
+def _scribble_on_task_ring(kind):
+    """Write, as a stray pointer might, over the counter or the next cell of this worker's
+    task ring, where the parent pushes its next task (layout: see csrc/umr_ring.c)."""
+    ring = _worker_locals()["tasks"]
+    base = ring.segment.address + ring.offset
+    header = (ctypes.c_uint64 * 4).from_address(base)   # magic, version|entry, cap, stride
+    capacity, stride = header[2], header[3]
+    head = ctypes.c_uint64.from_address(base + 64)
+    if kind == "head ahead":
+        head.value += capacity
+    elif kind == "head behind":
+        head.value -= 1
+    elif kind == "head shut down":
+        head.value |= 1 << 63
+    elif kind == "cell ahead":
+        pos = head.value
+        cell = base + 5 * 64 + (pos % capacity) * stride
+        ctypes.c_uint64.from_address(cell).value = 2 * (pos + 10 * capacity)
+    else:
+        raise AssertionError(kind)
+
+
+class CorruptsItsTasks(CorruptsItsResults):
+    """CorruptsItsResults, writing over the task ring instead (see _scribble_on_task_ring),
+    then going on with its task."""
+
+    def sample_index(self):
+        self.calls += 1
+        if self.calls == self.on:
+            try:
+                os.unlink(self.marker)
+            except FileNotFoundError:
+                pass
+            else:
+                _scribble_on_task_ring(self.kind)
+        return StepSampler.sample_index(self)
+
+
+_TASK_RING_CORRUPTIONS = {
+    "head ahead": "the ring of 64 tasks is full with",
+    "head behind": "ring memory is corrupt",
+    "head shut down": "it is shut down",
+    "cell ahead": "ring memory is corrupt",
+}
+
+
+def _task_corrupting_sampler(tmp_path, kind, **options):
+    marker = tmp_path / "corrupt"
+    marker.write_text("")
+    s = CorruptsItsTasks(replay_buffer(100), 4, kind, marker=str(marker), seed=0)
+    return MultiprocessingSampler(s, n_workers=1, n_buffers=2, ctx="fork",
+                                  batches_per_task=1, timeout=30, **options)
+
+
+@pytest.mark.parametrize("kind", sorted(_TASK_RING_CORRUPTIONS))
+def test_a_worker_that_corrupts_its_task_ring_is_replaced_and_the_stream_goes_on(
+        tmp_path, kind):
+    expected = _reference_stream(8)
+    with _task_corrupting_sampler(tmp_path, kind) as m:
+        got = [indices_of(m.sample())]
+        first_pid = m._manager._lanes[0].worker.pid
+        with pytest.warns(RuntimeWarning, match="wrote into its task ring") as record:
+            got += [indices_of(m.sample()) for _ in range(7)]
+        message = str(record[0].message)
+        assert _TASK_RING_CORRUPTIONS[kind] in message, message
+        assert f"pid {first_pid}" in message and "killed and replaced" in message
+        worker = m._manager._lanes[0].worker
+        assert worker.incarnation == 2 and worker.pid != first_pid
+        assert m.stats().workers[0].respawns == 1
+    assert got == expected   # nothing lost, nothing repeated
+    assert wait_until(lambda: not os.path.exists(f"/proc/{first_pid}"))
+
+
+@pytest.mark.parametrize("kind", ["head ahead", "head shut down"])
+def test_a_corrupt_task_ring_without_respawn_is_one_codec_error(tmp_path, kind):
+    expected = _reference_stream(8)
+    got = []
+    with _task_corrupting_sampler(tmp_path, kind, respawn=False) as m:
+        with pytest.raises(CodecError, match="wrote into its task ring.*respawn=False"):
+            while True:
+                got.append(indices_of(m.sample()))
+        assert len(got) < 8 and _lane_processes_alive(m)
+        got += [indices_of(m.sample()) for _ in range(8 - len(got))]
+    assert got == expected

@@ -25,7 +25,7 @@ from . import _protocol as P
 from . import stats as _stats
 from ._ring import RingBuffer, Segment, segment_from_peer
 from ._transfer import Parcel
-from .errors import CodecError, PeerGoneError
+from .errors import CodecError, PeerGoneError, RingClosed
 from .worker import worker_main
 
 __all__ = ["WorkerHandle", "WorkerDied", "WorkerStalled", "WorkerCorrupt", "Launch",
@@ -67,16 +67,17 @@ class WorkerStalled(WorkerDied):
 
 
 class WorkerCorrupt(WorkerDied):
-    """What the process of worker ``handle`` wrote on its result ring is not a result
-    entry it could have written (``what``: how it is wrong), e.g. user code in the worker
-    wrote through a stray pointer into its ring or a slot descriptor: the process is to be
-    killed and replaced, as if it had died.  ``error`` is the :class:`CodecError` that
-    says so."""
+    """The process of worker ``handle`` wrote on its rings what it could not have written
+    (``what``: how it is wrong), e.g. user code in the worker wrote through a stray
+    pointer into a ring or a slot descriptor: a result entry that is not one (``wrote``,
+    the default) or a task ring whose counters or cells it overwrote (``wrote="into its
+    task ring"``).  The process is to be killed and replaced, as if it had died.
+    ``error`` is the :class:`CodecError` that says so."""
 
-    def __init__(self, handle, what):
+    def __init__(self, handle, what, wrote="a corrupt result entry"):
         super().__init__(handle)
-        self.error = CodecError(f"worker {handle.index} (pid {handle.pid}) wrote a corrupt "
-                                f"result entry: {what}")
+        self.error = CodecError(f"worker {handle.index} (pid {handle.pid}) wrote {wrote}: "
+                                f"{what}")
 
 
 class Launch:
@@ -434,14 +435,26 @@ class WorkerHandle:
 
     def push_task(self, tag, slot, ticket, payload, record):
         """Push a task entry, and append ``ticket`` to ``record`` if and only if it was
-        pushed (the ring does that, inside the call: see ``RingBuffer.push_tagged``).  The
-        manager keeps room on the ring (see TASK_CAPACITY), so this does not wait.  Raises
-        WorkerDied if the process is gone."""
-        tasks = self._tasks
+        pushed (the ring does that, inside the call: see ``RingBuffer.push_tagged``).
+        Never waits.  Raises WorkerCorrupt if the task ring is full, shut down by no one,
+        or corrupt: the process wrote into it.
+
+        Why a full ring is corrupt: ``record`` (the lane's tasks in flight) holds fewer
+        than TASK_CAPACITY tickets when the manager pushes (see _make_room), a ticket
+        leaves it only when its result has come, and the process takes its tasks in
+        order, each off the ring (its cell free again) before it answers it.  So at most
+        ``len(record)`` cells are taken, and the ring holds TASK_CAPACITY."""
         try:
-            tasks.push_tagged(tag, slot, ticket, payload, False, None, record=record)
+            self._tasks.push_tagged(tag, slot, ticket, payload, False, None, record=record)
         except _queue.Full:
-            tasks.push_tagged(tag, slot, ticket, payload, check=self._check, record=record)
+            raise WorkerCorrupt(self, f"the ring of {TASK_CAPACITY} tasks is full with "
+                                      f"{len(record)} in flight",
+                                "into its task ring") from None
+        except (RingClosed, RuntimeError) as e:
+            if self.shut_down:   # (this process shut the rings: the manager was closed)
+                raise
+            what = "it is shut down" if isinstance(e, RingClosed) else str(e)
+            raise WorkerCorrupt(self, what, "into its task ring") from None
         self._pushed += 1
 
     def next_result(self, timeout):
