@@ -30,7 +30,8 @@ import _data
 from unienv_data.samplers import StepSampler
 
 from unienv_mp import MultiprocessingSampler
-from unienv_mp import _backend, _process, _stalls, _work_encoder, _worker_handle, manager as M
+from unienv_mp import (_backend, _polling, _process, _slots, _stalls, _supervision, _unienv_queue,
+                       _work_encoder, _worker_handle, manager as M)
 from unienv_mp._streams import Stream
 
 _NEVER_INTERRUPTED = {dis.opmap[name] for name in ("NOP", "PUSH_EXC_INFO", "POP_EXCEPT")}
@@ -46,7 +47,8 @@ def never_interrupted(code, offset):
         entries = getattr(dis.Bytecode(code), "exception_entries", ())   # (3.11+)
         targets = _handlers[code] = {e.target for e in entries}
     return offset in targets
-PACKAGE_FILES = {M.__file__, _worker_handle.__file__, _work_encoder.__file__,
+PACKAGE_FILES = {M.__file__, _supervision.__file__, _slots.__file__, _polling.__file__,
+                 _unienv_queue.__file__, _worker_handle.__file__, _work_encoder.__file__,
                  _process.__file__, _backend.__file__, _stalls.__file__}
 
 

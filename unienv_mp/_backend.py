@@ -26,12 +26,19 @@ the Ray manager's code, and this module's, at every bytecode):
   error is raised: the next call starts a fresh worker, with the whole budget, for the
   work left waiting.  A lane never keeps a dead worker.
 """
-from typing import Iterable, Optional, Protocol, runtime_checkable
+from typing import Iterable, Optional, Protocol, TypeVar, runtime_checkable
 
 from .stats import SamplerStats
 
 __all__ = ["Manager", "TicketTable", "Dealer", "respawn_verdict", "unknown_ticket",
-           "none_pending", "no_result"]
+           "none_pending", "no_result", "TaskInfoT", "ResultT", "CLOSED_WHILE_WAITING"]
+
+#: The types of a manager's work items and of their results.
+TaskInfoT = TypeVar("TaskInfoT")
+ResultT = TypeVar("ResultT")
+
+#: What a call raises (``RuntimeError``) when a ``close()`` from another thread ends it.
+CLOSED_WHILE_WAITING = "this manager was closed (from another thread) during the call"
 
 
 @runtime_checkable

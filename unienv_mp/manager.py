@@ -19,39 +19,33 @@ ends (see :mod:`unienv_mp._process`).
 import collections
 import os
 import queue as _queue
-import signal
 import threading
 import time
-import warnings
 from multiprocessing import util as _mputil
-from typing import Callable, Generic, Optional, Sequence, TypeVar
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from . import _codec
-from . import _process
 from . import _protocol as P
 from . import stats as _stats
-from ._backend import Dealer, TicketTable, no_result, none_pending, respawn_verdict
+from ._backend import CLOSED_WHILE_WAITING, Dealer, ResultT, TaskInfoT, TicketTable, no_result
 from ._ring import DEFAULT_SPIN as _DEFAULT_SPIN
 from ._ring import Event, Segment
-from ._stalls import Stall
+from ._slots import SlotAccounting
+from ._polling import Polling
+from ._supervision import CLOSE_WAIT, Lane, Resources, Supervision
+from ._unienv_queue import UniEnvQueue
 from ._validate import (MAX_LEASES, MAX_RESPAWNS, check_bool, check_context, check_doze_time,
                         check_index, check_int, check_seconds, check_spin, check_workers)
 from ._work_encoder import WorkEncoder, spill_entry
 from ._worker_handle import (RESULT_INLINE, TASK_CAPACITY, TASK_INLINE, Launch, WorkerCorrupt,
-                             WorkerDied, WorkerHandle, WorkerStalled)
-from .errors import CodecError, RingClosed, WorkerDiedError, WorkerError
+                             WorkerDied, WorkerHandle)
+from .errors import RingClosed, WorkerError
 
 __all__ = ["MultiProcessingSampleManager", "TaskInfoT", "ResultT", "TASK_CAPACITY",
            "TASK_INLINE", "RESULT_INLINE", "CLOSE_WAIT"]
 
-#: Seconds close() waits for a call running in another thread to leave (it is woken at
-#: once; this bounds a call stuck in a work function's ``start_later`` or the like).
-CLOSE_WAIT = 10.0
-
-TaskInfoT = TypeVar("TaskInfoT")
-ResultT = TypeVar("ResultT")
 
 # A Ctrl-C (KeyboardInterrupt) can land between any two bytecodes of this module, in
 # particular right after any call returns.  What keeps the manager consistent whatever it
@@ -84,7 +78,6 @@ _AT_SLOT = P.AT_SLOT
 _untag = P.untag
 _decode = _codec.decode
 _SlotLease = _codec.SlotLease
-_CLOSED_WHILE_WAITING = "this manager was closed (from another thread) during the call"
 
 # The pid of this process, read by _ensure_open on every call.  os.getpid() is a system
 # call; this is kept current by an at-fork hook instead.  Every way of going on running
@@ -128,64 +121,8 @@ class _Task:
     error = None        # an exception met here receiving it, raised in place of the value
 
 
-class _Lane:
-    """What the manager keeps for one worker: its handle, the tickets in flight on its
-    process (in the order given), the tasks waiting for a (new) process, how many of its
-    processes died since one last produced a result, and its counters' record."""
-    __slots__ = ("worker", "inflight", "waiting", "deaths_in_a_row", "record", "stall")
-
-    def __init__(self, worker):
-        self.worker = worker
-        self.inflight = collections.deque()
-        self.waiting = []
-        self.deaths_in_a_row = 0
-        self.record = _stats.WorkerRecord(time.monotonic_ns())
-        self.stall = None   # the Stall of a process killed for stalling, not yet buried
-
-
-class _Resources:
-    """Processes and shared memory of a manager: what must be released even if the manager
-    is garbage collected or the interpreter exits without close() (its finalizer holds
-    this, not the manager)."""
-
-    def __init__(self):
-        self.workers = []          # WorkerHandle
-        self.doorbell_seg = None
-        self.spills = []
-        self.done_event = None
-        self.closed = False
-
-    def shut_down(self):
-        """Tell every worker to stop (their rings shut down, the done event set), and make
-        every wait on them raise: a call waiting in another thread returns."""
-        for w in self.workers:
-            w.shut_down_rings()
-        if self.done_event is not None:
-            try:
-                self.done_event.set()
-            except Exception:
-                pass
-
-    def close(self, join_timeout=2.0):
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            self.shut_down()   # (again: a process started since, by a call ending now)
-            # (cut short, this kills the workers: a second close() does nothing)
-            _process.stop_processes([w.proc for w in self.workers if w.proc is not None],
-                                    join_timeout)
-        finally:
-            for w in self.workers:
-                w.release_memory()
-            for seg in self.spills:
-                seg.close()
-            self.spills.clear()
-            if self.doorbell_seg is not None:
-                self.doorbell_seg.close()
-
-
-class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
+class MultiProcessingSampleManager(Supervision, SlotAccounting, Polling,
+                                   UniEnvQueue[TaskInfoT, ResultT]):
     """Run ``target_fn(work_info)`` in ``n_workers`` processes.
 
     Same interface as UniEnv's ``MultiProcessingSampleManager``: :meth:`add_work` queues a
@@ -211,40 +148,23 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
       way at once; beyond that they are copied).  ``True``: results are always copied.
     * ``timeout``: seconds to wait for one result before raising :class:`TimeoutError`
       (default: wait as long as the workers are alive).
-    * ``spin``: seconds a waiting side polls before it sleeps (a sleep and wake-up costs
-      a syscall on both sides, and on virtual machines an inter-processor interrupt).
-      Default: 20 µs where this process may run on more CPUs than there are workers;
-      otherwise 0, since polling would take a CPU from a process that has work to do.
+    * ``spin``: seconds a waiting side polls before it sleeps on a futex.  Default: 20 µs
+      where this process may run on more CPUs than there are workers; otherwise 0, since
+      polling would take a CPU from a process that has work to do.
     * ``respawn=True``: a worker that dies is replaced (with a fresh seed) and its
       unfinished work re-issued; after ``max_respawns`` replacements of one worker without
       a result in between, its next death raises :class:`~unienv_mp.WorkerDiedError`.
       ``False``: raise it at the first death.
-    * ``stall_timeout``: seconds a worker may spend on one task (default: no limit).  When
-      a caller waiting on a worker finds it on one task for longer, the worker's Python
-      stacks are taken (faulthandler, from a signal handler: a worker stuck in C code has
-      them too), and the worker is killed and replaced.  With ``respawn=True`` a
-      ``RuntimeWarning`` carrying the stacks is issued and the task is given to the
-      replacement; the task's result is :class:`~unienv_mp.WorkerStalledError` (raised
-      by the call that collects it) if it stalls ``max_respawns + 1`` times in a row, or
-      at once with ``respawn=False``.  The other tasks of that worker go to the
-      replacement either way.  A worker that takes none of the tasks waiting for it for
-      longer (it was stopped, by SIGSTOP or a debugger, or has stopped responding after
-      its first task) is killed and replaced too, with the warning, whatever
-      ``respawn`` says: no task is to blame.  A stopped process cannot give its stacks,
-      and is not waited on for them.
+    * ``stall_timeout``: seconds a worker may spend on one task, or go without taking
+      the tasks waiting for it (default: no limit); beyond, it is killed and replaced,
+      with a warning carrying its stacks (see :class:`~unienv_mp._supervision.Supervision`
+      for what becomes of its tasks).
     * ``start_later``: None (default): every worker starts now.  A function: only worker 0
-      starts now, so that a first result can come after one process start rather than
-      ``n_workers`` of them (each start of a large parent under fork copies its page
-      tables: tens of ms).  The others start one at a time, in order, when the caller
-      would otherwise wait for a result, after the first result was handed out, and only
-      if ``start_later()`` returns True then (if it returns False, the workers not
-      started yet never start: e.g. the data they would copy is no longer the data the
-      first one copied).  Until they start, tasks are dealt among the workers started
-      (what a task gives must not depend on which worker runs it), and :attr:`workers`
-      and :meth:`stats` list the started ones; :meth:`start_all` starts the rest now.
+      starts now; the others start one at a time when the caller would otherwise wait,
+      after the first result, while ``start_later()`` returns True (see
+      :class:`~unienv_mp._supervision.Supervision`); :meth:`start_all` starts them now.
 
-    :meth:`stats` says where the time goes (see :class:`~unienv_mp.SamplerStats`): the
-    workers count their work in their shared segments, with no message per task.
+    :meth:`stats` says where the time goes (see :class:`~unienv_mp.SamplerStats`).
 
     Threads: every method may be called from any thread.  Calls are serialised (a lock,
     held for the whole call: a second thread waits while the first waits for a result),
@@ -278,44 +198,17 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         start_later: Optional[Callable[[], bool]] = None,
     ):
         # First, so that close() (also run at garbage collection) works on a half-built one.
-        self._resources = _Resources()
+        self._resources = Resources()
         self.closed = True
         # Held by every call (see "Threads" in the class docstring); re-entrant, for a
         # call made from a signal handler or a garbage collection in the middle of one.
         self._lock = threading.RLock()
-        if not callable(target_fn):
-            raise TypeError(f"target_fn must be callable, got {type(target_fn).__name__}")
-        n_workers = check_workers(n_workers)
-        doze_time = check_doze_time(doze_time)
-        max_respawns = check_int(max_respawns, "max_respawns", 0, MAX_RESPAWNS)
-        in_order = check_bool(in_order, "in_order")
-        copy = check_bool(copy, "copy")
-        respawn = check_bool(respawn, "respawn")
-        daemon = check_bool(daemon, "daemon", allow_none=True)
-        if worker_seeds is not None:
-            worker_seeds = list(worker_seeds)
-            if len(worker_seeds) != n_workers:
-                raise ValueError(f"worker_seeds must have n_workers={n_workers} entries, "
-                                 f"got {len(worker_seeds)}")
-        ctx = check_context(ctx)
-        self._start_method = ctx.get_start_method()
-        if start_later is not None and not callable(start_later):
-            raise TypeError(f"start_later must be None or callable, got "
-                            f"{type(start_later).__name__}")
-        self.target_fn = target_fn
-        self.doze_time = doze_time
+        public, n_workers, ctx, daemon, worker_seeds = _checked_options(
+            target_fn, n_workers, ctx, daemon, worker_seeds, doze_time, in_order, copy,
+            timeout, respawn, max_respawns, max_leases, spin, stall_timeout, start_later)
+        vars(self).update(public)   # target_fn, doze_time, in_order, copy, timeout, ...
         self.done_event = done_event
-        self.in_order = in_order
-        self.copy = copy
-        self.timeout = check_seconds(timeout, "timeout")
-        self.stall_timeout = check_seconds(stall_timeout, "stall_timeout")
-        self.respawn = respawn
-        self.max_respawns = max_respawns
-        if spin is None:
-            spin = _DEFAULT_SPIN if len(os.sched_getaffinity(0)) > n_workers else 0.0
-        self.spin = check_spin(spin)
-        self.max_leases = 2 * n_workers + 8 if max_leases is None else check_int(
-            max_leases, "max_leases", 0, MAX_LEASES)
+        self._start_method = ctx.get_start_method()
         self._seeds = worker_seeds
         self._seed_rng = np.random.default_rng(
             None if worker_seeds is None else [int(s) for s in worker_seeds])
@@ -338,7 +231,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         self._batches_in = getattr(target_fn, "batches_in", None)
         self._caller = _stats.CallerRecord()   # batches handed out, time waited (see stats)
         launch = Launch(target_fn, worker_init_fn, ctx, daemon, resources.doorbell_seg,
-                        done_event, doze_time, self.spin, self.stall_timeout)
+                        done_event, self.doze_time, self.spin, self.stall_timeout)
         self.closed = False
         try:
             for i in range(n_workers):
@@ -348,210 +241,11 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 if i > 0 and start_later is not None:
                     self._deferred.append((w, seed))
                     continue
-                self._lanes.append(_Lane(w))
+                self._lanes.append(Lane(w))
                 w.start(seed)
         except BaseException:
             self.close()
             raise
-
-    # -- properties -----------------------------------------------------------------------
-
-    @property
-    def n_workers(self):
-        """Number of worker processes (those not started yet included, see
-        ``start_later``)."""
-        return self._n_workers
-
-    @property
-    def workers(self):
-        """The worker ``Process`` objects (replacements included, after a respawn) of the
-        workers started (see ``start_later``)."""
-        return [lane.worker.proc for lane in self._lanes]
-
-    def start_all(self) -> None:
-        """Start now every worker left to start later (see ``start_later``), as far as
-        ``start_later()`` allows."""
-        with self._lock:
-            self._ensure_open()
-            while self._start_deferred():
-                pass
-
-    def _start_deferred(self, quiet=False):
-        """Start the next worker left to start later, if ``start_later()`` allows (else
-        none of them will start); True if one started.  ``quiet``: a worker that cannot
-        be started (or a ``start_later`` that raises) is not the caller's error, since
-        the workers started can do the work: none of the rest will start, with a
-        ``RuntimeWarning`` saying why."""
-        if not self._deferred:
-            return False
-        # (one step: either the worker has its lane and its process, or neither)
-        with _process.interrupts_deferred():
-            try:
-                if not self._start_later():
-                    self._deferred.clear()
-                    return False
-                w, seed = self._deferred[0]
-                w.start(seed)
-            except Exception as e:
-                if not quiet or self.closed:
-                    raise
-                left = len(self._deferred)
-                self._deferred.clear()
-                warnings.warn(f"unienv_mp: could not start a worker after the first "
-                              f"({type(e).__name__}: {e}); going on with "
-                              f"{len(self._lanes)} worker(s), {left} not started",
-                              RuntimeWarning, stacklevel=3)
-                return False
-            self._deferred.popleft()
-            self._lanes.append(_Lane(w))
-        return True
-
-    @property
-    def remaining_work(self):
-        """Work added with :meth:`add_work` and not fetched yet."""
-        tasks = self._tasks
-        return sum(1 for t in self._order if t in tasks)
-
-    # -- replacing dead workers -----------------------------------------------------------
-
-    def _bury(self, lane, cause=None):
-        """The process of ``lane``'s worker died (``cause``: the WorkerDied noticed), or
-        stalled (a WorkerStalled: it is killed here): keep what it published, stop and
-        release it, and queue its unfinished work for the next process (see _restart).
-        Raises WorkerDiedError if a dead worker must not (respawn=False) or should not
-        (it keeps dying) be replaced: after the process is taken off the lane, so that
-        the next call starts a fresh one, with the whole budget, for the work left
-        waiting (a lane never keeps a dead process).  A stalled one is always replaced;
-        its task in hand fails with WorkerStalledError unless it may be tried again (see
-        stall_timeout).  One that wrote a corrupt result entry (a WorkerCorrupt) is killed
-        here and dies like any other, but with a warning, or a CodecError instead of the
-        WorkerDiedError; nothing more is read from its rings."""
-        w = lane.worker
-        corrupt = None
-        if isinstance(cause, WorkerStalled):
-            # (kept before the kill: its death is this stall)
-            lane.stall = Stall(w, cause, self.stall_timeout)
-            w.kill()
-        elif isinstance(cause, WorkerCorrupt):
-            corrupt = cause.error
-            w.kill()
-        stall = lane.stall
-        code = w.exit_code(1.0)
-        pid = w.pid
-        if w.has_process and corrupt is None:
-            try:
-                while True:
-                    self._take(lane, w.next_result(0))
-            except (_queue.Empty, RingClosed, WorkerDied):
-                pass
-        how = _process.describe_exit(code)
-        # (a SIGINT is a terminal's Ctrl-C that reached the worker too, not a crash)
-        deaths = lane.deaths_in_a_row + (code != -signal.SIGINT)
-        give_up = None   # the error to raise once the process is detached
-        if code == _process.EXIT_MAIN_REIMPORTED and stall is None:
-            # a replacement would make the same mistake: one error, with the fix
-            give_up = WorkerDiedError(
-                f"worker {w.index} {how}: started with {self._start_method!r}, it "
-                f"imported the main module, whose top level starts a sampler's workers "
-                f"again (the script has no `if __name__ == \"__main__\":` guard around "
-                f"its work).  Put the work under such a guard (see the README's quick "
-                f"start); workers started with spawn or forkserver import the main module",
-                worker=w.index, exitcode=code)
-        failed = None   # a stalled task whose result is its stall
-        if give_up is not None:
-            pass
-        elif corrupt is not None:
-            verdict = respawn_verdict(self.respawn, deaths, self.max_respawns)
-            if verdict is not None:
-                give_up = CodecError(f"{corrupt}; the worker was killed; {verdict}")
-            else:
-                warnings.warn(f"{corrupt}; the worker was killed and replaced, and its "
-                              f"unfinished tasks are given to the replacement",
-                              RuntimeWarning, stacklevel=4)
-        elif stall is not None and stall.ticket is None:
-            # (it took no task: none is to blame, nor counted as failing)
-            deaths = lane.deaths_in_a_row
-            stall.warn(True, stacklevel=4)
-        elif stall is not None:
-            task = self._tasks.get(stall.ticket)
-            if respawn_verdict(self.respawn, deaths, self.max_respawns) is not None:
-                if task is not None and not task.arrived and task.worker == w.index:
-                    failed = task
-                deaths = 0   # (the task that kept stalling is given up)
-                error = stall.error()
-            else:
-                stall.warn(task is not None and not task.cancelled, stacklevel=4)
-        else:
-            verdict = respawn_verdict(self.respawn, deaths, self.max_respawns)
-            if verdict is not None:
-                give_up = WorkerDiedError(f"worker {w.index} (pid {pid}) {how}; {verdict}",
-                                          worker=w.index, exitcode=code)
-        if give_up is not None:
-            # The next call starts a fresh process, with the whole budget; the unfinished
-            # work waits for it (nothing is lost: its caller may ask again).
-            deaths = 0
-        # One step that a Ctrl-C must not cut in two: the worker has no process, and its
-        # unfinished work waits for the next one.  A KeyboardInterrupt can land between
-        # any two statements, so SIGINT is held back until the step is done, then
-        # raised.  Stopping the old process and releasing its memory, which take a while
-        # and may be interrupted themselves, come after, in the ``finally``: also when
-        # the Ctrl-C held back is raised as the step ends.
-        detached = None
-        try:
-            with _process.interrupts_deferred():
-                lane.deaths_in_a_row = deaths
-                lane.stall = None
-                lane.record.process_ended(w.counters(), time.monotonic_ns())
-                if failed is not None:
-                    failed.error = error
-                    self._arrived(lane, failed)
-                unfinished = []
-                tasks = self._tasks
-                for t in lane.inflight:
-                    task = tasks.get(t)
-                    if task is None or task.arrived:
-                        continue
-                    task.slot = None   # (the slot numbers of the dead process are void)
-                    if task.cancelled:
-                        self._drop(task)
-                    elif task not in lane.waiting:
-                        unfinished.append(task)
-                lane.inflight.clear()
-                lane.waiting[0:0] = unfinished    # before anything queued for it meanwhile
-                detached = w.detach()
-        finally:
-            if detached is not None:
-                detached.stop(1.0)
-        if give_up is not None:
-            raise give_up from None
-
-    def _restart(self, lane):
-        """Start a process for ``lane``'s worker if it has none, and hand it the tasks
-        waiting for it, in order.  Survives the new process dying too (up to the limit)."""
-        w = lane.worker
-        while True:
-            try:
-                if not w.has_process:
-                    if self.closed:
-                        raise RuntimeError(_CLOSED_WHILE_WAITING)
-                    seed = (None if self._seeds is None
-                            else int(self._seed_rng.integers(2 ** 31)))
-                    w.start(seed)
-                    if w.incarnation > 1:
-                        lane.record.respawns += 1
-                waiting = lane.waiting
-                while waiting:
-                    task = waiting[0]
-                    if task.cancelled and not task.arrived:
-                        self._drop(task)   # (nobody waits for it any more)
-                    # (pushed already, by a step that a Ctrl-C cut short: in flight)
-                    elif not task.arrived and task.ticket not in lane.inflight:
-                        self._make_room(lane)
-                        self._push_task(task, lane)
-                    del waiting[0]
-                return
-            except WorkerDied as e:
-                self._bury(lane, e)
 
     # -- submitting -----------------------------------------------------------------------
 
@@ -640,7 +334,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             except _queue.Empty:
                 raise no_result(self.timeout, w.index) from None
             except RingClosed:
-                raise RuntimeError(_CLOSED_WHILE_WAITING) from None
+                raise RuntimeError(CLOSED_WHILE_WAITING) from None
 
     def _push_task(self, task, lane):
         """Push ``task`` onto the task ring of ``lane``'s worker; it is in
@@ -662,10 +356,6 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             task.slot = w.take_slot()
         # (the ticket goes into inflight if and only if the push happens)
         w.push_task(tag, task.slot, task.ticket, payload, lane.inflight)
-
-    def add_work(self, work_info: TaskInfoT) -> None:
-        """Queue ``work_info``; its result is returned by a later :meth:`fetch`."""
-        self.submit(work_info, record=self._order)
 
     # -- collecting -----------------------------------------------------------------------
 
@@ -737,55 +427,6 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         self._accept(lane, entry)
         lane.worker.result_recorded()
 
-    def _release_spill(self, task):
-        """Close the segment that carried ``task``'s work info, if any."""
-        if task.spill is not None:
-            try:
-                self._resources.spills.remove(task.spill)
-            except ValueError:
-                pass
-            task.spill.close()
-            task.spill = None
-
-    def _drop(self, task):
-        """Forget ``task`` (cancelled, or abandoned by submit) and release what it holds:
-        its spill, and its slot unless the worker may still write into it (pushed, and no
-        result yet: then the slot goes back when the result arrives, see _abandon)."""
-        self._tasks.pop(task.ticket, None)
-        self._release_spill(task)
-        if task.worker is None:
-            return
-        inflight = self._lanes[task.worker].inflight
-        if task.arrived:
-            try:
-                inflight.remove(task.ticket)   # (a recording cut short left it there)
-            except ValueError:
-                pass
-        if task.slot is not None and not task.leases and (
-                task.arrived or task.ticket not in inflight):
-            self._give_back_slot(task)
-
-    def _give_back_slot(self, task):
-        """The slot of ``task``, whose result was read or dropped, can take new work.  At
-        most once: ``task.slot`` is cleared first (cut short in between, the slot number
-        is lost, never given back twice)."""
-        slot = task.slot
-        if slot is not None:
-            task.slot = None
-            self._lanes[task.worker].worker.give_back_slot(slot, task.incarnation)
-
-    def _give_back_released_slots(self):
-        """The leases garbage collected since (their tasks, on ``_released``) are gone;
-        a delivered task whose last lease this was gives its slot back."""
-        released = self._released
-        tasks = self._tasks
-        while released:
-            task = released.popleft()
-            self._leases -= 1
-            task.leases -= 1
-            if not task.leases and task.ticket not in tasks:
-                self._give_back_slot(task)
-
     def _wait(self, task, timeout):
         """Block until ``task`` has a result (or raise); the time is counted (see stats)."""
         t0 = time.monotonic_ns()
@@ -813,7 +454,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             except _queue.Empty:
                 raise no_result(timeout, w.index) from None
             except RingClosed:
-                raise RuntimeError(_CLOSED_WHILE_WAITING) from None
+                raise RuntimeError(CLOSED_WHILE_WAITING) from None
             except WorkerDied as e:
                 self._bury(lane, e)
                 self._restart(lane)
@@ -865,15 +506,6 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 self._wait(task, self.timeout if timeout is None else timeout)
             return self._deliver(task)
 
-    def ready(self, ticket: int) -> bool:
-        """True if the result of ``ticket`` has arrived (collects what has arrived)."""
-        with self._lock:
-            self._ensure_open()
-            task = self._tasks.pending(ticket)
-            if not task.arrived:
-                self._poll_all(check_alive=True)
-            return task.arrived
-
     def cancel(self, ticket: int) -> None:
         """Forget a ticket: its result is dropped when it arrives."""
         with self._lock:
@@ -884,215 +516,42 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             if task.arrived:
                 self._drop(task)
 
-    def wait_any(self, tickets, timeout: Optional[float] = None) -> int:
-        """One of ``tickets`` whose result has arrived (collect it with :meth:`result`),
-        waiting for one if none has.  Raises ``TimeoutError`` after ``timeout`` (default:
-        the manager's ``timeout``) seconds, ``KeyError`` if no ticket is pending."""
-        with self._lock:
-            self._ensure_open()
-            if not self._any_pending(tickets):
-                raise none_pending(tickets)
-            limit = self.timeout if timeout is None else timeout
-            ticket = self._first_ready(tickets, True, limit)
-            if ticket is None:
-                raise no_result(limit)
-            return ticket
-
-    def _poll_all(self, check_alive=False):
-        """Accept every result already published by any worker (never blocks, except to
-        replace a worker found dead).  ``check_alive``: also look for dead workers (a
-        caller that does not block never reaches the liveness checks of the waits)."""
-        for lane in self._lanes:
-            w = lane.worker
-            if lane.waiting or not w.has_process:
-                self._restart(lane)
-            try:
-                while True:
-                    self._take(lane, w.next_result(0))
-            except RingClosed:
-                raise RuntimeError(_CLOSED_WHILE_WAITING) from None
-            except _queue.Empty:
-                if check_alive and w.has_exited():
-                    self._bury(lane)
-                    self._restart(lane)
-            except WorkerDied as e:
-                self._bury(lane, e)
-                self._restart(lane)
-
-    def fetch(self, block: bool = True, timeout: Optional[float] = None) -> Optional[ResultT]:
-        """Return the result of work added with :meth:`add_work`: the oldest one
-        (``in_order``) or the first to finish.  Returns ``None`` if ``block`` is false or
-        ``timeout`` expires before it arrives, as UniEnv's manager does."""
-        with self._lock:
-            self._ensure_open()
-            while self._order and self._order[0] not in self._tasks:
-                self._order.popleft()   # collected with result() meanwhile
-            if not self._order:
-                raise RuntimeError("no work to fetch: add_work() first")
-            self._give_back_released_slots()
-            if self.in_order:
-                task = self._tasks[self._order[0]]
-                if not task.arrived:
-                    if not block:
-                        self._poll_all(check_alive=True)
-                        if not task.arrived:
-                            return None
-                    else:
-                        try:
-                            self._wait(task, timeout if timeout is not None else self.timeout)
-                        except TimeoutError:
-                            if timeout is not None:
-                                return None
-                            raise
-                # The ticket leaves _order after its task leaves _tasks (cut short in between,
-                # the next fetch skips it), or when the result is an exception.
-                try:
-                    value = self._deliver(task)
-                except Exception:
-                    self._order.popleft()
-                    raise
-                self._order.popleft()
-                return value
-            limit = timeout if timeout is not None else self.timeout
-            ticket = self._first_ready(self._order, block, limit)
-            if ticket is None:
-                if block and timeout is None and limit is not None:
-                    raise no_result(limit)
-                return None
-            try:
-                value = self._deliver(self._tasks[ticket])
-            except Exception:
-                self._order.remove(ticket)
-                raise
-            self._order.remove(ticket)
-            return value
-
-    def _first_ready(self, tickets, block, limit):
-        """A ticket among ``tickets`` whose result has arrived, waiting up to ``limit``
-        seconds (None: no limit) if ``block``, on the doorbell that every worker rings
-        after publishing; None if there is none."""
-        def find():
-            self._poll_all()
-            for t in tickets:
-                task = self._tasks.get(t)
-                if task is not None and task.arrived:
-                    return (t,)
-            if not self._any_pending(tickets):   # (all cancelled meanwhile)
-                raise none_pending(tickets)
-            return None
-
-        found = find()
-        if found is None and not block:
-            self._check_all_alive()
-            found = find()
-        if found is None and block and self._deferred and self._caller.batches:
-            self._start_deferred(quiet=True)   # (while the workers make the results)
-            found = find()
-        if found is None and block:
-            t0 = time.monotonic_ns()
-            try:
-                found = self._doorbell.wait_until(find, limit, self.doze_time,
-                                                  check=self._check_all_alive)
-            finally:
-                self._caller.wait_ns += time.monotonic_ns() - t0
-        return None if found is None else found[0]
-
-    def _any_pending(self, tickets):
-        """True if one of ``tickets`` will have a result to collect (neither collected nor
-        cancelled)."""
-        tasks = self._tasks
-        for t in tickets:
-            task = tasks.get(t)
-            if task is not None and not task.cancelled:
-                return True
-        return False
-
-    def _check_all_alive(self):
-        if self.closed:
-            raise RuntimeError(_CLOSED_WHILE_WAITING)
-        stall_ns = None if self.stall_timeout is None else int(self.stall_timeout * 1e9)
-        for lane in self._lanes:
-            w = lane.worker
-            if w.proc is None:          # replaced, but its replacement could not start yet
-                self._restart(lane)
-            elif w.has_exited():
-                self._bury(lane)
-                self._restart(lane)
-            elif stall_ns is not None:
-                try:
-                    w.check_stall(stall_ns)
-                except WorkerStalled as e:
-                    self._bury(lane, e)
-                    self._restart(lane)
-
-    # -- where the time goes --------------------------------------------------------------
-
-    def stats(self, reset: bool = False) -> _stats.SamplerStats:
-        """Where the time went since the first request (or the last ``stats(reset=True)``):
-        see :class:`~unienv_mp.SamplerStats`.  ``reset=True``: the counters start again
-        from zero once this is read.  A result counts as ``batches_in(work)`` batches if
-        the work function has that method, else one."""
-        with self._lock:
-            now = time.monotonic_ns()
-            count = (lambda work: 1) if self._batches_in is None else self._batches_in
-            tasks = self._tasks
-            ready = sum(count(task.work) for task in tasks.values() if task.arrived
-                        and not task.cancelled and task.status == _ST_OK and task.error is None)
-            workers = []
-            for lane in self._lanes:
-                w = lane.worker
-                counters = w.counters()
-                if w.has_process:   # published, not yet taken off the ring: in flight order
-                    for ticket in list(lane.inflight)[:w.results_published]:
-                        task = tasks.get(ticket)
-                        if task is not None and not task.arrived and not task.cancelled:
-                            ready += count(task.work)
-                workers.append(lane.record.read(w.index, w.pid, counters, now, reset,
-                                                w.launched_ns if w.has_process else None))
-            return self._caller.report(ready, workers, now, reset)
-
-    # -- lifecycle ------------------------------------------------------------------------
-
-    def close(self):
-        """Stop the workers (asking first, then terminating any still running after ~2 s)
-        and release the shared memory.  Results already handed out stay valid.
-        Idempotent, and safe from any thread at any moment: a call running in another
-        thread is woken and raises ``RuntimeError``, no process starts after this
-        returns, and the memory is released once that call has left (if it has not
-        within ``CLOSE_WAIT`` seconds, the processes are stopped and the memory is
-        released at the manager's garbage collection or at exit, with a
-        ``RuntimeWarning``)."""
-        self.closed = True
-        resources = self._resources
-        resources.shut_down()   # first, without the lock: wakes a call waiting meanwhile
-        lock = getattr(self, "_lock", None)
-        got = lock is None or lock.acquire(timeout=CLOSE_WAIT)
-        try:
-            if not got:
-                warnings.warn(f"unienv_mp: a call on this {type(self).__name__} in another "
-                              f"thread did not end within {CLOSE_WAIT} s of close(); its "
-                              f"workers are stopped, its shared memory is released at "
-                              f"exit", RuntimeWarning, stacklevel=2)
-                _process.stop_processes(
-                    [w.proc for w in resources.workers if w.proc is not None], 2.0)
-                return
-            finalizer = getattr(self, "_finalizer", None)
-            if finalizer is not None:
-                finalizer()
-            else:
-                resources.close()
-            self._tasks.clear()
-            self._order.clear()
-        finally:
-            if got and lock is not None:
-                lock.release()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def __repr__(self):
         state = "closed" if self.closed else f"{self.n_workers} workers"
         return f"<{type(self).__name__} {state}, {len(self._order)} pending>"
+
+
+def _checked_options(target_fn, n_workers, ctx, daemon, worker_seeds, doze_time, in_order,
+                     copy, timeout, respawn, max_respawns, max_leases, spin, stall_timeout,
+                     start_later):
+    """The arguments of MultiProcessingSampleManager checked and normalised: ``(public,
+    n_workers, ctx, daemon, worker_seeds)``, ``public`` the dict of the attributes they
+    set."""
+    if not callable(target_fn):
+        raise TypeError(f"target_fn must be callable, got {type(target_fn).__name__}")
+    n_workers = check_workers(n_workers)
+    if worker_seeds is not None:
+        worker_seeds = list(worker_seeds)
+        if len(worker_seeds) != n_workers:
+            raise ValueError(f"worker_seeds must have n_workers={n_workers} entries, "
+                             f"got {len(worker_seeds)}")
+    if start_later is not None and not callable(start_later):
+        raise TypeError(f"start_later must be None or callable, got "
+                        f"{type(start_later).__name__}")
+    if spin is None:
+        spin = _DEFAULT_SPIN if len(os.sched_getaffinity(0)) > n_workers else 0.0
+    public = dict(
+        target_fn=target_fn,
+        doze_time=check_doze_time(doze_time),
+        in_order=check_bool(in_order, "in_order"),
+        copy=check_bool(copy, "copy"),
+        timeout=check_seconds(timeout, "timeout"),
+        stall_timeout=check_seconds(stall_timeout, "stall_timeout"),
+        respawn=check_bool(respawn, "respawn"),
+        max_respawns=check_int(max_respawns, "max_respawns", 0, MAX_RESPAWNS),
+        spin=check_spin(spin),
+        max_leases=2 * n_workers + 8 if max_leases is None else check_int(
+            max_leases, "max_leases", 0, MAX_LEASES))
+    return (public, n_workers, check_context(ctx),
+            check_bool(daemon, "daemon", allow_none=True), worker_seeds)

@@ -1,0 +1,407 @@
+"""The worker processes of a MultiProcessingSampleManager, and their supervision.
+
+:class:`Lane` is what the manager keeps for one worker, :class:`Resources` what must be
+released however the manager ends.  :class:`Supervision`, a base class of the manager,
+starts the workers left to start later, notices a worker that died or stalled, buries its
+process (keeping what it published, queueing its unfinished tasks again) and restarts the
+lane.  Its methods work on the manager's state (see ``MultiProcessingSampleManager``'s
+``__init__``) and keep the rules against a Ctrl-C written at the top of
+:mod:`unienv_mp.manager`.
+"""
+import collections
+import queue as _queue
+import signal
+import time
+import warnings
+
+from . import _process
+from . import _protocol as P
+from . import stats as _stats
+from ._backend import CLOSED_WHILE_WAITING, respawn_verdict
+from ._stalls import Stall
+from ._worker_handle import WorkerCorrupt, WorkerDied, WorkerStalled
+from .errors import CodecError, RingClosed, WorkerDiedError
+
+__all__ = ["Lane", "Resources", "Supervision", "CLOSE_WAIT"]
+
+#: Seconds close() waits for a call running in another thread to leave (it is woken at
+#: once; this bounds a call stuck in a work function's ``start_later`` or the like).
+CLOSE_WAIT = 10.0
+
+
+class Lane:
+    """What the manager keeps for one worker: its handle, the tickets in flight on its
+    process (in the order given), the tasks waiting for a (new) process, how many of its
+    processes died since one last produced a result, and its counters' record."""
+    __slots__ = ("worker", "inflight", "waiting", "deaths_in_a_row", "record", "stall")
+
+    def __init__(self, worker):
+        self.worker = worker
+        self.inflight = collections.deque()
+        self.waiting = []
+        self.deaths_in_a_row = 0
+        self.record = _stats.WorkerRecord(time.monotonic_ns())
+        self.stall = None   # the Stall of a process killed for stalling, not yet buried
+
+
+class Resources:
+    """Processes and shared memory of a manager: what must be released even if the manager
+    is garbage collected or the interpreter exits without close() (its finalizer holds
+    this, not the manager)."""
+
+    def __init__(self):
+        self.workers = []          # WorkerHandle
+        self.doorbell_seg = None
+        self.spills = []
+        self.done_event = None
+        self.closed = False
+
+    def shut_down(self):
+        """Tell every worker to stop (their rings shut down, the done event set), and make
+        every wait on them raise: a call waiting in another thread returns."""
+        for w in self.workers:
+            w.shut_down_rings()
+        if self.done_event is not None:
+            try:
+                self.done_event.set()
+            except Exception:
+                pass
+
+    def close(self, join_timeout=2.0):
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.shut_down()   # (again: a process started since, by a call ending now)
+            # (cut short, this kills the workers: a second close() does nothing)
+            _process.stop_processes([w.proc for w in self.workers if w.proc is not None],
+                                    join_timeout)
+        finally:
+            for w in self.workers:
+                w.release_memory()
+            for seg in self.spills:
+                seg.close()
+            self.spills.clear()
+            if self.doorbell_seg is not None:
+                self.doorbell_seg.close()
+
+
+class Supervision:
+    """The manager's methods that start, check, bury, restart, account for (``stats``) and
+    at last stop its worker processes.
+
+    ``stall_timeout``: when a caller waiting on a worker finds it on one task for longer,
+    the worker's Python stacks are taken (faulthandler, from a signal handler: a worker
+    stuck in C code has them too), and the worker is killed and replaced.  With
+    ``respawn=True`` a ``RuntimeWarning`` carrying the stacks is issued and the task is
+    given to the replacement; the task's result is :class:`~unienv_mp.WorkerStalledError`
+    (raised by the call that collects it) if it stalls ``max_respawns + 1`` times in a row,
+    or at once with ``respawn=False``.  The other tasks of that worker go to the
+    replacement either way.  A worker that takes none of the tasks waiting for it for
+    longer (it was stopped, by SIGSTOP or a debugger, or has stopped responding after its
+    first task) is killed and replaced too, with the warning, whatever ``respawn`` says:
+    no task is to blame.  A stopped process cannot give its stacks, and is not waited on
+    for them.
+
+    ``start_later``: only worker 0 starts with the manager, so that a first result can
+    come after one process start rather than ``n_workers`` of them (each start of a large
+    parent under fork copies its page tables: tens of ms).  The others start one at a
+    time, in order, when the caller would otherwise wait for a result, after the first
+    result was handed out, and only if ``start_later()`` returns True then (if it returns
+    False, the workers not started yet never start: e.g. the data they would copy is no
+    longer the data the first one copied).  Until they start, tasks are dealt among the
+    workers started (what a task gives must not depend on which worker runs it), and
+    ``workers`` and ``stats`` list the started ones.
+    """
+
+    def start_all(self) -> None:
+        """Start now every worker left to start later (see ``start_later``), as far as
+        ``start_later()`` allows."""
+        with self._lock:
+            self._ensure_open()
+            while self._start_deferred():
+                pass
+
+    def _start_deferred(self, quiet=False):
+        """Start the next worker left to start later, if ``start_later()`` allows (else
+        none of them will start); True if one started.  ``quiet``: a worker that cannot
+        be started (or a ``start_later`` that raises) is not the caller's error, since
+        the workers started can do the work: none of the rest will start, with a
+        ``RuntimeWarning`` saying why."""
+        if not self._deferred:
+            return False
+        # (one step: either the worker has its lane and its process, or neither)
+        with _process.interrupts_deferred():
+            try:
+                if not self._start_later():
+                    self._deferred.clear()
+                    return False
+                w, seed = self._deferred[0]
+                w.start(seed)
+            except Exception as e:
+                if not quiet or self.closed:
+                    raise
+                left = len(self._deferred)
+                self._deferred.clear()
+                warnings.warn(f"unienv_mp: could not start a worker after the first "
+                              f"({type(e).__name__}: {e}); going on with "
+                              f"{len(self._lanes)} worker(s), {left} not started",
+                              RuntimeWarning, stacklevel=3)
+                return False
+            self._deferred.popleft()
+            self._lanes.append(Lane(w))
+        return True
+
+    def _bury(self, lane, cause=None):
+        """The process of ``lane``'s worker died (``cause``: the WorkerDied noticed), or
+        stalled (a WorkerStalled: it is killed here): keep what it published, stop and
+        release it, and queue its unfinished work for the next process (see _restart).
+        Raises WorkerDiedError if a dead worker must not (respawn=False) or should not
+        (it keeps dying) be replaced: after the process is taken off the lane, so that
+        the next call starts a fresh one, with the whole budget, for the work left
+        waiting (a lane never keeps a dead process).  A stalled one is always replaced;
+        its task in hand fails with WorkerStalledError unless it may be tried again (see
+        stall_timeout).  One that wrote on its rings what it could not have written (a
+        WorkerCorrupt) is killed here and dies like any other, but with a warning, or a
+        CodecError instead of the WorkerDiedError; nothing more is read from its
+        rings."""
+        w = lane.worker
+        corrupt = None
+        if isinstance(cause, WorkerStalled):
+            # (kept before the kill: its death is this stall)
+            lane.stall = Stall(w, cause, self.stall_timeout)
+            w.kill()
+        elif isinstance(cause, WorkerCorrupt):
+            corrupt = cause.error
+            w.kill()
+        code = w.exit_code(1.0)
+        if w.has_process and corrupt is None:
+            try:
+                while True:
+                    self._take(lane, w.next_result(0))
+            except (_queue.Empty, RingClosed, WorkerDied):
+                pass
+        deaths, give_up, failed = self._verdict(lane, code, corrupt)
+        if give_up is not None:
+            # The next call starts a fresh process, with the whole budget; the unfinished
+            # work waits for it (nothing is lost: its caller may ask again).
+            deaths = 0
+        # One step that a Ctrl-C must not cut in two: the worker has no process, and its
+        # unfinished work waits for the next one.  A KeyboardInterrupt can land between
+        # any two statements, so SIGINT is held back until the step is done, then
+        # raised.  Stopping the old process and releasing its memory, which take a while
+        # and may be interrupted themselves, come after, in the ``finally``: also when
+        # the Ctrl-C held back is raised as the step ends.
+        detached = None
+        try:
+            with _process.interrupts_deferred():
+                detached = self._requeue(lane, deaths, failed)
+        finally:
+            if detached is not None:
+                detached.stop(1.0)
+        if give_up is not None:
+            raise give_up from None
+
+    def _verdict(self, lane, code, corrupt):
+        """What the death of ``lane``'s process (exit ``code``; ``corrupt``: the
+        CodecError of a WorkerCorrupt, or None) means: ``(deaths, give_up, failed)``,
+        its deaths in a row counting this one, the error to raise once it is buried (or
+        None: it is replaced), and the task whose result is its stall, as ``(task,
+        error)`` (or None).  Warns of a replacement the caller should hear of."""
+        w, stall = lane.worker, lane.stall
+        how = _process.describe_exit(code)
+        # (a SIGINT is a terminal's Ctrl-C that reached the worker too, not a crash)
+        deaths = lane.deaths_in_a_row + (code != -signal.SIGINT)
+        give_up = failed = None
+        if code == _process.EXIT_MAIN_REIMPORTED and stall is None:
+            # a replacement would make the same mistake: one error, with the fix
+            give_up = WorkerDiedError(
+                f"worker {w.index} {how}: started with {self._start_method!r}, it "
+                f"imported the main module, whose top level starts a sampler's workers "
+                f"again (the script has no `if __name__ == \"__main__\":` guard around "
+                f"its work).  Put the work under such a guard (see the README's quick "
+                f"start); workers started with spawn or forkserver import the main module",
+                worker=w.index, exitcode=code)
+        elif corrupt is not None:
+            verdict = respawn_verdict(self.respawn, deaths, self.max_respawns)
+            if verdict is not None:
+                give_up = CodecError(f"{corrupt}; the worker was killed; {verdict}")
+            else:
+                warnings.warn(f"{corrupt}; the worker was killed and replaced, and its "
+                              f"unfinished tasks are given to the replacement",
+                              RuntimeWarning, stacklevel=5)
+        elif stall is not None and stall.ticket is None:
+            # (it took no task: none is to blame, nor counted as failing)
+            deaths = lane.deaths_in_a_row
+            stall.warn(True, stacklevel=5)
+        elif stall is not None:
+            task = self._tasks.get(stall.ticket)
+            if respawn_verdict(self.respawn, deaths, self.max_respawns) is not None:
+                if task is not None and not task.arrived and task.worker == w.index:
+                    failed = (task, stall.error())
+                deaths = 0   # (the task that kept stalling is given up)
+            else:
+                stall.warn(task is not None and not task.cancelled, stacklevel=5)
+        else:
+            verdict = respawn_verdict(self.respawn, deaths, self.max_respawns)
+            if verdict is not None:
+                give_up = WorkerDiedError(f"worker {w.index} (pid {w.pid}) {how}; {verdict}",
+                                          worker=w.index, exitcode=code)
+        return deaths, give_up, failed
+
+    def _requeue(self, lane, deaths, failed):
+        """The step of _bury that a Ctrl-C must not cut in two (the caller holds SIGINT
+        back): record the process's end, hand out the result of ``failed``, queue the
+        unfinished tasks for the next process, and detach the process from the lane's
+        worker.  Returns the detached process, to stop."""
+        w = lane.worker
+        lane.deaths_in_a_row = deaths
+        lane.stall = None
+        lane.record.process_ended(w.counters(), time.monotonic_ns())
+        if failed is not None:
+            task, error = failed
+            task.error = error
+            self._arrived(lane, task)
+        unfinished = []
+        tasks = self._tasks
+        for t in lane.inflight:
+            task = tasks.get(t)
+            if task is None or task.arrived:
+                continue
+            task.slot = None   # (the slot numbers of the dead process are void)
+            if task.cancelled:
+                self._drop(task)
+            elif task not in lane.waiting:
+                unfinished.append(task)
+        lane.inflight.clear()
+        lane.waiting[0:0] = unfinished    # before anything queued for it meanwhile
+        return w.detach()
+
+    def _restart(self, lane):
+        """Start a process for ``lane``'s worker if it has none, and hand it the tasks
+        waiting for it, in order.  Survives the new process dying too (up to the limit)."""
+        w = lane.worker
+        while True:
+            try:
+                if not w.has_process:
+                    if self.closed:
+                        raise RuntimeError(CLOSED_WHILE_WAITING)
+                    seed = (None if self._seeds is None
+                            else int(self._seed_rng.integers(2 ** 31)))
+                    w.start(seed)
+                    if w.incarnation > 1:
+                        lane.record.respawns += 1
+                waiting = lane.waiting
+                while waiting:
+                    task = waiting[0]
+                    if task.cancelled and not task.arrived:
+                        self._drop(task)   # (nobody waits for it any more)
+                    # (pushed already, by a step that a Ctrl-C cut short: in flight)
+                    elif not task.arrived and task.ticket not in lane.inflight:
+                        self._make_room(lane)
+                        self._push_task(task, lane)
+                    del waiting[0]
+                return
+            except WorkerDied as e:
+                self._bury(lane, e)
+
+    def _check_all_alive(self):
+        if self.closed:
+            raise RuntimeError(CLOSED_WHILE_WAITING)
+        stall_ns = None if self.stall_timeout is None else int(self.stall_timeout * 1e9)
+        for lane in self._lanes:
+            w = lane.worker
+            if w.proc is None:          # replaced, but its replacement could not start yet
+                self._restart(lane)
+            elif w.has_exited():
+                self._bury(lane)
+                self._restart(lane)
+            elif stall_ns is not None:
+                try:
+                    w.check_stall(stall_ns)
+                except WorkerStalled as e:
+                    self._bury(lane, e)
+                    self._restart(lane)
+
+    # -- what the workers are and did ------------------------------------------------------
+
+    @property
+    def n_workers(self):
+        """Number of worker processes (those not started yet included, see
+        ``start_later``)."""
+        return self._n_workers
+
+
+    @property
+    def workers(self):
+        """The worker ``Process`` objects (replacements included, after a respawn) of the
+        workers started (see ``start_later``)."""
+        return [lane.worker.proc for lane in self._lanes]
+
+
+    def stats(self, reset: bool = False) -> _stats.SamplerStats:
+        """Where the time went since the first request (or the last ``stats(reset=True)``):
+        see :class:`~unienv_mp.SamplerStats`.  ``reset=True``: the counters start again
+        from zero once this is read.  A result counts as ``batches_in(work)`` batches if
+        the work function has that method, else one."""
+        with self._lock:
+            now = time.monotonic_ns()
+            count = (lambda work: 1) if self._batches_in is None else self._batches_in
+            tasks = self._tasks
+            ready = sum(count(task.work) for task in tasks.values() if task.arrived
+                        and not task.cancelled and task.status == P.ST_OK and task.error is None)
+            workers = []
+            for lane in self._lanes:
+                w = lane.worker
+                counters = w.counters()
+                if w.has_process:   # published, not yet taken off the ring: in flight order
+                    for ticket in list(lane.inflight)[:w.results_published]:
+                        task = tasks.get(ticket)
+                        if task is not None and not task.arrived and not task.cancelled:
+                            ready += count(task.work)
+                workers.append(lane.record.read(w.index, w.pid, counters, now, reset,
+                                                w.launched_ns if w.has_process else None))
+            return self._caller.report(ready, workers, now, reset)
+
+
+    # -- the end ------------------------------------------------------------------------
+
+    def close(self):
+        """Stop the workers (asking first, then terminating any still running after ~2 s)
+        and release the shared memory.  Results already handed out stay valid.
+        Idempotent, and safe from any thread at any moment: a call running in another
+        thread is woken and raises ``RuntimeError``, no process starts after this
+        returns, and the memory is released once that call has left (if it has not
+        within ``CLOSE_WAIT`` seconds, the processes are stopped and the memory is
+        released at the manager's garbage collection or at exit, with a
+        ``RuntimeWarning``)."""
+        self.closed = True
+        resources = self._resources
+        resources.shut_down()   # first, without the lock: wakes a call waiting meanwhile
+        lock = getattr(self, "_lock", None)
+        got = lock is None or lock.acquire(timeout=CLOSE_WAIT)
+        try:
+            if not got:
+                warnings.warn(f"unienv_mp: a call on this {type(self).__name__} in another "
+                              f"thread did not end within {CLOSE_WAIT} s of close(); its "
+                              f"workers are stopped, its shared memory is released at "
+                              f"exit", RuntimeWarning, stacklevel=2)
+                _process.stop_processes(
+                    [w.proc for w in resources.workers if w.proc is not None], 2.0)
+                return
+            finalizer = getattr(self, "_finalizer", None)
+            if finalizer is not None:
+                finalizer()
+            else:
+                resources.close()
+            self._tasks.clear()
+            self._order.clear()
+        finally:
+            if got and lock is not None:
+                lock.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
