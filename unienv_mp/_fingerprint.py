@@ -112,6 +112,107 @@ def _slots(cls):
     return (slots,) if isinstance(slots, str) else tuple(slots)
 
 
+class _Walk:
+    """One walk over a sampler's object graph: the tokens it recorded, and references to
+    the objects whose identities they hold."""
+
+    def __init__(self, torch, known, space):
+        self.tokens = []
+        self.refs = []
+        self.seen = {}   # id -> the object's number, in the order first met
+        self.add = self.tokens.append
+        self.tensor_t = torch.Tensor
+        self.generator_t = torch.Generator
+        self.dtype_t = (torch.dtype, torch.device)
+        self.known = known
+        self.space = space
+
+    def sampler(self, sampler):
+        add = self.add
+        self.refs.append(weakref.ref(sampler))
+        add(("sampler", id(sampler)))
+        self.seen[id(sampler)] = 0
+        for k, v in vars(sampler).items():
+            add(k)
+            if k in ("rng", "data_rng") and (v is None or type(v) is self.generator_t):
+                # StepSampler's get*_at draw nothing: its RNGs do not change an epoch's
+                # batches (and every sample* task reseeds them)
+                continue
+            self.visit(v)
+
+    def visit(self, obj):
+        add = self.add
+        t = type(obj)
+        if t in _SCALARS:
+            # by type and value (1, True and 1.0 are equal in Python; -0.0 and 0.0 too,
+            # and NaN is not equal to itself: floats by their bits)
+            add((t, obj.hex() if t is float else obj))
+            return
+        if t in self.dtype_t:
+            add(obj)
+            return
+        seen = self.seen
+        key = id(obj)
+        if key in seen:
+            add(("again", seen[key]))
+            return
+        if len(seen) >= _MAX_OBJECTS:
+            raise _Unknown
+        seen[key] = len(seen)
+        if t is self.tensor_t:
+            if obj.device.type != "cpu" or obj.is_inference():
+                raise _Unknown
+            self.refs.append(weakref.ref(obj))
+            add((key, obj.data_ptr(), obj._version, tuple(obj.shape), obj.stride(),
+                 obj.storage_offset(), obj.dtype))
+        elif t is tuple or t is list:
+            add((t, len(obj)))
+            for x in obj:
+                self.visit(x)
+        elif t is dict:
+            add((dict, len(obj)))
+            self.items(obj)
+        elif isinstance(obj, type):
+            # a class (a compute backend is one): by identity; classes live for good
+            add(("class", key))
+        elif t in self.known or isinstance(obj, self.space):
+            self.instance(obj, t, key)
+        else:
+            raise _Unknown
+
+    def items(self, mapping):
+        for k, v in mapping.items():
+            self.visit(k)
+            self.visit(v)
+
+    def instance(self, obj, t, key):
+        """An object of one of the known classes: by identity, then every attribute."""
+        add = self.add
+        if not (t.__module__.startswith(("unienv_data.", "unienv_interface."))):
+            raise _Unknown   # (a subclass of a space defined elsewhere)
+        try:
+            self.refs.append(weakref.ref(obj))
+        except TypeError:
+            # (no weak references, e.g. a class with __slots__: held strongly, as a
+            # function returning it, so that its identity stays its own)
+            self.refs.append(_Strong(obj))
+        add(("object", t, key))
+        if isinstance(obj, dict):
+            add(len(obj))
+            self.items(obj)
+        names = [n for c in t.__mro__ for n in _slots(c)
+                 if n not in ("__dict__", "__weakref__")]
+        for n in names:
+            add(n)
+            self.visit(getattr(obj, n, _MISSING))
+        attrs = getattr(obj, "__dict__", None)
+        if attrs is not None:
+            add(len(attrs))
+            for k, v in attrs.items():
+                add(k)
+                self.visit(v)
+
+
 def take(sampler):
     """The fingerprint of ``sampler`` and its data, or None if it cannot be told exactly
     (see the module's docstring)."""
@@ -128,95 +229,11 @@ def take(sampler):
     step_sampler, known, space = _cache
     if step_sampler is None or type(sampler) is not step_sampler:
         return None
-    tokens = []
-    refs = []
-    seen = {}
-    tensor_t = torch.Tensor
-    generator_t = torch.Generator
-    dtype_t = (torch.dtype, torch.device)
-    add = tokens.append
-
-    def visit(obj):
-        t = type(obj)
-        if t in _SCALARS:
-            # by type and value (1, True and 1.0 are equal in Python; -0.0 and 0.0 too,
-            # and NaN is not equal to itself: floats by their bits)
-            add((t, obj.hex() if t is float else obj))
-            return
-        if t in dtype_t:
-            add(obj)
-            return
-        key = id(obj)
-        if key in seen:
-            add(("again", seen[key]))
-            return
-        if len(seen) >= _MAX_OBJECTS:
-            raise _Unknown
-        seen[key] = len(seen)
-        if t is tensor_t:
-            if obj.device.type != "cpu" or obj.is_inference():
-                raise _Unknown
-            refs.append(weakref.ref(obj))
-            add((key, obj.data_ptr(), obj._version, tuple(obj.shape), obj.stride(),
-                 obj.storage_offset(), obj.dtype))
-            return
-        if t is tuple or t is list:
-            add((t, len(obj)))
-            for x in obj:
-                visit(x)
-            return
-        if t is dict:
-            add((dict, len(obj)))
-            for k, v in obj.items():
-                visit(k)
-                visit(v)
-            return
-        if isinstance(obj, type):
-            # a class (a compute backend is one): by identity; classes live for good
-            add(("class", key))
-            return
-        if t in known or isinstance(obj, space):
-            if not (t.__module__.startswith(("unienv_data.", "unienv_interface."))):
-                raise _Unknown   # (a subclass of a space defined elsewhere)
-            try:
-                refs.append(weakref.ref(obj))
-            except TypeError:
-                # (no weak references, e.g. a class with __slots__: held strongly, as a
-                # function returning it, so that its identity stays its own)
-                refs.append(_Strong(obj))
-            add(("object", t, key))
-            if isinstance(obj, dict):
-                add(len(obj))
-                for k, v in obj.items():
-                    visit(k)
-                    visit(v)
-            names = [n for c in t.__mro__ for n in _slots(c)
-                     if n not in ("__dict__", "__weakref__")]
-            for n in names:
-                add(n)
-                visit(getattr(obj, n, _MISSING))
-            attrs = getattr(obj, "__dict__", None)
-            if attrs is not None:
-                add(len(attrs))
-                for k, v in attrs.items():
-                    add(k)
-                    visit(v)
-            return
-        raise _Unknown
-
+    walk = _Walk(torch, known, space)
     try:
-        refs.append(weakref.ref(sampler))
-        add(("sampler", id(sampler)))
-        seen[id(sampler)] = 0
-        for k, v in vars(sampler).items():
-            add(k)
-            if k in ("rng", "data_rng") and (v is None or type(v) is generator_t):
-                # StepSampler's get*_at draw nothing: its RNGs do not change an epoch's
-                # batches (and every sample* task reseeds them)
-                continue
-            visit(v)
+        walk.sampler(sampler)
     except _Unknown:
         return None
     except Exception:
         return None
-    return Fingerprint(tuple(tokens), refs)
+    return Fingerprint(tuple(walk.tokens), walk.refs)

@@ -175,6 +175,28 @@ def _close_memory(rings, seg, counters, stack_fd):
         os.close(stack_fd)
 
 
+def _ring_layout():
+    """Where a worker's rings lie in its segment: ``(task ring offset, task entry size,
+    result ring offset, result ring capacity, result entry size, segment size)``."""
+    task_entry = P.ENTRY_HEADER + TASK_INLINE
+    result_entry = P.ENTRY_HEADER + RESULT_INLINE
+    t_bytes = RingBuffer.footprint(TASK_CAPACITY, task_entry)
+    # The manager keeps at most TASK_CAPACITY tasks in flight per worker, so a worker
+    # never waits to publish a result.
+    r_cap = TASK_CAPACITY + 2
+    r_bytes = RingBuffer.footprint(r_cap, result_entry)
+    t_off, r_off = P.RINGS_AT, P.RINGS_AT + t_bytes
+    return t_off, task_entry, r_off, r_cap, result_entry, r_off + r_bytes
+
+
+def _not_picklable(method, error):
+    """The TypeError for a work function that could not be sent to a new process."""
+    return TypeError(
+        f"cannot start workers with the {method!r} start method: the work function (and "
+        f"everything it refers to, e.g. the wrapped sampler) must be picklable, but "
+        f"pickling failed with {type(error).__name__}: {error}")
+
+
 class WorkerHandle:
     """Worker ``index`` of a manager, as the parent sees it.
 
@@ -251,15 +273,8 @@ class WorkerHandle:
         if self.shut_down:
             raise RuntimeError("this worker's manager was closed: no process starts now")
         launch = self._launch
-        task_entry = P.ENTRY_HEADER + TASK_INLINE
-        result_entry = P.ENTRY_HEADER + RESULT_INLINE
-        t_bytes = RingBuffer.footprint(TASK_CAPACITY, task_entry)
-        # The manager keeps at most TASK_CAPACITY tasks in flight per worker, so a worker
-        # never waits to publish a result.
-        r_cap = TASK_CAPACITY + 2
-        r_bytes = RingBuffer.footprint(r_cap, result_entry)
-        t_off, r_off = P.RINGS_AT, P.RINGS_AT + t_bytes
-        seg = Segment.create(r_off + r_bytes, f"worker{self.index}")
+        t_off, task_entry, r_off, r_cap, result_entry, size = _ring_layout()
+        seg = Segment.create(size, f"worker{self.index}")
         tasks = results = proc = counters = None
         stack_r = stack_w = None
         adopted = False
@@ -293,29 +308,13 @@ class WorkerHandle:
                     launched = time.monotonic_ns()
                     proc.start()
             except (pickle.PicklingError, TypeError, AttributeError) as e:
-                raise TypeError(
-                    f"cannot start workers with the {launch.ctx.get_start_method()!r} start "
-                    f"method: the work function (and everything it refers to, e.g. the "
-                    f"wrapped sampler) must be picklable, but pickling failed with "
-                    f"{type(e).__name__}: {e}") from e
+                raise _not_picklable(launch.ctx.get_start_method(), e) from e
             # The handle takes the process (and a pidfd of it) in one step that a Ctrl-C
             # cannot cut in two.
             with _process.interrupts_deferred():
                 os.close(stack_w)   # (the process has its own now)
                 stack_w = None
-                _process.open_pidfd(proc)
-                self.incarnation += 1
-                self._seg, self._tasks, self._results = seg, tasks, results
-                self._rings = (tasks, results)
-                self._counters, self._stack_fd = counters, stack_r
-                self.proc, self.pid = proc, proc.pid
-                self.launched_ns = launched
-                self._popped = collections.deque()
-                self._slot_maps = {}
-                self._free_slots = collections.deque()
-                self._next_slot = 0
-                self._pushed = 0
-                self._owing_since = None
+                self._adopt(proc, launched, seg, tasks, results, counters, stack_r)
                 adopted = True
         except BaseException:
             if not adopted:
@@ -329,6 +328,23 @@ class WorkerHandle:
                     os.close(stack_w)
                 _close_memory((), seg, counters, stack_r)
             raise
+
+    def _adopt(self, proc, launched, seg, tasks, results, counters, stack_r):
+        """The handle takes a process just started and its memory, with fresh per-process
+        bookkeeping (called with interrupts deferred)."""
+        _process.open_pidfd(proc)
+        self.incarnation += 1
+        self._seg, self._tasks, self._results = seg, tasks, results
+        self._rings = (tasks, results)
+        self._counters, self._stack_fd = counters, stack_r
+        self.proc, self.pid = proc, proc.pid
+        self.launched_ns = launched
+        self._popped = collections.deque()
+        self._slot_maps = {}
+        self._free_slots = collections.deque()
+        self._next_slot = 0
+        self._pushed = 0
+        self._owing_since = None
 
     def detach(self):
         """Take the process (which died) and its memory off the handle, and return them,
