@@ -30,8 +30,8 @@ import _data
 from unienv_data.samplers import StepSampler
 
 from unienv_mp import MultiprocessingSampler
-from unienv_mp import (_backend, _polling, _process, _slots, _stalls, _supervision, _unienv_queue,
-                       _work_encoder, _worker_handle, manager as M)
+from unienv_mp import (_backend, _epochs, _polling, _process, _slots, _stalls, _supervision,
+                       _unienv_queue, _work_encoder, _worker_handle, manager as M)
 from unienv_mp._streams import Stream
 
 _NEVER_INTERRUPTED = {dis.opmap[name] for name in ("NOP", "PUSH_EXC_INFO", "POP_EXCEPT")}
@@ -529,11 +529,11 @@ def test_a_ctrl_c_as_a_worker_starts_leaves_no_descriptor():
     assert pidfds() <= before, f"pidfds left open: {pidfds() - before}"
 
 
-def _sampler(**kwargs):
+def _sampler(rows=100, n_workers=2, **kwargs):
     from unienv_data.samplers import StepSampler
     from unienv_mp import MultiprocessingSampler
-    rb = _data.replay_buffer(100, multiprocessing=kwargs.pop("shared", False))
-    return MultiprocessingSampler(StepSampler(rb, 8, seed=0), n_workers=2, n_buffers=4,
+    rb = _data.replay_buffer(rows, multiprocessing=kwargs.pop("shared", False))
+    return MultiprocessingSampler(StepSampler(rb, 8, seed=0), n_workers=n_workers, n_buffers=4,
                                   ctx="fork", batches_per_task=1, **kwargs)
 
 
@@ -607,6 +607,48 @@ def test_an_epoch_on_kept_workers_closed_by_a_ctrl_c_leaves_no_task_behind():
         assert not s._epoch_users
         seen = sorted(j for b in s.epoch_iter() for j in _data.indices_of(b))
         assert seen == list(range(100)) and s._kept is kept
+
+
+@pytest.mark.parametrize("workers", ["sample", "kept", "own"])
+def test_a_ctrl_c_anywhere_in_an_epoch_leaves_nothing_held(workers):
+    """A Ctrl-C before any bytecode of the epoch code, on each kind of manager an epoch runs
+    on (the sample* workers over shared data, workers kept between epochs, an epoch's own):
+    the epoch cut short lets go of its manager (no epoch counted on it, none current, none
+    of its tickets left, its own manager closed), and the next epoch is whole."""
+    options = {"shared": True} if workers == "sample" else {}
+    rows = 100
+    if workers == "own":
+        # (each run starts workers: a shorter epoch, on one)
+        options.update(persistent_workers=False, n_workers=1)
+        rows = 24
+    with _sampler(rows, **options) as s:
+        if workers != "kept":
+            s.sample()   # (with no sample* workers, unshared data's epochs keep theirs)
+        assert len(list(s.epoch_iter())) == -(-rows // 8)
+
+        def epoch_round():
+            it = s.epoch_iter()
+            try:
+                for _ in it:
+                    pass
+            finally:
+                it.close()
+
+        def recover():
+            assert not s._epoch_users, f"epochs still counted: {dict(s._epoch_users)}"
+            assert s._current_epoch is None
+            for mgr in {s._manager, s._kept} - {None}:
+                waited = {t for st in s._streams.values() for t in st.tickets}
+                orphans = [t for t, task in mgr._tasks.items()
+                           if t not in waited and not task.cancelled]
+                assert not orphans, f"tasks nobody will collect or cancel: {orphans}"
+            seen = sorted(j for b in s.epoch_iter() for j in _data.indices_of(b))
+            assert seen == list(range(rows))
+            assert not s._epoch_managers and not s._epoch_users
+
+        runs = interrupt_everywhere(Interrupter({_epochs.__file__}), epoch_round, recover)
+        assert runs > 250
+        assert (s._kept is not None) == (workers == "kept")
 
 
 def take(m, n, method="sample"):
@@ -830,15 +872,20 @@ def test_a_ctrl_c_before_any_bytecode_of_the_stream_keeps_its_position(in_order,
 #: The package's modules whose code the tests here (and tests/test_backend_contract.py, for
 #: the Ray manager) interrupt at every bytecode.
 INTERRUPTED = {os.path.relpath(f, os.path.dirname(M.__file__)) for f in PACKAGE_FILES} | {
-    "sampler.py", "_streams.py", os.path.join("ray", "manager.py")}
+    "sampler.py", "_streams.py", "_epochs.py", os.path.join("ray", "manager.py")}
 
 #: Every other module of the package, and why a Ctrl-C in it needs no such test.
 NOT_INTERRUPTED = {
     "__init__.py": "re-exports",
     "__main__.py": "the main job's entry point (the benchmark harness, not the library)",
+    "_checkpoints.py": "manual_seed and load_state_dict check and build first, then change "
+                       "the sampler in one step that holds SIGINT back (a chosen line: "
+                       "test_sampling_goes_on_after_a_ctrl_c_in_manual_seed); state_dict "
+                       "reads",
     "_codec.pyx": "compiled: a signal is acted on once it returns to its (tested) caller",
     "_ring.pyx": "compiled: as _codec; what a ring does is recorded inside the call",
     "_rows.pyx": "compiled: as _codec",
+    "_delegates.py": "the wrapped sampler's properties and get*_at, forwarded: nothing kept",
     "_fingerprint.py": "reads the data and returns a value: nothing kept across a call",
     "_headroom.py": "a memory check before a segment is made: returns or raises",
     "_protocol.py": "constants of the wire format, and SlotWriter (run in the workers)",

@@ -22,11 +22,14 @@ from typing import Any, Optional
 
 from unienv_data.base import BatchSampler
 
-from . import _fingerprint, _process, _state
+from . import _fingerprint, _process
 from . import gather as _gather
 from . import stats as _stats
-from ._sampling import SamplerTarget, epoch_order, split_epoch
-from ._streams import EpochProgress, Stream, base_seed
+from ._checkpoints import Checkpoints
+from ._delegates import Delegates
+from ._epochs import Epochs
+from ._sampling import SamplerTarget
+from ._streams import Stream, base_seed
 from ._validate import (check_bool, check_context, check_doze_time, check_int, check_seconds,
                         check_workers, physical_memory)
 from .errors import WorkerError
@@ -87,10 +90,13 @@ def _check_cpu(sampler, who):
                 f"{dev!r} in the training loop")
 
 
-class SamplerBase(BatchSampler):
+class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
     """The training process's side of a sampler whose batches are made by workers: the
-    ``sample*`` streams and their chunks, epochs, checkpoints, :meth:`stats`, the
-    properties and delegates of the wrapped sampler, and the lifecycle.  What runs the
+    ``sample*`` streams and their chunks, :meth:`stats` and the lifecycle here; epochs
+    (:class:`~unienv_mp._epochs.Epochs`), seeds and checkpoints
+    (:class:`~unienv_mp._checkpoints.Checkpoints`) and the wrapped sampler's properties
+    (:class:`~unienv_mp._delegates.Delegates`) in base classes of their own, which work on
+    this class's state.  What runs the
     workers is a manager (a :class:`~unienv_mp.manager.MultiProcessingSampleManager`, or
     one with its ticket interface: ``submit(work, record=)``, ``result``, ``wait_any``,
     ``cancel``, ``stats``, ``close`` and ``closed``) that a subclass makes in
@@ -207,27 +213,10 @@ class SamplerBase(BatchSampler):
         docstring)."""
         raise NotImplementedError
 
-    def _epoch_manager(self):
-        """``(manager, own)``: the manager an epoch starting now runs on, and whether it
-        is the epoch's own (closed when the epoch ends; it is in ``_epoch_managers`` from
-        the moment it is made) or one that outlives the epoch (the ``sample*`` manager,
-        or one kept in ``_kept`` for the next epochs)."""
-        return self._ensure_manager(), False
-
     def _new_sample_manager(self):
         """The manager of the ``sample*`` methods, made at their first call: a new one
         (a subclass may hand over one kept for epochs instead)."""
         return self._new_manager()
-
-    def _retire(self, manager):
-        """``manager`` is no longer kept for anything: closed now, or, while epochs still
-        run on it, by the last of them (it waits in ``_epoch_managers``)."""
-        if manager is None or manager.closed:
-            return
-        if self._epoch_users.get(manager, 0) > 0:
-            self._epoch_managers.add(manager)
-        else:
-            manager.close()
 
     def _sampler_methods(self):
         """The wrapped sampler's ``sample*``, ``get_at*`` and ``get_flattened_at*``
@@ -338,94 +327,6 @@ class SamplerBase(BatchSampler):
             return 1
         return max(1, min(_CHUNK_MAX, _CHUNK_BYTES // max(1, row * self.batch_size)))
 
-    @staticmethod
-    def _collect(manager, tickets, ticket):
-        """The result of ``ticket``, taken off ``tickets`` (a ticket leaves it once its
-        result is delivered, or dropped: a Ctrl-C anywhere leaves no ticket behind that is
-        not pending)."""
-        try:
-            value = manager.result(ticket)
-        except BaseException:
-            # interrupted or timed out: nobody will ask for this ticket again
-            manager.cancel(ticket)
-            tickets.remove(ticket)
-            raise
-        tickets.remove(ticket)
-        return value
-
-    def _epoch(self, getter):
-        # (each step holds the lock, none across a yield: see "Threads")
-        with self._lock:
-            self._ensure_open()
-            # (an epoch restored by load_state_dict)
-            progress = self._resume.pop(getter, None)
-            if progress is None:
-                # The permutation first, as UniEnv draws it.
-                progress = EpochProgress(getter, epoch_order(self.sampler), self.batch_size)
-            batches = split_epoch(progress.order, progress.batch_size)
-            todo = progress.remaining()
-            self._start_clock()
-            manager, _ = self._epoch_manager()   # (an own manager is in _epoch_managers)
-            users = self._epoch_users
-            users[manager] += 1
-            self._current_epoch = progress
-        pending = collections.deque()
-        number = {}   # ticket -> batch number
-        nxt = 0
-        # The first batch is asked for alone, so that it has a worker, and the CPUs, to
-        # itself (it is waited for at once); the rest from the second on.
-        ahead = 1
-        try:
-            while nxt < len(todo) or pending:
-                with self._lock:
-                    if self._closed:
-                        raise RuntimeError(f"this {type(self).__name__} is closed")
-                    while nxt < len(todo) and len(pending) < ahead:
-                        manager.submit((getter, batches[todo[nxt]]), record=pending)
-                        number[pending[-1]] = todo[nxt]
-                        nxt += 1
-                    ticket = pending[0] if self.in_order else manager.wait_any(pending)
-                    value = self._collect(manager, pending, ticket)
-                    progress.handed_out(number.pop(ticket))
-                    self._caller.batches += 1
-                    if ahead == 1:
-                        # the rest, while the caller uses this batch
-                        ahead = self.n_buffers
-                        while nxt < len(todo) and len(pending) < ahead - 1:
-                            manager.submit((getter, batches[todo[nxt]]), record=pending)
-                            number[pending[-1]] = todo[nxt]
-                            nxt += 1
-                yield value
-        finally:
-            # Also on an early break (generator closed) or an error: drop what is in flight.
-            # (The epoch is over: the next one draws a new permutation.)
-            with self._lock:
-                self._end_epoch(manager, progress, pending)
-
-    def _end_epoch(self, manager, progress, pending):
-        """An epoch on ``manager`` ended (``pending``: its tickets in flight)."""
-        users = self._epoch_users
-        # (one step: a Ctrl-C cannot leave tickets behind on a manager that lives on)
-        with _process.interrupts_deferred():
-            if self._current_epoch is progress:
-                self._current_epoch = None
-            users[manager] -= 1
-            if users[manager] <= 0:
-                del users[manager]
-            # its own, or retired (see _retire) while this epoch ran: the last epoch
-            # on it closes it
-            last = manager in self._epoch_managers and manager not in users
-            if not last and not manager.closed:
-                for t in pending:
-                    manager.cancel(t)
-        if last:
-            if not manager.closed:
-                part = manager.stats()
-                self._ended_wait_ns += int(part.wait_seconds * 1e9)
-                self._ended_startup_ns += int(part.startup_seconds * 1e9)
-            manager.close()
-            self._epoch_managers.discard(manager)
-
     def stats(self, reset: bool = False):
         """Where the time went since the first request (or the last ``stats(reset=True)``),
         as a :class:`~unienv_mp.SamplerStats`: batches handed out, the time spent waiting
@@ -490,165 +391,6 @@ class SamplerBase(BatchSampler):
     def sample_index(self):
         """Indices from the wrapped sampler's ``sample_index()``, drawn by a worker."""
         return self._sample("sample_index")
-
-    def epoch_iter(self):
-        """One pass over a random permutation of the data (drawn here, with the wrapped
-        sampler's RNG), each batch gathered by a worker with ``get_at``; every index
-        exactly once, the last partial batch included."""
-        return self._epoch("get_at")
-
-    def epoch_iter_with_metadata(self):
-        """As :meth:`epoch_iter`, with ``get_at_with_metadata``."""
-        return self._epoch("get_at_with_metadata")
-
-    def epoch_flat_iter(self):
-        """As :meth:`epoch_iter`, with ``get_flattened_at``."""
-        return self._epoch("get_flattened_at")
-
-    def epoch_flat_iter_with_metadata(self):
-        """As :meth:`epoch_iter`, with ``get_flattened_at_with_metadata``."""
-        return self._epoch("get_flattened_at_with_metadata")
-
-    def __iter__(self):
-        return self.epoch_iter()
-
-    # -- what stays in this process -----------------------------------------------------------
-
-    def manual_seed(self, seed):
-        """Seed the wrapped sampler.  Batches already requested are dropped, so that what
-        follows is the same as from a fresh sampler seeded with ``seed``: the ``sample*``
-        streams start again from their first batch, and the next epoch draws its
-        permutation from the new seed."""
-        with self._lock:
-            with _process.interrupts_deferred():   # (one step: a Ctrl-C cannot cut it in two)
-                self.sampler.manual_seed(seed)
-                self._drop_streams()
-                self._base = base_seed(self.sampler)
-                self._resume = {}
-
-    def _drop_streams(self):
-        """Cancel what every stream requested and forget the streams (the batches of a
-        chunk not handed out yet go with them)."""
-        manager = self._manager
-        streams, self._streams = self._streams, {}
-        if manager is not None and not manager.closed:
-            for stream in streams.values():
-                for t in stream.tickets:
-                    manager.cancel(t)
-
-    # -- checkpoints ----------------------------------------------------------------------
-
-    def state_dict(self):
-        """Everything needed to go on from here, as a small picklable dict: the seed of
-        the ``sample*`` streams and how far each was handed out, the wrapped sampler's
-        RNGs (from which the next epochs' permutations are drawn), and an epoch being
-        iterated (its permutation and which of its batches were handed out).  Batches
-        requested ahead but not handed out yet are not part of it.  See
-        :meth:`load_state_dict`."""
-        with self._lock:
-            return {
-                "format": _state.FORMAT, "version": _state.VERSION,
-                "configuration": self._configuration(self._streams),
-                "base_seed": self._base,
-                "rngs": _state.capture_rngs(self.sampler),
-                "streams": {name: st.position() for name, st in self._streams.items()},
-                "epochs": [p.position() for p in (self._current_epoch, *self._resume.values())
-                           if p is not None],
-            }
-
-    def load_state_dict(self, state):
-        """Go on from ``state`` (from :meth:`state_dict` of a sampler built the same way:
-        the same kind of wrapped sampler, batch size, data length, batch structure and
-        ``batches_per_task``; ``n_workers``, ``n_buffers``, the start method and
-        ``direct_gather`` may differ, in this process or another).  The next batches of
-        each ``sample*`` method are those the original sampler would have handed out
-        next.  If an epoch was being iterated, the next epoch iterator of the same kind
-        yields exactly the rest of it, and the one after starts a new epoch as the
-        original's would have.  Raises ``ValueError`` (saying what differs) for a state
-        of another configuration."""
-        with self._lock:
-            _state.check(state, self._configuration(
-                state.get("streams", {}) if isinstance(state, dict) else {}))
-            epochs = [EpochProgress.from_position(p) for p in state["epochs"]]
-            for p in epochs:
-                if len(p.order) != len(self.sampler.data) or p.batch_size != self.batch_size:
-                    raise ValueError("the state's epoch does not fit this sampler's data")
-            streams = {name: Stream.from_position(name, int(state["base_seed"]), pos)
-                       for name, pos in state["streams"].items()}
-            with _process.interrupts_deferred():   # (one step: a Ctrl-C cannot cut it in two)
-                self._drop_streams()
-                self._base = int(state["base_seed"])
-                _state.restore_rngs(self.sampler, state["rngs"])
-                self._streams = streams
-                self._current_epoch = None
-                self._resume = {p.getter: p for p in epochs}
-
-    def _configuration(self, methods):
-        methods = set(methods) | {n for n in self._sampler_methods() if n.startswith("sample")}
-        return _state.configuration(self.sampler, {m: self._chunk_size(m) for m in methods})
-
-    @property
-    def sampled_space(self):
-        """The wrapped sampler's batch space."""
-        return self.sampler.sampled_space
-
-    @property
-    def sampled_metadata_space(self):
-        """The wrapped sampler's batch metadata space (or None)."""
-        return self.sampler.sampled_metadata_space
-
-    @property
-    def backend(self):
-        """The wrapped sampler's compute backend."""
-        return self.sampler.backend
-
-    @property
-    def device(self):
-        """The wrapped sampler's device (always the CPU here)."""
-        return self.sampler.device
-
-    @property
-    def data(self):
-        """The wrapped sampler's data (e.g. the ReplayBuffer)."""
-        return self.sampler.data
-
-    @property
-    def rng(self):
-        """The wrapped sampler's RNG in this process.  The ``sample*`` streams' seed is
-        read from its state when this sampler is made and by :meth:`manual_seed`; setting
-        it does not change the streams."""
-        return self.sampler.rng
-
-    @rng.setter
-    def rng(self, rng):
-        self.sampler.rng = rng
-
-    @property
-    def data_rng(self):
-        """The wrapped sampler's data RNG in this process: epoch permutations are drawn
-        from it.  The ``sample*`` streams' seed is read from its state when this sampler
-        is made and by :meth:`manual_seed`; setting it does not change the streams."""
-        return self.sampler.data_rng
-
-    @data_rng.setter
-    def data_rng(self, data_rng):
-        self.sampler.data_rng = data_rng
-
-    def get_at(self, idx):
-        """``get_at`` of the wrapped sampler, in this process."""
-        return self.sampler.get_at(idx)
-
-    def get_at_with_metadata(self, idx):
-        """``get_at_with_metadata`` of the wrapped sampler, in this process."""
-        return self.sampler.get_at_with_metadata(idx)
-
-    def get_flattened_at(self, idx):
-        """``get_flattened_at`` of the wrapped sampler, in this process."""
-        return self.sampler.get_flattened_at(idx)
-
-    def get_flattened_at_with_metadata(self, idx):
-        """``get_flattened_at_with_metadata`` of the wrapped sampler, in this process."""
-        return self.sampler.get_flattened_at_with_metadata(idx)
 
     # -- lifecycle ------------------------------------------------------------------------
 

@@ -1,0 +1,88 @@
+"""Seeds and checkpoints on the training process's side of a sampler: ``manual_seed``,
+``state_dict`` and ``load_state_dict`` (what the state holds: :mod:`unienv_mp._state`; the
+positions of the streams in it: :mod:`unienv_mp._streams`).
+
+:class:`Checkpoints` is a base class of :class:`unienv_mp.sampler.SamplerBase` and works on
+that class's state: ``_lock``, the ``sample*`` streams (``_streams``, ``_base``), the epoch
+being handed out (``_current_epoch``) and those restored (``_resume``).  Each change of that
+state is one step that a Ctrl-C cannot cut in two.
+"""
+from . import _process, _state
+from ._streams import EpochProgress, Stream, base_seed
+
+__all__ = ["Checkpoints"]
+
+
+class Checkpoints:
+    """Seeding a sampler, and saving and restoring where its streams and epochs are."""
+
+    def manual_seed(self, seed):
+        """Seed the wrapped sampler.  Batches already requested are dropped, so that what
+        follows is the same as from a fresh sampler seeded with ``seed``: the ``sample*``
+        streams start again from their first batch, and the next epoch draws its
+        permutation from the new seed."""
+        with self._lock:
+            with _process.interrupts_deferred():   # (one step: a Ctrl-C cannot cut it in two)
+                self.sampler.manual_seed(seed)
+                self._drop_streams()
+                self._base = base_seed(self.sampler)
+                self._resume = {}
+
+    def _drop_streams(self):
+        """Cancel what every stream requested and forget the streams (the batches of a
+        chunk not handed out yet go with them)."""
+        manager = self._manager
+        streams, self._streams = self._streams, {}
+        if manager is not None and not manager.closed:
+            for stream in streams.values():
+                for t in stream.tickets:
+                    manager.cancel(t)
+
+    def state_dict(self):
+        """Everything needed to go on from here, as a small picklable dict: the seed of
+        the ``sample*`` streams and how far each was handed out, the wrapped sampler's
+        RNGs (from which the next epochs' permutations are drawn), and an epoch being
+        iterated (its permutation and which of its batches were handed out).  Batches
+        requested ahead but not handed out yet are not part of it.  See
+        :meth:`load_state_dict`."""
+        with self._lock:
+            return {
+                "format": _state.FORMAT, "version": _state.VERSION,
+                "configuration": self._configuration(self._streams),
+                "base_seed": self._base,
+                "rngs": _state.capture_rngs(self.sampler),
+                "streams": {name: st.position() for name, st in self._streams.items()},
+                "epochs": [p.position() for p in (self._current_epoch, *self._resume.values())
+                           if p is not None],
+            }
+
+    def load_state_dict(self, state):
+        """Go on from ``state`` (from :meth:`state_dict` of a sampler built the same way:
+        the same kind of wrapped sampler, batch size, data length, batch structure and
+        ``batches_per_task``; ``n_workers``, ``n_buffers``, the start method and
+        ``direct_gather`` may differ, in this process or another).  The next batches of
+        each ``sample*`` method are those the original sampler would have handed out
+        next.  If an epoch was being iterated, the next epoch iterator of the same kind
+        yields exactly the rest of it, and the one after starts a new epoch as the
+        original's would have.  Raises ``ValueError`` (saying what differs) for a state
+        of another configuration."""
+        with self._lock:
+            _state.check(state, self._configuration(
+                state.get("streams", {}) if isinstance(state, dict) else {}))
+            epochs = [EpochProgress.from_position(p) for p in state["epochs"]]
+            for p in epochs:
+                if len(p.order) != len(self.sampler.data) or p.batch_size != self.batch_size:
+                    raise ValueError("the state's epoch does not fit this sampler's data")
+            streams = {name: Stream.from_position(name, int(state["base_seed"]), pos)
+                       for name, pos in state["streams"].items()}
+            with _process.interrupts_deferred():   # (one step: a Ctrl-C cannot cut it in two)
+                self._drop_streams()
+                self._base = int(state["base_seed"])
+                _state.restore_rngs(self.sampler, state["rngs"])
+                self._streams = streams
+                self._current_epoch = None
+                self._resume = {p.getter: p for p in epochs}
+
+    def _configuration(self, methods):
+        methods = set(methods) | {n for n in self._sampler_methods() if n.startswith("sample")}
+        return _state.configuration(self.sampler, {m: self._chunk_size(m) for m in methods})
