@@ -573,43 +573,58 @@ _CORRUPTIONS = {
 }
 
 
-def _corrupting_sampler(tmp_path, kind, **options):
+def _corrupting_sampler(tmp_path, cls, kind, **options):
+    """A sampler whose one worker, made of ``cls``, corrupts ``kind`` once."""
     marker = tmp_path / "corrupt"
     marker.write_text("")
-    s = CorruptsItsResults(replay_buffer(100), 4, kind, marker=str(marker), seed=0)
+    s = cls(replay_buffer(100), 4, kind, marker=str(marker), seed=0)
     return MultiprocessingSampler(s, n_workers=1, n_buffers=2, ctx="fork",
                                   batches_per_task=1, timeout=30, **options)
 
 
-@pytest.mark.parametrize("kind", sorted(_CORRUPTIONS))
-def test_a_worker_that_corrupts_its_results_is_replaced_and_the_stream_goes_on(tmp_path, kind):
+def _check_replaced_and_goes_on(m, wrote, said):
+    """``m``'s worker, once it corrupted what it ``wrote``, is killed and replaced with a
+    warning that says ``said``, and its stream goes on: nothing lost, nothing repeated."""
     expected = _reference_stream(8)
-    with _corrupting_sampler(tmp_path, kind) as m:
+    with m:
         got = [indices_of(m.sample())]
         first_pid = m._manager._lanes[0].worker.pid
-        with pytest.warns(RuntimeWarning, match="wrote a corrupt result entry") as record:
+        with pytest.warns(RuntimeWarning, match=wrote) as record:
             got += [indices_of(m.sample()) for _ in range(7)]
         message = str(record[0].message)
-        assert _CORRUPTIONS[kind] in message, message
+        assert said in message, message
         assert f"pid {first_pid}" in message and "killed and replaced" in message
         worker = m._manager._lanes[0].worker
         assert worker.incarnation == 2 and worker.pid != first_pid
         assert m.stats().workers[0].respawns == 1
-    assert got == expected   # nothing lost, nothing repeated
+    assert got == expected
     assert wait_until(lambda: not os.path.exists(f"/proc/{first_pid}"))
 
 
-@pytest.mark.parametrize("kind", ["ring", "descriptor fd", "unknown ticket"])
-def test_without_respawn_the_caller_gets_one_codec_error_and_nothing_is_lost(tmp_path, kind):
+def _check_one_codec_error(m, match):
+    """``m`` (``respawn=False``) raises one CodecError matching ``match``, keeps its
+    worker, and its stream goes on: nothing lost, nothing repeated."""
     expected = _reference_stream(8)
     got = []
-    with _corrupting_sampler(tmp_path, kind, respawn=False) as m:
-        with pytest.raises(CodecError, match="corrupt result entry.*respawn=False"):
+    with m:
+        with pytest.raises(CodecError, match=match):
             while True:
                 got.append(indices_of(m.sample()))
         assert len(got) < 8 and _lane_processes_alive(m)
         got += [indices_of(m.sample()) for _ in range(8 - len(got))]
     assert got == expected
+
+
+@pytest.mark.parametrize("kind", sorted(_CORRUPTIONS))
+def test_a_worker_that_corrupts_its_results_is_replaced_and_the_stream_goes_on(tmp_path, kind):
+    m = _corrupting_sampler(tmp_path, CorruptsItsResults, kind)
+    _check_replaced_and_goes_on(m, "wrote a corrupt result entry", _CORRUPTIONS[kind])
+
+
+@pytest.mark.parametrize("kind", ["ring", "descriptor fd", "unknown ticket"])
+def test_without_respawn_the_caller_gets_one_codec_error_and_nothing_is_lost(tmp_path, kind):
+    m = _corrupting_sampler(tmp_path, CorruptsItsResults, kind, respawn=False)
+    _check_one_codec_error(m, "corrupt result entry.*respawn=False")
 
 
 def test_a_worker_that_keeps_corrupting_them_is_given_up(tmp_path):
@@ -668,41 +683,14 @@ _TASK_RING_CORRUPTIONS = {
 }
 
 
-def _task_corrupting_sampler(tmp_path, kind, **options):
-    marker = tmp_path / "corrupt"
-    marker.write_text("")
-    s = CorruptsItsTasks(replay_buffer(100), 4, kind, marker=str(marker), seed=0)
-    return MultiprocessingSampler(s, n_workers=1, n_buffers=2, ctx="fork",
-                                  batches_per_task=1, timeout=30, **options)
-
-
 @pytest.mark.parametrize("kind", sorted(_TASK_RING_CORRUPTIONS))
 def test_a_worker_that_corrupts_its_task_ring_is_replaced_and_the_stream_goes_on(
         tmp_path, kind):
-    expected = _reference_stream(8)
-    with _task_corrupting_sampler(tmp_path, kind) as m:
-        got = [indices_of(m.sample())]
-        first_pid = m._manager._lanes[0].worker.pid
-        with pytest.warns(RuntimeWarning, match="wrote into its task ring") as record:
-            got += [indices_of(m.sample()) for _ in range(7)]
-        message = str(record[0].message)
-        assert _TASK_RING_CORRUPTIONS[kind] in message, message
-        assert f"pid {first_pid}" in message and "killed and replaced" in message
-        worker = m._manager._lanes[0].worker
-        assert worker.incarnation == 2 and worker.pid != first_pid
-        assert m.stats().workers[0].respawns == 1
-    assert got == expected   # nothing lost, nothing repeated
-    assert wait_until(lambda: not os.path.exists(f"/proc/{first_pid}"))
+    m = _corrupting_sampler(tmp_path, CorruptsItsTasks, kind)
+    _check_replaced_and_goes_on(m, "wrote into its task ring", _TASK_RING_CORRUPTIONS[kind])
 
 
 @pytest.mark.parametrize("kind", ["head ahead", "head shut down"])
 def test_a_corrupt_task_ring_without_respawn_is_one_codec_error(tmp_path, kind):
-    expected = _reference_stream(8)
-    got = []
-    with _task_corrupting_sampler(tmp_path, kind, respawn=False) as m:
-        with pytest.raises(CodecError, match="wrote into its task ring.*respawn=False"):
-            while True:
-                got.append(indices_of(m.sample()))
-        assert len(got) < 8 and _lane_processes_alive(m)
-        got += [indices_of(m.sample()) for _ in range(8 - len(got))]
-    assert got == expected
+    m = _corrupting_sampler(tmp_path, CorruptsItsTasks, kind, respawn=False)
+    _check_one_codec_error(m, "wrote into its task ring.*respawn=False")
