@@ -52,7 +52,7 @@ def test_the_wheel_carries_the_stubs_and_every_subpackage():
 
 def test_tqdm_is_no_dependency():
     """The main job's progress bars use tqdm where it is installed, a line per row where
-    it is not (tests/test_bench_layout.py): installing the package does not pull it in."""
+    it is not (tests/test_layout.py): installing the package does not pull it in."""
     required = _pyproject()["project"]["dependencies"]
     assert not [d for d in required if d.lower().startswith("tqdm")]
 

@@ -47,3 +47,50 @@ def test_a_readme_script_runs_and_prints_what_the_readme_says(tmp_path, line, co
     assert p.returncode == 0, p.stderr
     printed = " ".join(p.stdout.split())
     assert printed == " ".join(expected.split()), (printed, expected)
+
+
+def _module_graph():
+    """tools/module_graph.py, loaded as a module."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "module_graph", os.path.join(ROOT, "tools", "module_graph.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _readme():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        return f.read()
+
+
+def test_the_readme_module_graph_is_the_codes():
+    graph = _module_graph()
+    diff = graph.differences(_readme())
+    assert not diff, "run `python tools/module_graph.py --write`:\n" + diff
+
+
+def test_the_module_graph_check_sees_each_kind_of_disagreement():
+    graph = _module_graph()
+    text = _readme()
+    # an import the code has and the README lacks
+    dropped = text.replace("  <- _ring, _process\n", "  <- _ring\n", 1)
+    assert dropped != text
+    assert "_process" in graph.differences(dropped)
+    # a module with no entry, and an entry for no module
+    line = next(l for l in text.splitlines(True) if l.startswith("_stalls.py "))
+    with pytest.raises(graph.GraphError, match="no entry.*_stalls.py"):
+        graph.differences(text.replace(line, "", 1))
+    with pytest.raises(graph.GraphError, match="for no module: _gone.py"):
+        graph.differences(text.replace(line, line + "_gone.py a module that is not\n", 1))
+    # the layout is the script's: an entry wrapped otherwise differs, and is rewritten
+    # to the same graph
+    start, end, want = graph.expected(text)
+    squashed = text[:start] + want.replace("\n" + " " * 18, " ", 3) + text[end:]
+    assert graph.differences(squashed)
+    assert graph.expected(squashed)[2] == want
+
+def test_the_module_graph_script_checks_the_readme_from_the_command_line():
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "module_graph.py"),
+                           "--check"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
