@@ -301,6 +301,102 @@ def test_a_state_taken_mid_epoch_resumes_the_rest_of_that_epoch(tmp_path):
     assert got["after"] == after
 
 
+def _epoch_sampler(seed=0):
+    return MultiprocessingSampler(StepSampler(replay_buffer(100), 8, seed=seed), n_workers=2,
+                                  ctx="fork")
+
+
+def test_a_state_holds_every_epoch_being_iterated_in_the_order_they_started():
+    """Epochs of both kinds open at once, and one opened and dropped meanwhile: the
+    state holds each open one, and the next iterators of each kind resume them."""
+    with _epoch_sampler() as m:
+        a = m.epoch_iter()
+        first_a = [indices_of(next(a)) for _ in range(3)]
+        peek = m.epoch_iter()
+        next(peek)
+        del peek                          # (an iterator dropped: its epoch is over)
+        b = m.epoch_iter()
+        first_b = [indices_of(next(b)) for _ in range(5)]
+        c = m.epoch_flat_iter()
+        next(c)
+        state = m.state_dict()
+        assert [(e["getter"], e["low"]) for e in state["epochs"]] == [
+            ("get_at", 3), ("get_at", 5), ("get_flattened_at", 1)]
+        rest_a = [indices_of(x) for x in a]
+        rest_b = [indices_of(x) for x in b]
+        rest_c = len(list(c))
+        following = [indices_of(x) for x in m.epoch_iter()]
+    assert sorted(i for x in first_a + rest_a for i in x) == list(range(100))
+    assert sorted(i for x in first_b + rest_b for i in x) == list(range(100))
+    with _epoch_sampler(seed=5) as m:
+        m.load_state_dict(pickle.loads(pickle.dumps(state)))
+        assert [indices_of(x) for x in m.epoch_iter()] == rest_a
+        assert len(list(m.epoch_flat_iter())) == rest_c == 12
+        assert [indices_of(x) for x in m.epoch_iter()] == rest_b
+        assert [indices_of(x) for x in m.epoch_iter()] == following
+
+
+def test_a_load_that_fails_leaves_the_sampler_as_it_was():
+    with _epoch_sampler(seed=1) as source:
+        take(source, 3)
+        state = source.state_dict()
+    with _epoch_sampler(seed=0) as m:
+        expected = take(m, 6)
+    with _epoch_sampler(seed=0) as m:
+        take(m, 2)
+        for broken in ({**state, "rngs": None}, {**state, "rngs": {"rng": "not a generator"}},
+                       {**state, "base_seed": "x"}, {**state, "streams": None}):
+            with pytest.raises(ValueError, match="not a whole state_dict"):
+                m.load_state_dict(broken)
+        assert take(m, 4) == expected[2:]
+
+
+def _mangled(epoch, kind):
+    e = dict(epoch)
+    order = e["order"]
+    if kind == "order repeats a row":
+        e["order"] = torch.zeros_like(order)
+    elif kind == "order out of range":
+        e["order"] = order + 1
+    elif kind == "order of floats":
+        e["order"] = order.double()
+    elif kind == "order as a list":
+        e["order"] = order.tolist()
+    elif kind == "order too short":
+        e["order"] = order[:-1]
+    elif kind == "low below zero":
+        e["low"] = -3
+    elif kind == "low as text":
+        e["low"] = "3"
+    elif kind == "low past the end":
+        e["low"] = 14
+    elif kind == "done past the end":
+        e["done"] = [20]
+    elif kind == "another batch size":
+        e["batch_size"] = 4
+    elif kind == "another getter":
+        e["getter"] = "get_nothing_at"
+    return e
+
+
+@pytest.mark.parametrize("kind", [
+    "order repeats a row", "order out of range", "order of floats", "order as a list",
+    "order too short", "low below zero", "low as text", "low past the end",
+    "done past the end", "another batch size", "another getter"])
+def test_a_state_with_an_epoch_this_sampler_cannot_be_in_is_refused(kind):
+    with _epoch_sampler() as m:
+        it = m.epoch_iter()
+        next(it)
+        state = m.state_dict()
+        it.close()
+    state["epochs"] = [_mangled(state["epochs"][0], kind)]
+    with _epoch_sampler() as m:
+        with pytest.raises(ValueError, match="the state's epoch"):
+            m.load_state_dict(state)
+        assert sorted(i for x in m.epoch_iter() for i in indices_of(x)) == list(range(100))
+        assert m.state_dict()["epochs"] == []
+
+
 def test_a_state_keeps_every_stream_position_across_manual_seed_and_partial_chunks():
     rb = replay_buffer(200)
     with MultiprocessingSampler(StepSampler(rb, 5, seed=1), n_workers=2, ctx="fork") as m:
@@ -366,7 +462,7 @@ def test_a_state_taken_after_an_epoch_failed_to_start_continues_as_the_sampler_d
     """A Ctrl-C while an epoch over unshared data starts its workers (hundreds of ms):
     the epoch generator is over, and the sampler's next epoch_iter() draws a new
     permutation.  A state taken then must continue the same way, not resume the dead
-    epoch (it stays _current_epoch: the failure comes before the ``try``)."""
+    epoch (it stayed open: the failure came before the ``try``)."""
     rb = replay_buffer(60)
     with MultiprocessingSampler(StepSampler(rb, 6, seed=3), n_workers=2, ctx="fork") as m:
         starting = MultiprocessingSampler._epoch_manager

@@ -4,9 +4,11 @@ positions of the streams in it: :mod:`unienv_mp._streams`).
 
 :class:`Checkpoints` is a base class of :class:`unienv_mp.sampler.SamplerBase` and works on
 that class's state: ``_lock``, the ``sample*`` streams (``_streams``, ``_base``), the epoch
-being handed out (``_current_epoch``) and those restored (``_resume``).  Each change of that
+being handed out (``_open_epochs``) and those restored (``_resume``).  Each change of that
 state is one step that a Ctrl-C cannot cut in two.
 """
+import collections
+
 from . import _process, _state
 from ._streams import EpochProgress, Stream, base_seed
 
@@ -41,19 +43,19 @@ class Checkpoints:
     def state_dict(self):
         """Everything needed to go on from here, as a small picklable dict: the seed of
         the ``sample*`` streams and how far each was handed out, the wrapped sampler's
-        RNGs (from which the next epochs' permutations are drawn), and an epoch being
-        iterated (its permutation and which of its batches were handed out).  Batches
-        requested ahead but not handed out yet are not part of it.  See
-        :meth:`load_state_dict`."""
+        RNGs (from which the next epochs' permutations are drawn), and the epochs being
+        iterated, in the order they started (each one's permutation and which of its
+        batches were handed out).  Batches requested ahead but not handed out yet are not
+        part of it.  See :meth:`load_state_dict`."""
         with self._lock:
+            restored = [p for queue in self._resume.values() for p in queue]
             return {
                 "format": _state.FORMAT, "version": _state.VERSION,
                 "configuration": self._configuration(self._streams),
                 "base_seed": self._base,
                 "rngs": _state.capture_rngs(self.sampler),
                 "streams": {name: st.position() for name, st in self._streams.items()},
-                "epochs": [p.position() for p in (self._current_epoch, *self._resume.values())
-                           if p is not None],
+                "epochs": [p.position() for p in (*self._open_epochs, *restored)],
             }
 
     def load_state_dict(self, state):
@@ -62,26 +64,37 @@ class Checkpoints:
         ``batches_per_task``; ``n_workers``, ``n_buffers``, the start method and
         ``direct_gather`` may differ, in this process or another).  The next batches of
         each ``sample*`` method are those the original sampler would have handed out
-        next.  If an epoch was being iterated, the next epoch iterator of the same kind
-        yields exactly the rest of it, and the one after starts a new epoch as the
-        original's would have.  Raises ``ValueError`` (saying what differs) for a state
-        of another configuration."""
+        next.  If epochs were being iterated, the next epoch iterators of the same kind
+        yield exactly the rest of each, in the order they started, and the one after
+        them starts a new epoch as the original's would have.  Raises ``ValueError``
+        (saying what differs) for a state of another configuration, or one that is not a
+        whole state; the sampler is then as it was."""
         with self._lock:
-            _state.check(state, self._configuration(
-                state.get("streams", {}) if isinstance(state, dict) else {}))
-            epochs = [EpochProgress.from_position(p) for p in state["epochs"]]
+            saved = state.get("streams", {}) if isinstance(state, dict) else {}
+            if not isinstance(saved, dict):
+                raise ValueError(f"not a whole state_dict(): its streams are a "
+                                 f"{type(saved).__name__}")
+            _state.check(state, self._configuration(saved))
+            try:
+                base = int(state["base_seed"])
+                rngs = _state.rebuilt_rngs(state["rngs"], self.sampler)
+                epochs = [EpochProgress.from_position(p) for p in state["epochs"]]
+                streams = {name: Stream.from_position(name, base, pos)
+                           for name, pos in state["streams"].items()}
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+                raise ValueError(f"not a whole state_dict(): {type(e).__name__}: {e}") from e
+            getters = {n for n in self._sampler_methods() if n.startswith("get")}
+            resume = {}
             for p in epochs:
-                if len(p.order) != len(self.sampler.data) or p.batch_size != self.batch_size:
-                    raise ValueError("the state's epoch does not fit this sampler's data")
-            streams = {name: Stream.from_position(name, int(state["base_seed"]), pos)
-                       for name, pos in state["streams"].items()}
+                _state.check_epoch(p, getters, len(self.sampler.data), self.batch_size)
+                resume.setdefault(p.getter, collections.deque()).append(p)
             with _process.interrupts_deferred():   # (one step: a Ctrl-C cannot cut it in two)
                 self._drop_streams()
-                self._base = int(state["base_seed"])
-                _state.restore_rngs(self.sampler, state["rngs"])
+                self._base = base
+                _state.give_rngs(self.sampler, rngs)
                 self._streams = streams
-                self._current_epoch = None
-                self._resume = {p.getter: p for p in epochs}
+                self._open_epochs = []
+                self._resume = resume
 
     def _configuration(self, methods):
         methods = set(methods) | {n for n in self._sampler_methods() if n.startswith("sample")}

@@ -6,7 +6,8 @@ arrive, with ``in_order=False``); which manager an epoch runs on, and which epoc
 class's state: ``_lock`` (held by each step of an epoch, never across a ``yield``: see
 "Threads" in :class:`~unienv_mp.MultiprocessingSampler`), ``_epoch_users`` (how many epoch
 iterators run on each manager), ``_epoch_managers`` (managers closed by the last epoch on
-them), ``_current_epoch`` and ``_resume`` (an epoch restored by ``load_state_dict``).
+them), ``_open_epochs`` (the epochs being iterated) and ``_resume`` (epochs restored by
+``load_state_dict``).
 """
 import collections
 
@@ -111,18 +112,23 @@ class Epochs:
         epoch draws a new one."""
         with self._lock:
             self._ensure_open()
-            progress = self._resume.get(getter)
-            if progress is None:
+            restored = self._resume.get(getter)
+            if restored:
+                progress = restored[0]
+            else:
                 # The permutation first, as UniEnv draws it.
                 progress = EpochProgress(getter, epoch_order(self.sampler), self.batch_size)
             self._start_clock()
             manager, _ = self._epoch_manager()   # (an own manager: in _epoch_managers)
-            # (one step: the epoch holds its manager, is the current epoch, and has taken
-            # its restored state, or none of these)
+            # (one step: the epoch holds its manager, is open, and has taken its restored
+            # state, or none of these)
             with _process.interrupts_deferred():
-                self._resume.pop(getter, None)
+                if restored:
+                    restored.popleft()
+                    if not restored:
+                        del self._resume[getter]
                 self._epoch_users[manager] += 1
-                self._current_epoch = progress
+                self._open_epochs.append(progress)
                 run.manager, run.progress = manager, progress
             self._close_unused_epoch_managers()
         return progress
@@ -139,8 +145,11 @@ class Epochs:
             users = self._epoch_users
             # (one step: a Ctrl-C cannot leave tickets behind on a manager that lives on)
             with _process.interrupts_deferred():
-                if self._current_epoch is run.progress:
-                    self._current_epoch = None
+                open_epochs = self._open_epochs
+                for i, p in enumerate(open_epochs):
+                    if p is run.progress:
+                        del open_epochs[i]
+                        break
                 users[manager] -= 1
                 if users[manager] <= 0:
                     del users[manager]

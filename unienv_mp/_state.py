@@ -16,7 +16,8 @@ import copy
 import pickle
 import sys
 
-__all__ = ["FORMAT", "VERSION", "configuration", "check", "capture_rngs", "restore_rngs"]
+__all__ = ["FORMAT", "VERSION", "configuration", "check", "check_epoch", "capture_rngs",
+           "rebuilt_rngs", "give_rngs", "restore_rngs"]
 
 FORMAT = "unienv_mp.MultiprocessingSampler"
 VERSION = 2
@@ -85,11 +86,68 @@ def capture_rngs(sampler):
     return {name: _saved_rng(getattr(sampler, name, None)) for name in _RNGS}
 
 
+def rebuilt_rngs(rngs, sampler=None):
+    """``{name: RNG}`` in the states of ``rngs`` (see :func:`capture_rngs`), for
+    :func:`give_rngs`; raises (and changes nothing) for what is not such a value, or,
+    given the wrapped ``sampler``, an RNG of another type than the one it has."""
+    if not isinstance(rngs, dict):
+        raise TypeError(f"rngs is a {type(rngs).__name__}, not a dict")
+    out = {name: _restored_rng(rngs[name]) for name in _RNGS if name in rngs}
+    for name, rng in out.items():
+        mine = getattr(sampler, name, None)
+        if rng is None or sampler is None:
+            continue
+        if mine is not None:
+            fits = type(rng) is type(mine)
+        else:   # (an RNG of an array library, as UniEnv's backends use)
+            fits = type(rng).__module__.split(".")[0] in ("torch", "numpy", "jax", "jaxlib")
+        if not fits:
+            raise TypeError(f"rngs[{name!r}] is a {type(rng).__name__}, the sampler's "
+                            f"{name} a {type(mine).__name__}")
+    return out
+
+
+def give_rngs(sampler, rebuilt):
+    """Give the wrapped sampler the RNGs of :func:`rebuilt_rngs`."""
+    for name, rng in rebuilt.items():
+        setattr(sampler, name, rng)
+
+
 def restore_rngs(sampler, rngs):
     """Give the wrapped sampler RNGs in the states of ``rngs`` (see :func:`capture_rngs`)."""
-    for name in _RNGS:
-        if name in rngs:
-            setattr(sampler, name, _restored_rng(rngs[name]))
+    give_rngs(sampler, rebuilt_rngs(rngs))
+
+
+def check_epoch(progress, getters, length, batch_size):
+    """Raise ``ValueError`` unless ``progress`` (an ``EpochProgress`` read from a state)
+    is an epoch this sampler could be in: a ``get*_at`` method of the wrapped sampler, a
+    permutation of its ``length`` rows, its ``batch_size``, and batches handed out that
+    exist."""
+    import numpy as np
+    if progress.getter not in getters:
+        raise ValueError(f"the state's epoch is of {progress.getter!r}, which the wrapped "
+                         f"sampler does not have")
+    if type(progress.batch_size) is not int or progress.batch_size != batch_size:
+        raise ValueError(f"the state's epoch has batches of {progress.batch_size!r}, this "
+                         f"sampler of {batch_size}")
+    order = progress.order
+    if not (hasattr(order, "shape") and hasattr(order, "dtype")):
+        raise ValueError(f"the state's epoch order is a {type(order).__name__}, not an "
+                         f"array of the sampler's backend")
+    numpy_of = getattr(order, "numpy", None)
+    values = np.asarray(numpy_of() if callable(numpy_of) else order)
+    if (values.shape != (length,) or values.dtype.kind not in "iu"
+            or not np.array_equal(np.sort(values), np.arange(length))):
+        raise ValueError(f"the state's epoch is not a permutation of this sampler's "
+                         f"{length} rows")
+    n = progress.n_batches()
+    low, done = progress.low, progress.done
+    if type(low) is not int or not 0 <= low <= n:
+        raise ValueError(f"the state's epoch has handed out its batches below {low!r}, "
+                         f"of {n}")
+    if any(type(i) is not int or not low < i < n for i in done):
+        raise ValueError(f"the state's epoch has handed out batches {sorted(done, key=str)} "
+                         f"out of order, which do not lie between {low} and {n}")
 
 
 class _TorchGenerator:

@@ -153,8 +153,8 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
         self._ended_startup_ns = 0  # (and their start-up part)
         self._base = base_seed(sampler)
         self._streams = {}          # method -> Stream
-        self._current_epoch = None  # the epoch being handed out: EpochProgress
-        self._resume = {}           # getter -> (order, cursor): epochs restored, to finish
+        self._open_epochs = []      # the epochs being handed out, as they started
+        self._resume = {}           # getter -> deque of EpochProgress: restored, to finish
         # Managers that epochs run on besides the sample* manager: an epoch's own, and
         # managers no longer kept (see _retire), each closed when no epoch runs on it.
         self._epoch_managers = set()
