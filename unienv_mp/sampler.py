@@ -536,7 +536,7 @@ class MultiprocessingSampler(SamplerBase):
             its own.  Writes that bypass torch (through ``tensor.numpy()``) are not
             seen: pass ``False`` if the data is written that way.  ``True``: the caller
             promises that the data does not change: epochs run on the existing workers
-            whatever the storage.  ``False``: each epoch over unshared data starts
+            whatever the storage, unless the data's length changed (then on new ones).  ``False``: each epoch over unshared data starts
             workers of its own, and they end with it (UniEnv's behaviour).  The
             batches are the same in every case, bit for bit, as long as the promise of
             ``True`` holds.  The ``sample*`` workers started at the first ``sample*``
@@ -640,7 +640,10 @@ class MultiprocessingSampler(SamplerBase):
             return None
         then = _fingerprint.take(sampler)
         if then is None:
-            return _always if self.persistent_workers is True else None
+            if self.persistent_workers is not True:
+                return None
+            length = len(sampler.data)   # (the promise, but for a change of length)
+            return lambda: len(sampler.data) == length
 
         def unchanged():
             return _fingerprint.same(then, _fingerprint.take(sampler))
@@ -648,15 +651,21 @@ class MultiprocessingSampler(SamplerBase):
 
     def _data_now(self):
         """The fingerprint of the data as it is now (see :mod:`unienv_mp._fingerprint`),
-        or None: it cannot be told, or ``persistent_workers`` does not ask."""
+        or None where it cannot be told or ``persistent_workers=False``; with
+        ``persistent_workers=True``, the data's length (the caller promises the rest)."""
         if self.persistent_workers is None:
             return _fingerprint.take(self.sampler)
+        if self.persistent_workers is True:
+            return len(self.sampler.data)
         return None
 
     def _holds_data_now(self, held, now):
         """Whether workers started when the data's fingerprint was ``held`` hold the data
-        as it is now (``now``): ``persistent_workers=True`` promises it."""
-        return self.persistent_workers is True or _fingerprint.same(held, now)
+        as it is now (``now``): ``persistent_workers=True`` promises it, as long as its
+        length is the same."""
+        if self.persistent_workers is True:
+            return held == now
+        return _fingerprint.same(held, now)
 
     def _new_sample_manager(self):
         # The workers kept for epochs become the sample* workers if their copy of the data
