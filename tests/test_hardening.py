@@ -516,6 +516,16 @@ def _corrupt(kind):
     if kind == "ring":
         _scribble_on_next_cell(ring)
         time.sleep(60)   # (it is killed long before)
+    elif kind in ("tail shut down", "head shut down", "tail back a lap"):
+        # the counters the parent reads (layout: see csrc/umr_ring.c)
+        base = ring.segment.address + ring.offset
+        capacity = ctypes.c_uint64.from_address(base + 16).value
+        counter = ctypes.c_uint64.from_address(base + (64 if kind.startswith("head") else 128))
+        if kind == "tail back a lap":
+            counter.value = (counter.value - capacity) % 2 ** 64
+        else:
+            counter.value |= 1 << 63
+        time.sleep(60)   # (it is killed long before)
     elif kind == "tag":
         ring.push_tagged(0x7F7F, slot, ticket, b"")
     elif kind == "unknown ticket":
@@ -562,6 +572,9 @@ class CorruptsItsResults(StepSampler):
 
 _CORRUPTIONS = {
     "ring": "its result ring: ring memory is corrupt",
+    "tail shut down": "its result ring: it is shut down",
+    "head shut down": "its result ring: it is shut down",
+    "tail back a lap": "its result ring: it is shut down",
     "tag": "tag 0x7f7f",
     "unknown ticket": "was not given to it",
     "earlier ticket": "ticket",
@@ -621,7 +634,7 @@ def test_a_worker_that_corrupts_its_results_is_replaced_and_the_stream_goes_on(t
     _check_replaced_and_goes_on(m, "wrote a corrupt result entry", _CORRUPTIONS[kind])
 
 
-@pytest.mark.parametrize("kind", ["ring", "descriptor fd", "unknown ticket"])
+@pytest.mark.parametrize("kind", ["ring", "descriptor fd", "unknown ticket", "tail shut down"])
 def test_without_respawn_the_caller_gets_one_codec_error_and_nothing_is_lost(tmp_path, kind):
     m = _corrupting_sampler(tmp_path, CorruptsItsResults, kind, respawn=False)
     _check_one_codec_error(m, "corrupt result entry.*respawn=False")
@@ -655,6 +668,8 @@ def _scribble_on_task_ring(kind):
         pos = head.value
         cell = base + 5 * 64 + (pos % capacity) * stride
         ctypes.c_uint64.from_address(cell).value = 2 * (pos + 10 * capacity)
+    elif kind == "tail ahead":   # (its own counter: it skips the next task)
+        ctypes.c_uint64.from_address(base + 128).value += 1
     else:
         raise AssertionError(kind)
 
@@ -694,3 +709,14 @@ def test_a_worker_that_corrupts_its_task_ring_is_replaced_and_the_stream_goes_on
 def test_a_corrupt_task_ring_without_respawn_is_one_codec_error(tmp_path, kind):
     m = _corrupting_sampler(tmp_path, CorruptsItsTasks, kind, respawn=False)
     _check_one_codec_error(m, "wrote into its task ring.*respawn=False")
+
+
+def test_a_worker_that_skips_a_task_of_its_ring_is_a_stall(tmp_path):
+    """A worker that moves its own task ring's tail on skips a task and waits, alive and
+    idle, for one that never comes: nothing it wrote can be told from a worker taking its
+    time, so the stall watchdog replaces it (without stall_timeout the call waits, as for
+    any stalled worker), and the skipped task goes to the replacement."""
+    m = _corrupting_sampler(tmp_path, CorruptsItsTasks, "tail ahead",
+                            stall_timeout=1)
+    _check_replaced_and_goes_on(m, "took none of the tasks waiting for it",
+                                "longer than stall_timeout=1.0 s")

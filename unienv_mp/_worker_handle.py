@@ -478,15 +478,15 @@ class WorkerHandle:
         :meth:`result_recorded`): one taken off the result ring earlier, else the next one
         there, waiting up to ``timeout`` seconds (``None``: as long as the process lives;
         ``0``: not at all).  Raises ``queue.Empty`` when none came, WorkerDied if the
-        process ended, ``RingClosed`` if the ring was shut down.
+        process ended, ``RingClosed`` if this process shut the ring down.
 
         An entry stays here until the manager says it recorded it, so a ``KeyboardInterrupt``
         landing anywhere between its pop and the end of its recording loses nothing: the
         next call returns the same entry, to be recorded again (and sets ``repeated``).
 
-        Raises WorkerCorrupt if the ring is corrupt or the entry is not one the worker
-        could have written (a status or place that does not exist, a slot number it was
-        never given, a slot descriptor of the wrong size)."""
+        Raises WorkerCorrupt if the ring is corrupt or shut down by no one here, or the
+        entry is not one the worker could have written (a status or place that does not
+        exist, a slot number it was never given, a slot descriptor of the wrong size)."""
         popped = self._popped
         if popped:
             self.repeated = True
@@ -500,10 +500,12 @@ class WorkerHandle:
                 if timeout == 0:
                     raise
                 entry = results.pop_tagged(True, timeout, check=self._check, into=popped)
-        except (RuntimeError, ValueError) as e:
-            if self.shut_down:   # (the liveness check's RuntimeError: closed meanwhile)
+        except (RuntimeError, ValueError, RingClosed) as e:
+            if self.shut_down:   # (this process shut the rings, or closed them meanwhile)
                 raise
-            raise WorkerCorrupt(self, f"its result ring: {e}") from None
+            # (a shut-down mark that no one here set: the process wrote it)
+            what = "it is shut down" if isinstance(e, RingClosed) else e
+            raise WorkerCorrupt(self, f"its result ring: {what}") from None
         t, slot, _, payload = entry
         status = t >> 8
         where = t & 0xFF
