@@ -31,8 +31,7 @@ LEFT_OUT = {"errors"}   # imported nearly everywhere: not shown
 FOLDED = "bench"        # a subpackage shown as one entry
 NAME_WIDTH = 18
 WIDTH = 92
-_PYX_IMPORT = re.compile(r"^\s*(?:from\s+(\.+[\w.]*)\s+c?import[ \t]+([\w \t,]+)|c?import\s+([\w.]+))",
-                         re.M)
+_PYX_IMPORT = re.compile(r"^\s*from\s+(\.+[\w.]*)\s+c?import[ \t]+([\w \t,]+)", re.M)
 
 
 class GraphError(Exception):
@@ -76,44 +75,42 @@ def _resolve(module, level, name, is_package):
     return ".".join(base + ([name] if name else []))
 
 
+def _from_import(module, level, name, names, is_package, known):
+    """The package's modules that ``from <level dots><name> import <names>`` in
+    ``module`` names: each name that is a submodule, else the module imported from."""
+    base = _resolve(module, level, name, is_package)
+    if base is None:
+        return []
+    fulls = (f"{base}.{n}" if base else n for n in names)
+    return [full if full in known else base for full in fulls]
+
+
 def _imports_of(module, path, known):
     """``(at import, on first use)``: the package's modules ``module`` imports."""
     is_package = path.stem == "__init__"
-    found = []   # (dotted target, lazy)
-    if path.suffix == ".pyx":
-        for m in _PYX_IMPORT.finditer(path.read_text()):
-            if m.group(1):
-                level = len(m.group(1)) - len(m.group(1).lstrip("."))
-                base = _resolve(module, level, m.group(1).lstrip("."), is_package)
-                for name in m.group(2).split(","):
-                    found.append((base, name.strip(), False))
-        resolved = []
-        for base, name, lazy in found:
-            full = f"{base}.{name}" if base else name
-            resolved.append((full if full in known else base, lazy))
+    text = path.read_text()
+    resolved = []   # (dotted target, lazy)
+    if path.suffix == ".pyx":   # (relative imports at the top: a regular expression will do)
+        for m in _PYX_IMPORT.finditer(text):
+            dots, names = m.group(1), [n.strip() for n in m.group(2).split(",")]
+            resolved += [(target, False) for target in _from_import(
+                module, len(dots) - len(dots.lstrip(".")), dots.lstrip("."), names,
+                is_package, known)]
         return _split(module, resolved, known)
-    tree = ast.parse(path.read_text(), str(path))
+    tree = ast.parse(text, str(path))
     lazy_nodes = set()
     for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or (
+                isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)):
             lazy_nodes.update(id(n) for n in ast.walk(node) if n is not node)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            lazy_nodes.update(id(n) for n in ast.walk(node) if n is not node)
-    resolved = []
     for node in ast.walk(tree):
         lazy = id(node) in lazy_nodes
         if isinstance(node, ast.ImportFrom):
-            base = _resolve(module, node.level, node.module or "", is_package)
-            if base is None:
-                continue
-            for alias in node.names:
-                full = f"{base}.{alias.name}" if base else alias.name
-                resolved.append((full if full in known else base, lazy))
+            resolved += [(target, lazy) for target in _from_import(
+                module, node.level, node.module or "", [a.name for a in node.names],
+                is_package, known)]
         elif isinstance(node, ast.Import):
-            for alias in node.names:
-                target = _resolve(module, 0, alias.name, False)
-                if target is not None:
-                    resolved.append((target, lazy))
+            resolved += [(_resolve(module, 0, a.name, False), lazy) for a in node.names]
     return _split(module, resolved, known)
 
 
@@ -188,6 +185,9 @@ def render(entries, graph):
     """The graph's text: ``entries`` (``[(entry, what it holds)]``) with the imports
     of ``graph``, ordered as the entries are."""
     order = {_shown(name): i for i, (name, _) in enumerate(entries)}
+
+    def listed(units):
+        return ", ".join(sorted(units, key=lambda u: (order.get(u, len(order)), u)))
     pad = " " * NAME_WIDTH
     lines = []
     for name, holds in entries:
@@ -197,12 +197,9 @@ def render(entries, graph):
         lines.extend(pad + w for w in wrapped[1:])
         if not (eager or lazy):
             continue
-
-        def listed(units):
-            return sorted(units, key=lambda u: (order.get(u, len(order)), u))
-        words = ", ".join(listed(eager))
+        words = listed(eager)
         if lazy:
-            words += ("; " if words else "") + ", ".join(listed(lazy)) + " on first use"
+            words += ("; " if words else "") + listed(lazy) + " on first use"
         arrow = textwrap.wrap("<- " + words, WIDTH - NAME_WIDTH,
                               subsequent_indent="   ", break_on_hyphens=False)
         if len(lines[-1]) + 2 + len(arrow[0]) <= WIDTH and len(arrow) == 1:

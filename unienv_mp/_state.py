@@ -16,6 +16,8 @@ import copy
 import pickle
 import sys
 
+import numpy as np
+
 __all__ = ["FORMAT", "VERSION", "configuration", "check", "check_epoch", "capture_rngs",
            "rebuilt_rngs", "give_rngs", "restore_rngs"]
 
@@ -94,9 +96,9 @@ def rebuilt_rngs(rngs, sampler=None):
         raise TypeError(f"rngs is a {type(rngs).__name__}, not a dict")
     out = {name: _restored_rng(rngs[name]) for name in _RNGS if name in rngs}
     for name, rng in out.items():
-        mine = getattr(sampler, name, None)
         if rng is None or sampler is None:
             continue
+        mine = getattr(sampler, name, None)
         if mine is not None:
             fits = type(rng) is type(mine)
         else:   # (an RNG of an array library, as UniEnv's backends use)
@@ -123,7 +125,6 @@ def check_epoch(progress, getters, length, batch_size):
     is an epoch this sampler could be in: a ``get*_at`` method of the wrapped sampler, a
     permutation of its ``length`` rows, its ``batch_size``, and batches handed out that
     exist."""
-    import numpy as np
     if progress.getter not in getters:
         raise ValueError(f"the state's epoch is of {progress.getter!r}, which the wrapped "
                          f"sampler does not have")

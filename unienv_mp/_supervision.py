@@ -331,13 +331,11 @@ class Supervision:
         ``start_later``)."""
         return self._n_workers
 
-
     @property
     def workers(self):
         """The worker ``Process`` objects (replacements included, after a respawn) of the
         workers started (see ``start_later``)."""
         return [lane.worker.proc for lane in self._lanes]
-
 
     def stats(self, reset: bool = False) -> _stats.SamplerStats:
         """Where the time went since the first request (or the last ``stats(reset=True)``):
@@ -348,8 +346,9 @@ class Supervision:
             now = time.monotonic_ns()
             count = (lambda work: 1) if self._batches_in is None else self._batches_in
             tasks = self._tasks
-            ready = sum(count(task.work) for task in tasks.values() if task.arrived
-                        and not task.cancelled and task.status == P.ST_OK and task.error is None)
+            ready = sum(count(task.work) for task in tasks.values()
+                        if task.arrived and not task.cancelled and task.status == P.ST_OK
+                        and task.error is None)
             workers = []
             for lane in self._lanes:
                 w = lane.worker
@@ -362,7 +361,6 @@ class Supervision:
                 workers.append(lane.record.read(w.index, w.pid, counters, now, reset,
                                                 w.launched_ns if w.has_process else None))
             return self._caller.report(ready, workers, now, reset)
-
 
     # -- the end ------------------------------------------------------------------------
 

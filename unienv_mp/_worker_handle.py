@@ -467,11 +467,19 @@ class WorkerHandle:
                                       f"{len(record)} in flight",
                                 "into its task ring") from None
         except (RingClosed, RuntimeError) as e:
-            if self.shut_down:   # (this process shut the rings: the manager was closed)
-                raise
-            what = "it is shut down" if isinstance(e, RingClosed) else str(e)
-            raise WorkerCorrupt(self, what, "into its task ring") from None
+            raise self._ring_fault(e, "", "into its task ring") from None
         self._pushed += 1
+
+    def _ring_fault(self, error, ring, wrote="a corrupt result entry"):
+        """What to raise for ``error`` met on one of this worker's rings (``RingClosed``,
+        or the ``RuntimeError`` or ``ValueError`` of a ring found corrupt): ``error``
+        itself if this process shut the rings (the manager was closed, maybe from another
+        thread, meanwhile), else a WorkerCorrupt: a shut-down mark that no one here set,
+        or a contradicted cell, was written by the process."""
+        if self.shut_down:
+            return error
+        what = "it is shut down" if isinstance(error, RingClosed) else str(error)
+        return WorkerCorrupt(self, ring + what, wrote)
 
     def next_result(self, timeout):
         """The oldest result entry ``(tag, slot, ticket, payload)`` not recorded yet (see
@@ -501,11 +509,7 @@ class WorkerHandle:
                     raise
                 entry = results.pop_tagged(True, timeout, check=self._check, into=popped)
         except (RuntimeError, ValueError, RingClosed) as e:
-            if self.shut_down:   # (this process shut the rings, or closed them meanwhile)
-                raise
-            # (a shut-down mark that no one here set: the process wrote it)
-            what = "it is shut down" if isinstance(e, RingClosed) else e
-            raise WorkerCorrupt(self, f"its result ring: {what}") from None
+            raise self._ring_fault(e, "its result ring: ") from None
         t, slot, _, payload = entry
         status = t >> 8
         where = t & 0xFF

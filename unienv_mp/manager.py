@@ -339,8 +339,8 @@ class MultiProcessingSampleManager(Supervision, SlotAccounting, Polling,
     def _push_task(self, task, lane):
         """Push ``task`` onto the task ring of ``lane``'s worker; it is in
         ``lane.inflight`` once pushed.  Raises WorkerCorrupt, a WorkerDied (not pushed),
-        if the process wrote into its task ring.  Whether it was pushed or not, the task keeps the slot number it was given,
-        for the next try (or for _drop)."""
+        if the process wrote into its task ring.  Whether it was pushed or not, the task
+        keeps the slot number it was given, for the next try (or for _drop)."""
         seg = task.spill
         if seg is None:
             tag, payload, seg = self._encoder.encode(task.work)

@@ -536,8 +536,9 @@ class MultiprocessingSampler(SamplerBase):
             its own.  Writes that bypass torch (through ``tensor.numpy()``) are not
             seen: pass ``False`` if the data is written that way.  ``True``: the caller
             promises that the data does not change: epochs run on the existing workers
-            whatever the storage, unless the data's length changed (then on new ones).  ``False``: each epoch over unshared data starts
-            workers of its own, and they end with it (UniEnv's behaviour).  The
+            whatever the storage, unless the data's length changed (then on new ones).
+            ``False``: each epoch over unshared data starts workers of its own, and they
+            end with it (UniEnv's behaviour).  The
             batches are the same in every case, bit for bit, as long as the promise of
             ``True`` holds.  The ``sample*`` workers started at the first ``sample*``
             call are those kept for epochs, if their copy is current then.
