@@ -351,6 +351,77 @@ def test_a_load_that_fails_leaves_the_sampler_as_it_was():
         assert take(m, 4) == expected[2:]
 
 
+def _broken_state(state, kind):
+    import copy
+    s = copy.deepcopy(state)
+    stream = s["streams"]["sample"]
+    if kind == "no configuration":
+        del s["configuration"]
+    elif kind == "configuration None":
+        s["configuration"] = None
+    elif kind == "chunks a list":
+        s["configuration"]["chunks"] = []
+    elif kind == "base seed inf":
+        s["base_seed"] = float("inf")
+    elif kind == "base seed 2.5":
+        s["base_seed"] = 2.5
+    elif kind == "base seed negative":
+        s["base_seed"] = -1
+    elif kind == "data_rng garbage":
+        s["rngs"]["data_rng"].state = torch.zeros(3, dtype=torch.uint8)
+    elif kind == "data_rng None":
+        s["rngs"]["data_rng"] = None
+    elif kind.startswith("k "):
+        stream["k"] = {"k 0": 0, "k -1": -1, "k nan": float("nan"), "k 3": 3,
+                       "k True": True}[kind]
+    elif kind == "low negative":
+        stream["low"] = -5
+    elif kind == "low huge":
+        stream["low"] = 10 ** 30
+    elif kind == "partial past k":
+        stream["partial"] = {stream["low"]: 999}
+    elif kind == "partial negative":
+        stream["partial"] = {stream["low"]: -3}
+    elif kind == "done far ahead":
+        stream["done"] = [10 ** 7]
+    elif kind == "unknown stream":
+        s["streams"]["bogus"] = dict(stream)
+    elif kind == "getter a list":
+        s["epochs"][0]["getter"] = []
+    elif kind == "order a numpy array":
+        s["epochs"][0]["order"] = s["epochs"][0]["order"].numpy()
+    elif kind == "order of uint8":
+        s["epochs"][0]["order"] = s["epochs"][0]["order"].to(torch.uint8)
+    else:
+        raise AssertionError(kind)
+    return s
+
+
+@pytest.mark.parametrize("kind", [
+    "no configuration", "configuration None", "chunks a list", "base seed inf",
+    "base seed 2.5", "base seed negative", "data_rng garbage", "data_rng None", "k 0",
+    "k -1", "k nan", "k 3", "k True", "low negative", "low huge", "partial past k",
+    "partial negative", "done far ahead", "unknown stream", "getter a list",
+    "order a numpy array", "order of uint8"])
+def test_a_broken_state_is_a_value_error_and_changes_nothing(kind):
+    """Whatever is wrong in a state, and wherever: ValueError, and the sampler goes on
+    as if the load had never been tried."""
+    with _epoch_sampler(seed=1) as source:
+        take(source, 3)
+        it = source.epoch_iter()
+        next(it)
+        state = source.state_dict()
+        it.close()
+    with _epoch_sampler(seed=0) as m:
+        expected = take(m, 6)
+    with _epoch_sampler(seed=0) as m:
+        take(m, 2)
+        with pytest.raises(ValueError):
+            m.load_state_dict(_broken_state(state, kind))
+        assert take(m, 4) == expected[2:]
+        assert m.state_dict()["epochs"] == []
+
+
 def _mangled(epoch, kind):
     e = dict(epoch)
     order = e["order"]

@@ -11,6 +11,7 @@ import collections
 
 from . import _process, _state
 from ._streams import EpochProgress, Stream, base_seed
+from ._validate import MAX_BUFFERS
 
 __all__ = ["Checkpoints"]
 
@@ -70,24 +71,12 @@ class Checkpoints:
         (saying what differs) for a state of another configuration, or one that is not a
         whole state; the sampler is then as it was."""
         with self._lock:
-            saved = state.get("streams", {}) if isinstance(state, dict) else {}
-            if not isinstance(saved, dict):
-                raise ValueError(f"not a whole state_dict(): its streams are a "
-                                 f"{type(saved).__name__}")
-            _state.check(state, self._configuration(saved))
             try:
-                base = int(state["base_seed"])
-                rngs = _state.rebuilt_rngs(state["rngs"], self.sampler)
-                epochs = [EpochProgress.from_position(p) for p in state["epochs"]]
-                streams = {name: Stream.from_position(name, base, pos)
-                           for name, pos in state["streams"].items()}
-            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+                base, rngs, streams, resume = self._read_state(state)
+            except _state.Refused:
+                raise
+            except Exception as e:
                 raise ValueError(f"not a whole state_dict(): {type(e).__name__}: {e}") from e
-            getters = {n for n in self._sampler_methods() if n.startswith("get")}
-            resume = {}
-            for p in epochs:
-                _state.check_epoch(p, getters, len(self.sampler.data), self.batch_size)
-                resume.setdefault(p.getter, collections.deque()).append(p)
             with _process.interrupts_deferred():   # (one step: a Ctrl-C cannot cut it in two)
                 self._drop_streams()
                 self._base = base
@@ -95,6 +84,27 @@ class Checkpoints:
                 self._streams = streams
                 self._open_epochs = []
                 self._resume = resume
+
+    def _read_state(self, state):
+        """``(base seed, RNGs, streams, epochs to resume by getter)`` of ``state``, every
+        part checked against this sampler (raises Refused), nothing changed yet."""
+        saved = state.get("streams", {}) if isinstance(state, dict) else {}
+        _state.check(state, self._configuration(saved))
+        base = state["base_seed"]
+        rngs = _state.rebuilt_rngs(state["rngs"], self.sampler)
+        methods = {n for n in self._sampler_methods() if n.startswith("sample")}
+        streams = {}
+        for name, pos in saved.items():
+            _state.check_stream(name, pos, methods, self._chunk_size(name), MAX_BUFFERS)
+            streams[name] = Stream.from_position(name, base, pos)
+        getters = {n for n in self._sampler_methods() if n.startswith("get")}
+        resume = {}
+        for position in state["epochs"]:
+            p = EpochProgress.from_position(position)
+            _state.check_epoch(p, getters, len(self.sampler.data), self.batch_size,
+                               self.sampler.backend)
+            resume.setdefault(p.getter, collections.deque()).append(p)
+        return base, rngs, streams, resume
 
     def _configuration(self, methods):
         methods = set(methods) | {n for n in self._sampler_methods() if n.startswith("sample")}

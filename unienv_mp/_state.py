@@ -18,13 +18,25 @@ import sys
 
 import numpy as np
 
-__all__ = ["FORMAT", "VERSION", "configuration", "check", "check_epoch", "capture_rngs",
-           "rebuilt_rngs", "give_rngs", "restore_rngs"]
+__all__ = ["FORMAT", "VERSION", "Refused", "configuration", "check", "check_stream",
+           "check_epoch", "capture_rngs", "rebuilt_rngs", "give_rngs", "restore_rngs"]
 
 FORMAT = "unienv_mp.MultiprocessingSampler"
 VERSION = 2
 
 _RNGS = ("rng", "data_rng")
+
+#: Chunk numbers, and seeds, are below this.
+_TOP = 2 ** 64
+
+
+class Refused(ValueError):
+    """A state this sampler cannot go on from; the message says why."""
+
+
+def _is_int(x, low=0, high=_TOP):
+    """True if ``x`` is a Python int (not a bool) with ``low <= x < high``."""
+    return type(x) is int and low <= x < high
 
 
 def _structure(space):
@@ -58,14 +70,15 @@ def configuration(sampler, chunk_sizes):
 
 
 def check(state, here):
-    """Raise ``ValueError`` unless ``state`` is a state of this format whose configuration
-    matches ``here`` (see :func:`configuration`); the message says what differs."""
+    """Raise Refused (a ``ValueError``) unless ``state`` is a state of this format whose
+    configuration matches ``here`` (see :func:`configuration`) and whose base seed is a
+    64-bit number; the message says what differs."""
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ValueError(f"not a state_dict() of a unienv_mp MultiprocessingSampler: "
-                         f"{type(state).__name__} without format {FORMAT!r}")
+        raise Refused(f"not a state_dict() of a unienv_mp MultiprocessingSampler: "
+                      f"{type(state).__name__} without format {FORMAT!r}")
     if state.get("version") != VERSION:
-        raise ValueError(f"state_dict format version {state.get('version')!r}; this "
-                         f"version of unienv_mp reads version {VERSION}")
+        raise Refused(f"state_dict format version {state.get('version')!r}; this "
+                      f"version of unienv_mp reads version {VERSION}")
     saved = state["configuration"]
     differ = []
     for key in ("sampler", "batch_size", "data_length", "structure", "metadata_structure"):
@@ -77,8 +90,11 @@ def check(state, here):
             differ.append(f"{method}() makes {k} batches per task in the state, {mine} here "
                           f"(batches_per_task)")
     if differ:
-        raise ValueError("this state was taken from a sampler configured differently: "
-                         + "; ".join(differ))
+        raise Refused("this state was taken from a sampler configured differently: "
+                      + "; ".join(differ))
+    if not _is_int(state.get("base_seed")):
+        raise Refused(f"not a whole state_dict(): its base seed {state.get('base_seed')!r} "
+                      f"is not a 64-bit number")
 
 
 def capture_rngs(sampler):
@@ -91,19 +107,16 @@ def capture_rngs(sampler):
 def rebuilt_rngs(rngs, sampler=None):
     """``{name: RNG}`` in the states of ``rngs`` (see :func:`capture_rngs`), for
     :func:`give_rngs`; raises (and changes nothing) for what is not such a value, or,
-    given the wrapped ``sampler``, an RNG of another type than the one it has."""
+    given the wrapped ``sampler``, an RNG of another type than the one it has (or one
+    where it has none, or none where it has one)."""
     if not isinstance(rngs, dict):
         raise TypeError(f"rngs is a {type(rngs).__name__}, not a dict")
     out = {name: _restored_rng(rngs[name]) for name in _RNGS if name in rngs}
     for name, rng in out.items():
-        if rng is None or sampler is None:
-            continue
+        if sampler is None:
+            break
         mine = getattr(sampler, name, None)
-        if mine is not None:
-            fits = type(rng) is type(mine)
-        else:   # (an RNG of an array library, as UniEnv's backends use)
-            fits = type(rng).__module__.split(".")[0] in ("torch", "numpy", "jax", "jaxlib")
-        if not fits:
+        if type(rng) is not type(mine):   # (None too: a sampler built the same way)
             raise TypeError(f"rngs[{name!r}] is a {type(rng).__name__}, the sampler's "
                             f"{name} a {type(mine).__name__}")
     return out
@@ -120,35 +133,59 @@ def restore_rngs(sampler, rngs):
     give_rngs(sampler, rebuilt_rngs(rngs))
 
 
-def check_epoch(progress, getters, length, batch_size):
-    """Raise ``ValueError`` unless ``progress`` (an ``EpochProgress`` read from a state)
-    is an epoch this sampler could be in: a ``get*_at`` method of the wrapped sampler, a
-    permutation of its ``length`` rows, its ``batch_size``, and batches handed out that
-    exist."""
-    if progress.getter not in getters:
-        raise ValueError(f"the state's epoch is of {progress.getter!r}, which the wrapped "
-                         f"sampler does not have")
+def check_stream(name, position, methods, k, ahead):
+    """Raise Refused unless ``position`` (a stream's, read from a state) is one of a
+    ``sample*`` method in ``methods`` that makes ``k`` batches per task: chunk numbers
+    and counts that can be (see :meth:`unienv_mp._streams.Stream.position`), chunks
+    handed out ahead of the first one not handed out at most ``ahead`` chunks on."""
+    if name not in methods:
+        raise Refused(f"the state has a stream of {name!r}, which the wrapped sampler "
+                      f"does not have")
+    if not isinstance(position, dict):
+        raise Refused(f"the state's stream of {name} is a {type(position).__name__}")
+    if position.get("k") != k or type(position.get("k")) is not int:
+        raise Refused(f"the state's stream of {name} makes {position.get('k')!r} batches "
+                      f"per task, this sampler {k}")
+    low, done, partial = position.get("low"), position.get("done"), position.get("partial")
+    top = low + ahead + 1 if _is_int(low) else None
+    if (top is None or not isinstance(done, (list, tuple))
+            or not all(_is_int(c, low + 1, top) for c in done)
+            or not isinstance(partial, dict)
+            or not all(_is_int(c, low, top) and c not in done and _is_int(n, 0, k + 1)
+                       for c, n in partial.items())):
+        raise Refused(f"the state's stream of {name} is at a position that cannot be: "
+                      f"low {low!r}, done {done!r}, partial {partial!r}")
+
+
+def check_epoch(progress, getters, length, batch_size, backend):
+    """Raise Refused unless ``progress`` (an ``EpochProgress`` read from a state) is an
+    epoch this sampler could be in: a ``get*_at`` method of the wrapped sampler, a
+    permutation of its ``length`` rows as a signed integer array of its ``backend``,
+    its ``batch_size``, and batches handed out that exist."""
+    if not isinstance(progress.getter, str) or progress.getter not in getters:
+        raise Refused(f"the state's epoch is of {progress.getter!r}, which the wrapped "
+                      f"sampler does not have")
     if type(progress.batch_size) is not int or progress.batch_size != batch_size:
-        raise ValueError(f"the state's epoch has batches of {progress.batch_size!r}, this "
-                         f"sampler of {batch_size}")
+        raise Refused(f"the state's epoch has batches of {progress.batch_size!r}, this "
+                      f"sampler of {batch_size}")
     order = progress.order
-    if not (hasattr(order, "shape") and hasattr(order, "dtype")):
-        raise ValueError(f"the state's epoch order is a {type(order).__name__}, not an "
-                         f"array of the sampler's backend")
+    if not backend.is_backendarray(order):
+        raise Refused(f"the state's epoch order is a {type(order).__name__}, not an "
+                      f"array of the sampler's backend")
     numpy_of = getattr(order, "numpy", None)
     values = np.asarray(numpy_of() if callable(numpy_of) else order)
-    if (values.shape != (length,) or values.dtype.kind not in "iu"
+    if (values.shape != (length,) or values.dtype.kind != "i"
             or not np.array_equal(np.sort(values), np.arange(length))):
-        raise ValueError(f"the state's epoch is not a permutation of this sampler's "
-                         f"{length} rows")
+        raise Refused(f"the state's epoch is not a permutation of this sampler's "
+                      f"{length} rows")
     n = progress.n_batches()
     low, done = progress.low, progress.done
-    if type(low) is not int or not 0 <= low <= n:
-        raise ValueError(f"the state's epoch has handed out its batches below {low!r}, "
-                         f"of {n}")
-    if any(type(i) is not int or not low < i < n for i in done):
-        raise ValueError(f"the state's epoch has handed out batches {sorted(done, key=str)} "
-                         f"out of order, which do not lie between {low} and {n}")
+    if not _is_int(low, 0, n + 1):
+        raise Refused(f"the state's epoch has handed out its batches below {low!r}, "
+                      f"of {n}")
+    if not all(_is_int(i, low + 1, n) for i in done):
+        raise Refused(f"the state's epoch has handed out batches {sorted(done, key=str)} "
+                      f"out of order, which do not lie between {low} and {n}")
 
 
 class _TorchGenerator:

@@ -104,6 +104,12 @@ def check_workers(value, what="n_workers"):
     return number
 
 
+#: Bounds of a sampler's ``n_buffers`` and ``batches_per_task``: batches ahead of the
+#: caller, and in one task (a worker keeps a task's batches until its slot is written).
+#: Far more than ever helps: a few batches per worker keep every worker busy.
+MAX_BUFFERS = 4096
+MAX_BATCHES_PER_TASK = 1024
+
 #: Bounds of the manager's counts: replacements of one worker in a row, zero-copy results
 #: held at once.
 MAX_RESPAWNS = 10 ** 9

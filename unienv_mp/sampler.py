@@ -30,8 +30,9 @@ from ._delegates import Delegates
 from ._epochs import Epochs
 from ._sampling import SamplerTarget
 from ._streams import Stream, base_seed
-from ._validate import (check_bool, check_context, check_doze_time, check_int, check_seconds,
-                        check_workers, physical_memory)
+from ._validate import (MAX_BATCHES_PER_TASK, MAX_BUFFERS, check_bool, check_context,
+                        check_doze_time, check_int, check_seconds, check_workers,
+                        physical_memory)
 from .errors import WorkerError
 from .manager import CLOSE_WAIT, MultiProcessingSampleManager
 
@@ -53,11 +54,6 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 _CHUNK_BYTES = 1 << 20
 #: ... at most this many.
 _CHUNK_MAX = 8
-#: Bounds of ``n_buffers`` and ``batches_per_task``: batches ahead of the caller, and in one
-#: task (a worker keeps a task's batches until its slot is written).  Far more than ever
-#: helps: a few batches per worker keep every worker busy.
-MAX_BUFFERS = 4096
-MAX_BATCHES_PER_TASK = 1024
 
 
 def _data_is_shared(sampler):
