@@ -332,6 +332,62 @@ def test_a_ctrl_c_anywhere_in_sample_loses_nothing(in_order):
         recover()
 
 
+def test_a_ctrl_c_anywhere_in_a_device_sample_loses_nothing(monkeypatch):
+    """As above, with batches handed out on a (fake) device: the feed and its pins are
+    interrupted too.  Every batch is the stream's, once, in order; the device never reads
+    a slot given back, nor one unregistered; close() leaves nothing registered."""
+    from _fake_device import FakeOps
+    from unienv_mp import _streams, sampler as S
+    from unienv_mp._device import feed, handout, ops as device_ops, pins
+    fake = FakeOps(speed=1)
+    monkeypatch.setattr(device_ops, "for_device", lambda device: fake)
+    rb = _data.replay_buffer(100)
+
+    def make(device):
+        s = StepSampler(rb, 8, seed=0)
+        s._device = device
+        return MultiprocessingSampler(s, n_workers=1, n_buffers=2, ctx="fork",
+                                      batches_per_task=1)
+
+    with make(None) as reference:
+        reference.manual_seed(0)
+        position = {tuple(check_batch(reference.sample())): j for j in range(60)}
+    sampler = make(torch.device("cuda"))
+    held = collections.deque(maxlen=8)
+
+    def sample_round():
+        sampler.manual_seed(0)
+        seen = []
+        try:
+            for _ in range(3):
+                batch = sampler.sample()
+                fake.run_all()   # (the caller reads it: its copy has completed)
+                idx = check_batch(batch)
+                held.append((batch, idx))
+                seen.append(position[tuple(idx)])
+        finally:
+            assert len(set(seen)) == len(seen), f"a batch came twice: {seen}"
+            assert seen == sorted(seen), f"out of order: {seen}"
+
+    def recover():
+        for batch, idx in held:
+            assert check_batch(batch) == idx, "a batch kept by the caller changed"
+        assert not fake.violations, fake.violations
+        check_slots(sampler._manager)
+
+    with sampler:
+        sample_round()
+        interrupter = Interrupter(PACKAGE_FILES | {S.__file__, _streams.__file__,
+                                                   feed.__file__, pins.__file__,
+                                                   handout.__file__})
+        runs = interrupt_everywhere(interrupter, sample_round, recover)
+        assert runs > 300
+        sample_round()
+        recover()
+    fake.run_all()
+    assert fake.registered == {} and not fake.violations
+
+
 # -- a Ctrl-C at one chosen line, then the caller going on as a user would -----------------
 
 def line_of(func, marker, after=0, nth=1):
@@ -872,7 +928,9 @@ def test_a_ctrl_c_before_any_bytecode_of_the_stream_keeps_its_position(in_order,
 #: The package's modules whose code the tests here (and tests/test_backend_contract.py, for
 #: the Ray manager) interrupt at every bytecode.
 INTERRUPTED = {os.path.relpath(f, os.path.dirname(M.__file__)) for f in PACKAGE_FILES} | {
-    "sampler.py", "_streams.py", "_epochs.py", os.path.join("ray", "manager.py")}
+    "sampler.py", "_streams.py", "_epochs.py", os.path.join("ray", "manager.py"),
+    os.path.join("_device", "feed.py"), os.path.join("_device", "pins.py"),
+    os.path.join("_device", "handout.py")}
 
 #: Every other module of the package, and why a Ctrl-C in it needs no such test.
 NOT_INTERRUPTED = {
@@ -886,6 +944,16 @@ NOT_INTERRUPTED = {
     "_ring.pyx": "compiled: as _codec; what a ring does is recorded inside the call",
     "_rows.pyx": "compiled: as _codec",
     "_delegates.py": "the wrapped sampler's properties and get*_at, forwarded: nothing kept",
+    os.path.join("_device", "__init__.py"): "a docstring",
+    os.path.join("_device", "ops.py"): "each call is one device call that returns or "
+                                       "raises (CudaOps runs only with CUDA: test_cuda.py; "
+                                       "the feed and pins that call it are interrupted)",
+    os.path.join("_device", "placement.py"): "decides at construction: returns or raises",
+    os.path.join("_device", "resident.py"): "submit hands its ticket over last; result "
+                                            "drops the task after running it, so a Ctrl-C "
+                                            "leaves it pending, and the sampler cancels its "
+                                            "tickets after any interruption (tested in "
+                                            "sampler.py's code)",
     "_fingerprint.py": "reads the data and returns a value: nothing kept across a call",
     "_headroom.py": "a memory check before a segment is made: returns or raises",
     "_protocol.py": "constants of the wire format, and SlotWriter (run in the workers)",

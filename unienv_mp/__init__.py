@@ -13,7 +13,7 @@ from ._ring import RingBuffer, Segment
 from .errors import (CodecError, PeerGoneError, RingClosed, WorkerDiedError, WorkerError,
                      WorkerStalledError)
 from .queue import ShmQueue
-from .stats import SamplerStats, WorkerStats
+from .stats import DeviceStats, SamplerStats, WorkerStats
 
 if TYPE_CHECKING:
     from .compat import worker_loop as worker_loop
@@ -35,7 +35,7 @@ _LAZY = {
 
 __all__ = ["RingBuffer", "Segment", "ShmQueue", "RingClosed", "CodecError", "PeerGoneError",
            "WorkerError", "WorkerStalledError", "WorkerDiedError", "SamplerStats",
-           "WorkerStats", *_LAZY]
+           "WorkerStats", "DeviceStats", *_LAZY]
 
 
 def __getattr__(name: str) -> object:

@@ -69,16 +69,25 @@ class Epochs:
             # The first batch is asked for alone, so that it has a worker, and the CPUs, to
             # itself (it is waited for at once); the rest from the second on.
             ahead = 1
-            while nxt < len(todo) or pending:
+            early = None   # (ticket, result) collected ahead, on a device (see _early)
+            while nxt < len(todo) or pending or early:
                 with self._lock:
                     if self._closed:
                         raise RuntimeError(f"this {type(self).__name__} is closed")
-                    while nxt < len(todo) and len(pending) < ahead:
+                    while nxt < len(todo) and len(pending) + bool(early) < ahead:
                         manager.submit((getter, batches[todo[nxt]]), record=pending)
                         number[pending[-1]] = todo[nxt]
                         nxt += 1
-                    ticket = pending[0] if self.in_order else manager.wait_any(pending)
-                    value = self._collect(manager, pending, ticket)
+                    if early is not None:
+                        (ticket, value), early = early, None
+                        if type(value) is _Raise:
+                            raise value.error
+                    else:
+                        ticket = pending[0] if self.in_order else manager.wait_any(pending)
+                        value = self._collect(manager, pending, ticket)
+                    if self._feed is not None:
+                        value = self._hand_out.epoch_batch(value)
+                        early = self._early(manager, pending)
                     progress.handed_out(number.pop(ticket))
                     self._caller.batches += 1
                     if ahead == 1:
@@ -104,6 +113,24 @@ class Epochs:
                     interrupt = e
             if interrupt is not None:
                 raise interrupt
+
+    def _early(self, manager, pending):
+        """``(ticket, result)`` of the epoch's next batch if it has arrived, its copy
+        issued ahead (rule 6 of :mod:`unienv_mp._device.feed`), else None.  A result that
+        raises is raised when its batch is due."""
+        if not (self.in_order and pending and self._feed.copying
+                and manager.ready(pending[0])):
+            return None
+        ticket = pending[0]
+        try:
+            value = self._collect(manager, pending, ticket)
+        except Exception as e:
+            return ticket, _Raise(e)
+        try:
+            self._feed.start(value)
+        except Exception:
+            pass   # (tried again, and raised, at its hand-out)
+        return ticket, value
 
     def _begin_epoch(self, getter, run):
         """Start an epoch of ``getter`` for ``run``: its manager and its progress, the
@@ -197,6 +224,14 @@ class Epochs:
 
     def __iter__(self):
         return self.epoch_iter()
+
+
+class _Raise:
+    """An error met collecting a batch ahead, raised when the batch is due."""
+    __slots__ = ("error",)
+
+    def __init__(self, error):
+        self.error = error
 
 
 class _Run:

@@ -87,6 +87,10 @@ class Segment:
     @property
     def closed(self) -> bool:
         """True once :meth:`close` was called in this process."""
+    @property
+    def users(self) -> int:
+        """Buffer views (and C-level users) of the mapping alive now: while there is one,
+        the mapping stays (see :mod:`unienv_mp._device.pins`)."""
     def close(self) -> None:
         """Release the segment in this process: close its descriptor and unmap it (at once,
         or when the last view of it is released).  Idempotent."""

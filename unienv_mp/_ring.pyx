@@ -237,6 +237,12 @@ cdef class Segment:
         """True once :meth:`close` was called in this process."""
         return self._closing or self.addr == NULL
 
+    @property
+    def users(self):
+        """Buffer views (and C-level users) of the mapping alive now: while there is one,
+        the mapping stays (see :mod:`unienv_mp._device.pins`)."""
+        return self._users
+
     cdef unsigned char *enter(self, uint64_t offset, uint64_t length) except NULL:
         """Pin the mapping for a C-level user (e.g. a blocking wait without the GIL) and
         return the address of [offset, offset + length)."""

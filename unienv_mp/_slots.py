@@ -64,3 +64,10 @@ class SlotAccounting:
             task.leases -= 1
             if not task.leases and task.ticket not in tasks:
                 self._give_back_slot(task)
+
+    def slot_segments(self):
+        """The result slots of the workers now, as mapped here (none once closed): what a
+        device feed page-locks (see :mod:`unienv_mp._device.pins`)."""
+        if self.closed:
+            return []
+        return [seg for lane in self._lanes for seg in lane.worker.slot_segments()]

@@ -546,6 +546,11 @@ class WorkerHandle:
         """The slot numbers free for new tasks (a copy, for inspection)."""
         return tuple(self._free_slots)
 
+    def slot_segments(self):
+        """The segments of this process's slots mapped here (those a result of it can lie
+        in), for the device feed's registrations (see :mod:`unienv_mp._device.pins`)."""
+        return [seg for _, seg in self._slot_maps.values()]
+
     def map_slot(self, slot, desc):
         """``(segment, nbytes)`` of the result that a result entry's ``desc``
         (``SLOT_DESC``) places in ``slot``, mapping the slot's segment here the first time

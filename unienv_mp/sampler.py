@@ -27,6 +27,10 @@ from . import gather as _gather
 from . import stats as _stats
 from ._checkpoints import Checkpoints
 from ._delegates import Delegates
+from ._device.feed import make_feed
+from ._device.handout import DeviceHandOut
+from ._device.placement import device_type, place
+from ._device.resident import InProcessManager, own_target
 from ._epochs import Epochs
 from ._sampling import SamplerTarget
 from ._streams import Stream, base_seed
@@ -65,21 +69,12 @@ def _data_is_shared(sampler):
         return False
 
 
-def _device_type(device):
-    if device is None:
-        return "cpu"
-    t = getattr(device, "type", None)
-    if isinstance(t, str):
-        return t
-    return str(device).split(":")[0]
-
-
 def _check_cpu(sampler, who):
     """Raise ValueError unless ``sampler``'s batches and data are on the CPU."""
     data_device = getattr(getattr(sampler, "data", None), "device", None)
     for what, dev in (("sampler.device", sampler.device),
                       ("sampler.data.device", data_device)):
-        if _device_type(dev) not in ("cpu",):
+        if device_type(dev) != "cpu":
             raise ValueError(
                 f"{who} returns CPU batches from its workers, but {what} is {dev!r}: wrap "
                 f"a sampler whose data and batches are on the CPU and move batches to "
@@ -108,10 +103,12 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
     """
 
     def __init__(self, sampler, n_workers, n_buffers, *, in_order, copy, timeout, respawn,
-                 batches_per_task, not_direct, manager=None):
+                 batches_per_task, not_direct, manager=None, placement=None,
+                 pin_memory=False):
         self._closed = True   # first: __del__ -> close() must work on a half-built sampler
         self._manager = manager   # (made on first use by _new_sample_manager, if None)
         self._kept = None
+        self._feed = None
         self._owner_pid = os.getpid()
         # Held by every call but close() (see "Threads" in MultiprocessingSampler's
         # docstring); re-entrant, for a call from a signal handler in the middle of one.
@@ -126,7 +123,7 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
         in_order = check_bool(in_order, "in_order")
         copy = check_bool(copy, "copy")
         respawn = check_bool(respawn, "respawn")
-        _check_cpu(sampler, type(self).__name__)
+        pin_memory = check_bool(pin_memory, "pin_memory")
         if batches_per_task is not None:
             batches_per_task = check_int(
                 batches_per_task, "batches_per_task", 1, MAX_BATCHES_PER_TASK,
@@ -136,6 +133,8 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
         self._direct = not_direct is None
         self._not_direct = not_direct
         self.sampler = sampler
+        self._placement = placement
+        self.pin_memory = pin_memory
         self.n_workers = n_workers
         self.n_buffers = n_buffers
         self.in_order = in_order
@@ -144,6 +143,7 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
         self.respawn = respawn
         self.batches_per_task = batches_per_task
         self._check_memory()
+        self._set_up_device()
         self._caller = _stats.CallerRecord()   # batches handed out (see stats)
         self._ended_wait_ns = 0     # the waits of epoch managers closed since
         self._ended_startup_ns = 0  # (and their start-up part)
@@ -173,6 +173,18 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
             if not hasattr(type(self), new):
                 self._extra[new] = (kind, name)
         self._closed = False
+
+    def _set_up_device(self):
+        """The device feed, where batches are handed out on a device or page-locked (then
+        the instance's ``_sample``, and the epochs' hand-out, are a DeviceHandOut's: see
+        :mod:`unienv_mp._device.handout`); a sampler with no placement (Ray's) takes CPU
+        batches only."""
+        if self._placement is None:
+            _check_cpu(self.sampler, type(self).__name__)
+        self._feed = make_feed(self._placement, self.pin_memory, self._slot_segments)
+        if self._feed is not None:
+            self._hand_out = DeviceHandOut(self, SamplerBase._sample)
+            self._sample = self._hand_out.sample
 
     def _check_memory(self):
         """Refuse ``n_buffers`` and ``batches_per_task`` whose batches in flight would need
@@ -310,6 +322,15 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
                     stream.reset()
                 raise
 
+    def _slot_segments(self):
+        """The slot segments of every live manager (what the device feed page-locks)."""
+        out = []
+        for manager in (self._manager, self._kept, *self._epoch_managers):
+            segments = getattr(manager, "slot_segments", None)
+            if segments is not None and not manager.closed:
+                out.extend(segments())
+        return out
+
     def _chunk_size(self, name):
         """Batches per task of ``name``'s stream: ``batches_per_task``, or for methods
         that can be gathered directly as many as fit in 1 MiB (at most 8), else 1.  A
@@ -352,13 +373,19 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
             if reset:
                 self._ended_wait_ns = 0
                 self._ended_startup_ns = 0
-            return dataclasses.replace(out, gather_path=self.gather_path)
+            feed = self._feed
+            device = None if feed is None else feed.stats(reset=reset)
+            return dataclasses.replace(out, gather_path=self.gather_path, device=device)
 
     @property
     def gather_path(self):
         """``"direct"``: workers gather ``sample()`` and epoch batches straight into the
         shared slots (see ``direct_gather``); ``"generic"``: they call the wrapped
-        sampler's methods (:attr:`gather_path_reason` says why)."""
+        sampler's methods (:attr:`gather_path_reason` says why); ``"in_process"``: the
+        data is on a GPU, and the wrapped sampler runs in this process (no workers)."""
+        placement = self._placement
+        if placement is not None and placement.kind == "in_process":
+            return "in_process"
         return "direct" if self._direct else "generic"
 
     @property
@@ -412,6 +439,9 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
         lock = getattr(self, "_lock", None)
         got = lock is not None and lock.acquire(timeout=CLOSE_WAIT)
         try:
+            feed = getattr(self, "_feed", None)
+            if feed is not None:
+                feed.close()   # (its pins keep the slots mapped until now: rule 8 of the feed)
             self._close_managers()
             # (positions kept, for a state_dict() after close(); requests dropped)
             self._streams = {name: Stream.from_position(name, self._base, st.position())
@@ -458,8 +488,19 @@ class MultiprocessingSampler(SamplerBase):
     ones (see ``persistent_workers``).
 
     Args:
-        sampler: the ``BatchSampler`` to run in the workers (e.g. a ``StepSampler``).  Its
-            batches must be on the CPU; move them to the GPU in the training loop.
+        sampler: the ``BatchSampler`` to run in the workers (e.g. a ``StepSampler``).
+            Batches on a GPU: ``StepSampler(rb, B, device="cuda")`` over CPU data; the
+            workers make each batch on the CPU, in a slot that is page-locked, and this
+            process copies it to the GPU on a stream of its own, ahead of the call that
+            hands it out.  The batch handed out is on the device, ordered on the caller's
+            current CUDA stream (which waits for the copy; the caller does not), and its
+            slot goes back to its worker once the copy has completed.  Its values are
+            those of the same sampler without ``device=``, moved to the device, bit for
+            bit; ``sample_index()`` stays on the data's device, as UniEnv's does.  Data
+            already on a GPU (a ReplayBuffer over CUDA storages): no workers; the wrapped
+            sampler runs in this process (:attr:`gather_path` ``"in_process"``).  Other
+            samplers whose ``device`` is a GPU are refused with ``ValueError``, and
+            ``device="cuda"`` without CUDA here with a ``RuntimeError`` that says why.
         n_workers: worker processes.
         n_buffers: batches requested ahead of the caller, per method.
         ctx: multiprocessing context or start method name (``"fork"``, ``"spawn"``,
@@ -538,6 +579,16 @@ class MultiprocessingSampler(SamplerBase):
             batches are the same in every case, bit for bit, as long as the promise of
             ``True`` holds.  The ``sample*`` workers started at the first ``sample*``
             call are those kept for epochs, if their copy is current then.
+        pin_memory: ``True``: CPU batches are handed out from page-locked slots (each
+            slot registered with CUDA once), as torch's ``DataLoader(pin_memory=True)``
+            hands out pinned batches, so that the caller's own ``.to("cuda",
+            non_blocking=True)`` runs asynchronously.  Keep the CPU batch (any of its
+            arrays) alive until that copy has completed (e.g. until a later
+            ``torch.cuda.current_stream().synchronize()``, or an event recorded after the
+            copy): once the last array is garbage collected the slot goes back to its
+            worker, which may write the next batch into it while a copy still reads it.
+            Without CUDA here: one ``RuntimeWarning``, and plain slots.  Not with a
+            sampler whose batches go to a device already (``ValueError``).
 
     :meth:`stats` says where the time goes.  :meth:`state_dict` and
     :meth:`load_state_dict` save and restore the position of every
@@ -577,9 +628,11 @@ class MultiprocessingSampler(SamplerBase):
         batches_per_task: Optional[int] = None,
         stall_timeout: Optional[float] = None,
         persistent_workers: Optional[bool] = None,
+        pin_memory: bool = False,
     ):
         self._closed = True   # first: __del__ -> close() must work on a half-built sampler
         self._manager = None
+        self._feed = None
         n_workers = check_workers(n_workers)
         doze_time = check_doze_time(doze_time)
         stall_timeout = check_seconds(stall_timeout, "stall_timeout")
@@ -592,10 +645,19 @@ class MultiprocessingSampler(SamplerBase):
         if persistent_workers is not None and type(persistent_workers) is not bool:
             raise TypeError(f"persistent_workers must be None, True or False, got "
                             f"{persistent_workers!r}")
+        if not isinstance(sampler, BatchSampler):
+            raise TypeError(f"sampler must be a unienv_data BatchSampler (e.g. StepSampler), "
+                            f"got {type(sampler).__module__}.{type(sampler).__qualname__}")
+        placement = place(sampler, type(self).__name__)
+        self._worker_sampler = placement.worker_sampler
         not_direct = "direct_gather=False" if direct_gather is False else None
-        if not_direct is None and isinstance(sampler, BatchSampler):
+        if placement.kind == "in_process":
+            if direct_gather:
+                raise ValueError(f"direct_gather=True, but {placement.reason}")
+            not_direct = placement.reason
+        if not_direct is None:
             try:
-                _gather.check(sampler)
+                _gather.check(self._worker_sampler)
             except _gather.NotDirect as e:
                 not_direct = str(e)
                 if direct_gather:
@@ -611,11 +673,25 @@ class MultiprocessingSampler(SamplerBase):
         self._kept_fp = None      # the data the workers kept for epochs hold
         super().__init__(sampler, n_workers, n_buffers, in_order=in_order, copy=copy,
                          timeout=timeout, respawn=respawn, batches_per_task=batches_per_task,
-                         not_direct=not_direct)
+                         not_direct=not_direct, placement=placement, pin_memory=pin_memory)
+
+    def _chunk_size(self, name):
+        if self._placement.kind == "in_process" and self.batches_per_task is None:
+            return _CHUNK_MAX   # (no slot to fill: chunks only save reseeding the RNGs)
+        return super()._chunk_size(name)
+
+    def _row_nbytes(self, name):
+        worker_sampler = self._worker_sampler
+        if worker_sampler is None:
+            return None   # (in this process: nothing gathered into slots)
+        return _gather.row_nbytes(worker_sampler, name)
 
     def _new_manager(self):
+        if self._placement.kind == "in_process":
+            return InProcessManager(own_target(SamplerTarget(self.sampler)),
+                                    in_order=self.in_order)
         return MultiProcessingSampleManager(
-            SamplerTarget(self.sampler, direct=self._direct), n_workers=self.n_workers,
+            SamplerTarget(self._worker_sampler, direct=self._direct), n_workers=self.n_workers,
             ctx=self.mp_ctx, doze_time=self.doze_time, daemon=self.daemon,
             in_order=self.in_order, copy=self.copy, timeout=self.timeout,
             respawn=self.respawn, stall_timeout=self.stall_timeout,
@@ -681,7 +757,7 @@ class MultiprocessingSampler(SamplerBase):
         return manager
 
     def _epoch_manager(self):
-        if _data_is_shared(self.sampler):
+        if _data_is_shared(self.sampler) or self._placement.kind == "in_process":
             return self._ensure_manager(), False
         # Workers hold a copy of unshared data as it was when they started: this epoch
         # runs on workers that exist only if that copy is the data as it is now, and

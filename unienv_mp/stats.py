@@ -36,7 +36,7 @@ from typing import List, Optional
 
 from . import _process
 
-__all__ = ["SamplerStats", "WorkerStats"]
+__all__ = ["SamplerStats", "WorkerStats", "DeviceStats"]
 
 # -- the counter block ---------------------------------------------------------------------
 
@@ -338,6 +338,33 @@ class WorkerStats:
 
 
 @dataclass
+class DeviceStats:
+    """What a sampler did to hand batches out on a device (``device="cuda"``) or from
+    page-locked slots (``pin_memory=True``), since the first request or the last reset.
+
+    Attributes:
+        device: where batches go (``"cuda:0"``), or ``"cpu (pinned)"`` with ``pin_memory``.
+        copies: batches copied to the device.
+        copy_seconds: device time of the copies completed (timed on the sampler's copy
+            stream; the caller's stream waits for them, the caller does not).
+        wait_seconds: time the caller spent issuing copies, and blocked while the device
+            caught up (a copy from pageable memory, or more copies in flight than the
+            feed holds): the caller's own cost of the last hop.
+        pinned_bytes: host memory page-locked now (the registered slots).
+        pageable_leaves: arrays copied from memory that was not page-locked (a batch
+            copied out of its slot, or a registration refused).
+        in_flight: copies not known to have completed.
+    """
+    device: str
+    copies: int = 0
+    copy_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    pinned_bytes: int = 0
+    pageable_leaves: int = 0
+    in_flight: int = 0
+
+
+@dataclass
 class SamplerStats:
     """Where a sampler's (or a manager's) time went, since its first request or the last
     ``stats(reset=True)``.
@@ -347,6 +374,8 @@ class SamplerStats:
             its work function's ``batches_in(work)``, 1 by default).
         wait_seconds: time the caller spent blocked waiting for them, less
             ``startup_seconds``.
+        device: a :class:`DeviceStats` where batches are handed out on a device or from
+            page-locked slots, else None.
         startup_seconds: time the caller spent blocked waiting for workers that were
             still starting (see :attr:`WorkerStats.startup_seconds`): neither the
             caller waiting on a slow pipeline nor the workers' busy time.  (0 for Ray.)
@@ -355,7 +384,8 @@ class SamplerStats:
             the time the workers were running the caller waited for them.
         ready: batches finished and waiting to be handed out right now.
         workers: one :class:`WorkerStats` per worker index.
-        gather_path: ``"direct"`` or ``"generic"`` for a sampler (None for a manager).
+        gather_path: ``"direct"``, ``"generic"`` or ``"in_process"`` for a sampler (None for
+            a manager).
         machine_idle_fraction: how much of the machine's CPU time went unused meanwhile
             (``/proc/stat``; None if unknown): with little left, more workers cannot run
             faster.
@@ -375,6 +405,7 @@ class SamplerStats:
     bottleneck: Optional[str] = None
     machine_idle_fraction: Optional[float] = None
     startup_seconds: float = 0.0
+    device: Optional[DeviceStats] = None
 
     @property
     def busy_fraction(self):

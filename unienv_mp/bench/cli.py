@@ -34,7 +34,9 @@ from .runner import config_dict, run_case
 def _cases_epilog():
     lines = ["cases:"]
     for name, case in list(CASES.items()) + [
-            ("all", Case("all", "", (), "every case, one after the other"))]:
+            ("all", Case("all", "", (), "every case, one after the other")),
+            ("cuda", Case("cuda", "", (), "image batches taken to a GPU, every way side by "
+                                          "side (needs CUDA; says so and exits 0 without)"))]:
         lines += textwrap.wrap(case.summary, width=88, initial_indent=f"  {name:<9}",
                                subsequent_indent=" " * 11, break_on_hyphens=False)
     return "\n".join(lines)
@@ -81,7 +83,7 @@ def parse_args(argv=None):
                     "sampling, a torch DataLoader, index_select into reused memory and "
                     "TorchRL's ReplayBuffer, on the workloads of --case.",
         epilog=_cases_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--case", choices=tuple(CASES) + ("all",), default="image",
+    p.add_argument("--case", choices=tuple(CASES) + ("all", "cuda"), default="image",
                    help="the workload (see below; default image)")
     p.add_argument("--transitions", type=_positive(int), help="steps in the buffer "
                    "(default 20000; jpeg 4000; online: the capacity, half filled at "
@@ -204,6 +206,10 @@ def main(argv=None):
     draw their charts (``--plot``); 2 where nothing ran or an option cannot be met
     here, 1 where a row failed."""
     args = parse_args(argv)
+    if args.case == "cuda":
+        from . import cuda, data
+        cfg, _ = make_config(args, "image")
+        return cuda.run(cfg, args.workers[0], args.quick, data.build_buffer)
     missing = peers.available()
     lacking = missing_dependencies(args, missing)
     if lacking:

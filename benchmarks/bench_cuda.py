@@ -1,0 +1,46 @@
+"""The main job's ``cuda`` case as a pytest-benchmark group (``cuda``): an image batch of
+256 taken to the GPU, each way side by side (see ``unienv_mp.bench.cuda``); a round is one
+training step (get the batch, move it, a small GPU op that reads it).  Skipped without
+CUDA."""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs CUDA (torch.cuda.is_available() is False)")
+
+WAYS = ["device batches", "CPU batches + .to", "UniEnv in process, device="]
+
+
+@pytest.fixture(scope="module")
+def buffers():
+    from unienv_mp.bench import cuda, data
+    from unienv_mp.bench.config import case_config
+    cfg = case_config("image")
+    rb = data.build_buffer(cfg)
+    return cfg, rb
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_cuda(benchmark, buffers, way):
+    from unienv_data.samplers import StepSampler
+
+    from unienv_mp import MultiprocessingSampler
+    from unienv_mp.bench.cuda import _consume
+    cfg, rb = buffers
+    benchmark.group = "cuda"
+    acc = torch.zeros((), device="cuda")
+    if way == "UniEnv in process, device=":
+        s = StepSampler(rb, cfg.batch_size, seed=0, device="cuda")
+        benchmark(lambda: _consume(torch, s.sample(), acc))
+        return
+    device = "cuda" if way == "device batches" else None
+    with MultiprocessingSampler(StepSampler(rb, cfg.batch_size, seed=0, device=device),
+                                n_workers=4) as m:
+        if device is None:
+            step = lambda: _consume(torch, {k: v.to("cuda") for k, v in m.sample().items()},
+                                    acc)
+        else:
+            step = lambda: _consume(torch, m.sample(), acc)
+        benchmark(step)
+    torch.cuda.synchronize()

@@ -1,0 +1,120 @@
+"""A manager with no workers, for data that already lives on a GPU: each task runs in the
+calling process when its result is asked for.
+
+Worker processes cannot help there (each would need the GPU, and a forked child cannot use
+CUDA), and the GPU gathers a batch in a fraction of the time a process hand-over takes.  So
+the sampler keeps its streams, epochs and checkpoints (:class:`~unienv_mp.sampler.
+SamplerBase`), and this manager runs the work function of a worker (``SamplerTarget``) in
+place: ``submit`` only queues, ``result`` runs the task.  The stream of batches is the one
+a sampler with workers gives for the same seed and chunks (``batches_per_task``; by
+default 8 here, so that the generators are reseeded once per 8 batches);
+the work function runs on its own copy of the wrapped sampler, so the wrapped sampler's
+RNG in this process is touched only by the epochs' permutations, as with workers.
+"""
+import time
+from typing import Optional
+
+from .. import stats as _stats
+from .._backend import Dealer, TicketTable, none_pending
+from ..errors import WorkerError, error_payload
+
+__all__ = ["InProcessManager", "own_target"]
+
+
+def own_target(target):
+    """``target`` (a ``SamplerTarget``) as a worker process would get it: a shallow copy of
+    its sampler whose RNGs are made afresh at the first task (see
+    ``SamplerTarget.__getstate__``)."""
+    twin = type(target).__new__(type(target))
+    twin.__dict__.update(target.__getstate__())
+    return twin
+
+
+class _Task:
+    __slots__ = ("ticket", "work", "cancelled")
+
+    def __init__(self, work):
+        self.ticket = None
+        self.work = work
+        self.cancelled = False
+
+
+class InProcessManager:
+    """The manager contract (:class:`~unienv_mp._backend.Manager`) with no workers:
+    ``target_fn(work)`` runs in this process at :meth:`result`.  A task that raises gives
+    :class:`~unienv_mp.WorkerError` carrying its traceback, as from a worker."""
+    n_workers = 0
+
+    def __init__(self, target_fn, *, in_order=True):
+        self.target_fn = target_fn
+        self.in_order = in_order
+        self.closed = False
+        self._tasks = TicketTable()
+        self._dealer = Dealer()
+        self._batches_in = getattr(target_fn, "batches_in", None)
+        self._caller = _stats.CallerRecord()
+
+    def _ensure_open(self):
+        if self.closed:
+            raise RuntimeError(f"this {type(self).__name__} is closed")
+
+    def submit(self, work, worker: Optional[int] = None, *, record=None) -> int:
+        self._ensure_open()
+        if worker is not None:
+            raise ValueError("this manager has no workers to choose from")
+        if self._caller.since_ns is None:
+            self._caller.begin()
+        ticket = self._tasks.issue(_Task(work))
+        if record is not None:
+            record.append(ticket)
+        return ticket
+
+    def ready(self, ticket: int) -> bool:
+        self._ensure_open()
+        self._tasks.pending(ticket)
+        return True   # (made when it is asked for)
+
+    def wait_any(self, tickets, timeout: Optional[float] = None) -> int:
+        self._ensure_open()
+        for t in tickets:
+            task = self._tasks.get(t)
+            if task is not None and not task.cancelled:
+                return t
+        raise none_pending(tickets)
+
+    def result(self, ticket: int, timeout: Optional[float] = None):
+        self._ensure_open()
+        task = self._tasks.pending(ticket)
+        t0 = time.monotonic_ns()
+        try:
+            value = self.target_fn(task.work)
+        except Exception as e:
+            del self._tasks[ticket]
+            raise WorkerError.from_payload(error_payload(e), 0, "(in this process) ") from e
+        finally:
+            self._caller.waited(t0, time.monotonic_ns(), 0)
+        del self._tasks[ticket]
+        batches_in = self._batches_in
+        self._caller.batches += 1 if batches_in is None else batches_in(task.work)
+        return value
+
+    def cancel(self, ticket: int) -> None:
+        self._tasks.pop(ticket, None)
+
+    def reset_order(self) -> None:
+        self._dealer.reset()
+
+    def slot_segments(self):
+        return ()
+
+    def stats(self, reset: bool = False):
+        return self._caller.report(0, [], time.monotonic_ns(), reset)
+
+    def close(self) -> None:
+        self.closed = True
+        self._tasks.clear()
+
+    def __repr__(self):
+        state = "closed" if self.closed else f"{len(self._tasks)} pending"
+        return f"<{type(self).__name__} in this process, {state}>"
+
