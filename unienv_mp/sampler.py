@@ -108,7 +108,7 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
         self._closed = True   # first: __del__ -> close() must work on a half-built sampler
         self._manager = manager   # (made on first use by _new_sample_manager, if None)
         self._kept = None
-        self._feed = None
+        self._feed = None   # (see _set_up_device)
         self._owner_pid = os.getpid()
         # Held by every call but close() (see "Threads" in MultiprocessingSampler's
         # docstring); re-entrant, for a call from a signal handler in the middle of one.
@@ -133,8 +133,7 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
         self._direct = not_direct is None
         self._not_direct = not_direct
         self.sampler = sampler
-        self._placement = placement
-        self.pin_memory = pin_memory
+        self._placement, self.pin_memory = placement, pin_memory
         self.n_workers = n_workers
         self.n_buffers = n_buffers
         self.in_order = in_order
