@@ -46,12 +46,13 @@ def test_memory_stays_flat_over_many_steps():
         for _ in range(300):
             m.sample()
         torch.cuda.synchronize()
-        gpu, pinned = torch.cuda.memory_allocated(), m.stats().device.pinned_bytes
+        gpu = torch.cuda.memory_allocated()
         for _ in range(10_000):
             m.sample()
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() <= gpu + (1 << 20)
-        assert m.stats().device.pinned_bytes == pinned
+        # (slots are made while the pipeline fills, up to a bound: see test_device.py)
+        assert m.stats().device.pinned_slots <= 2 * (8 + 1 + 4 + 1)
     torch.ones(4).pin_memory()   # (nothing left registered to break later pinning)
 
 

@@ -133,16 +133,20 @@ def test_memory_stays_flat_and_close_unregisters_with_copies_in_flight(fake):
     rb = replay_buffer(500, img=IMG)
     m = MultiprocessingSampler(_on_cuda(StepSampler(rb, 64, seed=3)), n_workers=2,
                                ctx="fork")
+    # A worker makes a slot when none of its own is free: at most one per task in flight
+    # (n_buffers of 8, in chunks), per chunk being handed out, and per copy in flight (4)
+    # or issued ahead (1).  So the slots, and the bytes registered, stay under a bound that
+    # does not grow with the steps, each slot registered once (its size never changes here).
+    bound = 2 * (8 + 1 + 4 + 1)
     with m:
-        for _ in range(300):   # (the workers have made the slots they need by now)
+        for _ in range(1300):
             m.sample()
-        pinned = m.stats().device.pinned_bytes
-        registrations = fake.registrations
-        for _ in range(1000):
-            m.sample()
+            assert len(fake.registered) <= bound
         stats = m.stats().device
-        assert stats.pinned_bytes == pinned and stats.in_flight <= 4
-        assert fake.registrations == registrations == len(fake.registered)   # once each
+        assert stats.in_flight <= 4
+        assert fake.registrations == len(fake.registered)   # (none registered twice)
+        assert stats.pinned_bytes == sum(fake.registered.values())
+        assert stats.pinned_slots == len(fake.registered)
         fake.check_registered_mapped()
         assert fake.completed < len(fake.ops)              # copies in flight ...
         m.close()                                          # ... waited for by close()
@@ -316,3 +320,53 @@ def test_no_warning_on_a_cpu_sampler():
         with MultiprocessingSampler(StepSampler(rb, 8, seed=0), n_workers=1) as m:
             m.sample()
             assert m.stats().device is None
+
+
+def test_a_device_sampler_dropped_without_close_ends_at_once(fake):
+    # Nothing of the device hand-out refers back to the sampler: dropping the last
+    # reference closes it (its workers end, its slots are unregistered) without waiting
+    # for a garbage collection.
+    import gc
+    import weakref
+    rb = replay_buffer(100)
+    gc.disable()
+    try:
+        m = MultiprocessingSampler(_on_cuda(StepSampler(rb, 8, seed=0)), n_workers=1,
+                                   ctx="fork")
+        m.sample()
+        assert fake.registered
+        ref = weakref.ref(m)
+        del m
+        assert ref() is None
+        assert fake.registered == {}
+    finally:
+        gc.enable()
+
+
+def test_a_forked_child_does_not_touch_its_parents_device(fake):
+    import os
+    rb = replay_buffer(100)
+    with MultiprocessingSampler(_on_cuda(StepSampler(rb, 8, seed=0)), n_workers=1,
+                                ctx="fork") as m:
+        m.sample()
+        registered = dict(fake.registered)
+        pid = os.fork()
+        if pid == 0:   # the child: its copy of the sampler refuses, and closes quietly
+            code = 0
+            try:
+                try:
+                    m.sample()
+                    code = 3
+                except RuntimeError:
+                    pass
+                m._feed.close()
+                if fake.unregistrations:
+                    code = 5
+            except BaseException:
+                code = 6
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert fake.registered == registered      # (the parent's are as they were)
+        m.sample()
+    assert fake.registered == {} and not fake.violations

@@ -18,6 +18,7 @@ import multiprocessing as _mp
 import os
 import threading
 import time
+import weakref
 from typing import Any, Optional
 
 from unienv_data.base import BatchSampler
@@ -69,6 +70,13 @@ def _data_is_shared(sampler):
         return False
 
 
+def check_batch_sampler(sampler):
+    """Raise TypeError unless ``sampler`` is a UniEnv BatchSampler."""
+    if not isinstance(sampler, BatchSampler):
+        raise TypeError(f"sampler must be a unienv_data BatchSampler (e.g. StepSampler), "
+                        f"got {type(sampler).__module__}.{type(sampler).__qualname__}")
+
+
 def _check_cpu(sampler, who):
     """Raise ValueError unless ``sampler``'s batches and data are on the CPU."""
     data_device = getattr(getattr(sampler, "data", None), "device", None)
@@ -113,9 +121,7 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
         # Held by every call but close() (see "Threads" in MultiprocessingSampler's
         # docstring); re-entrant, for a call from a signal handler in the middle of one.
         self._lock = threading.RLock()
-        if not isinstance(sampler, BatchSampler):
-            raise TypeError(f"sampler must be a unienv_data BatchSampler (e.g. StepSampler), "
-                            f"got {type(sampler).__module__}.{type(sampler).__qualname__}")
+        check_batch_sampler(sampler)
         n_workers = check_int(n_workers, "n_workers")
         n_buffers = check_int(n_buffers, "n_buffers", 1, MAX_BUFFERS,
                               "batches requested ahead, each holding shared memory")
@@ -180,9 +186,12 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
         batches only."""
         if self._placement is None:
             _check_cpu(self.sampler, type(self).__name__)
-        self._feed = make_feed(self._placement, self.pin_memory, self._slot_segments)
+        # (both see the sampler through a weak proxy: a sampler that refers to itself
+        # would outlive its last user until a garbage collection, and its workers with it)
+        me = weakref.proxy(self)
+        self._feed = make_feed(self._placement, self.pin_memory, lambda: me._slot_segments())
         if self._feed is not None:
-            self._hand_out = DeviceHandOut(self, SamplerBase._sample)
+            self._hand_out = DeviceHandOut(me, SamplerBase._sample)
             self._sample = self._hand_out.sample
 
     def _check_memory(self):
@@ -297,15 +306,7 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
                     self._caller.batches += 1
                     return ready.popleft()
                 ticket = tickets[0] if self.in_order else manager.wait_any(tickets)
-                try:
-                    value = manager.result(ticket)
-                except WorkerError:
-                    # the chunk's batches are skipped; the other requests stand
-                    tickets.remove(ticket)
-                    stream.failed(ticket)
-                    raise
-                tickets.remove(ticket)
-                stream.arrived(ticket, value)
+                self._take_chunk(manager, stream, ticket)
                 if cold:
                     stream.top_up(manager.submit, n_buffers)
                 self._caller.batches += 1
@@ -313,13 +314,33 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
             except WorkerError:
                 raise
             except BaseException:
-                # Cut short (Ctrl-C, a timeout, a worker that died for good): what was
-                # requested is asked for again next time, the position stays where it is.
-                with _process.interrupts_deferred():
-                    for t in tickets:
-                        manager.cancel(t)
-                    stream.reset()
+                self._forget_requests(manager, stream)
                 raise
+
+    @staticmethod
+    def _take_chunk(manager, stream, ticket):
+        """Collect the task of ``ticket`` (the stream's, waiting for it if need be): its
+        batches join ``stream.ready``.  A task that raised: its chunk's batches are
+        skipped, the other requests stand, and the ``WorkerError`` is raised."""
+        tickets = stream.tickets
+        try:
+            value = manager.result(ticket)
+        except WorkerError:
+            tickets.remove(ticket)
+            stream.failed(ticket)
+            raise
+        tickets.remove(ticket)
+        stream.arrived(ticket, value)
+
+    @staticmethod
+    def _forget_requests(manager, stream):
+        """A call on ``stream`` was cut short (Ctrl-C, a timeout, a worker that died for
+        good): what was requested is asked for again next time, and the position stays
+        where it is."""
+        with _process.interrupts_deferred():
+            for t in stream.tickets:
+                manager.cancel(t)
+            stream.reset()
 
     def _slot_segments(self):
         """The slot segments of every live manager (what the device feed page-locks)."""
@@ -426,9 +447,11 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
         valid.  Idempotent, and safe from any thread at any moment: a call running in
         another thread meanwhile raises ``RuntimeError``, and no worker starts after this
         returns."""
+        feed = getattr(self, "_feed", None)
         if (getattr(self, "_closed", True) and getattr(self, "_manager", None) is None
                 and getattr(self, "_kept", None) is None
-                and not getattr(self, "_epoch_managers", None)):
+                and not getattr(self, "_epoch_managers", None)
+                and (feed is None or feed.closed)):
             return
         self._closed = True
         # First without the lock, which a call in another thread may hold while it waits
@@ -438,9 +461,10 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
         lock = getattr(self, "_lock", None)
         got = lock is not None and lock.acquire(timeout=CLOSE_WAIT)
         try:
-            feed = getattr(self, "_feed", None)
-            if feed is not None:
-                feed.close()   # (its pins keep the slots mapped until now: rule 8 of the feed)
+            if feed is not None and got:
+                # (its pins keep the slots mapped until now: rule 8 of the feed; without the
+                # lock, a call in another thread may be using it: closed at the next close)
+                feed.close()
             self._close_managers()
             # (positions kept, for a state_dict() after close(); requests dropped)
             self._streams = {name: Stream.from_position(name, self._base, st.position())
@@ -631,7 +655,6 @@ class MultiprocessingSampler(SamplerBase):
     ):
         self._closed = True   # first: __del__ -> close() must work on a half-built sampler
         self._manager = None
-        self._feed = None
         n_workers = check_workers(n_workers)
         doze_time = check_doze_time(doze_time)
         stall_timeout = check_seconds(stall_timeout, "stall_timeout")
@@ -644,9 +667,7 @@ class MultiprocessingSampler(SamplerBase):
         if persistent_workers is not None and type(persistent_workers) is not bool:
             raise TypeError(f"persistent_workers must be None, True or False, got "
                             f"{persistent_workers!r}")
-        if not isinstance(sampler, BatchSampler):
-            raise TypeError(f"sampler must be a unienv_data BatchSampler (e.g. StepSampler), "
-                            f"got {type(sampler).__module__}.{type(sampler).__qualname__}")
+        check_batch_sampler(sampler)   # (before place() reads its device)
         placement = place(sampler, type(self).__name__)
         self._worker_sampler = placement.worker_sampler
         not_direct = "direct_gather=False" if direct_gather is False else None

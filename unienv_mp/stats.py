@@ -351,6 +351,7 @@ class DeviceStats:
             caught up (a copy from pageable memory, or more copies in flight than the
             feed holds): the caller's own cost of the last hop.
         pinned_bytes: host memory page-locked now (the registered slots).
+        pinned_slots: slot segments page-locked now.
         pageable_leaves: arrays copied from memory that was not page-locked (a batch
             copied out of its slot, or a registration refused).
         in_flight: copies not known to have completed.
@@ -360,6 +361,7 @@ class DeviceStats:
     copy_seconds: float = 0.0
     wait_seconds: float = 0.0
     pinned_bytes: int = 0
+    pinned_slots: int = 0
     pageable_leaves: int = 0
     in_flight: int = 0
 

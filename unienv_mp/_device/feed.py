@@ -46,6 +46,7 @@ issued, so whatever was issued is retired (after an event recorded later on S, w
 completes after it) with the rest.
 """
 import collections
+import os
 import time
 
 from ..stats import DeviceStats
@@ -85,6 +86,7 @@ class DeviceFeed:
         self._in_flight = collections.deque()   # _Copy, in issue order
         self._ahead = None        # the _Copy issued ahead of its hand-out
         self.closed = False
+        self._pid = os.getpid()   # (a forked child never touches its parent's device)
         self._copies = 0
         self._copy_s = 0.0
         self._wait_ns = 0
@@ -186,7 +188,8 @@ class DeviceFeed:
         out = DeviceStats(
             device=str(self._ops.device) if self.copying else "cpu (pinned)",
             copies=self._copies, copy_seconds=self._copy_s, wait_seconds=self._wait_ns / 1e9,
-            pinned_bytes=self.pins.pinned_bytes, pageable_leaves=self._pageable,
+            pinned_bytes=self.pins.pinned_bytes, pinned_slots=len(self.pins),
+            pageable_leaves=self._pageable,
             in_flight=len(self._in_flight))
         if reset:
             self._copies = 0
@@ -197,12 +200,19 @@ class DeviceFeed:
 
     def close(self):
         """Wait for every copy in flight, let go of the CPU batches, unregister every slot
-        (rule 8).  Idempotent; a device error is reported as a warning, not raised."""
+        (rule 8).  Idempotent; a device error is reported as a warning, not raised.  In a
+        forked child, only lets go (the device work is the parent's)."""
         if self.closed:
             return
         self.closed = True
         self._ahead = None
         in_flight = self._in_flight
+        if os.getpid() != self._pid:
+            # A forked child: the copies and registrations are its parent's.  It lets go
+            # of its own copies of the mappings, and calls nothing on the device.
+            in_flight.clear()
+            self.pins.forget()
+            return
         error = None
         while in_flight:
             copy = in_flight[0]

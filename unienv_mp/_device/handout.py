@@ -1,7 +1,6 @@
 """The sampler's hand-out of batches on a device (or page-locked): the CPU batch its stream
 gives, passed through the device feed, and the copy of the stream's next batch issued
 ahead when it is here already (rule 6 of :mod:`.feed`)."""
-from .. import _process
 from ..errors import WorkerError
 
 __all__ = ["DeviceHandOut"]
@@ -50,8 +49,9 @@ class DeviceHandOut:
 
     def _look_ahead(self, name, stream, feed):
         """Issue the copy of ``name``'s next batch if it is here (rule 6 of the feed's
-        rules): collects its task if it has arrived, as the next call would.  A task that
-        raised is skipped as ``_sample`` skips it, and its error kept for the next call."""
+        rules): collects its task if it has arrived, as the next call would (the sampler's
+        ``_take_chunk``).  A task that raised is skipped, and its error kept for the next
+        call."""
         ready = stream.ready
         if not ready:
             s = self._sampler
@@ -60,22 +60,14 @@ class DeviceHandOut:
             if not tickets or not s.in_order or manager is None \
                     or not manager.ready(tickets[0]):
                 return
-            ticket = tickets[0]
             try:
-                value = manager.result(ticket)
+                s._take_chunk(manager, stream, tickets[0])
             except WorkerError as e:
-                tickets.remove(ticket)
-                stream.failed(ticket)
                 self._deferred[name] = e
                 return
             except BaseException:
-                with _process.interrupts_deferred():
-                    for t in tickets:
-                        manager.cancel(t)
-                    stream.reset()
+                s._forget_requests(manager, stream)
                 raise
-            tickets.remove(ticket)
-            stream.arrived(ticket, value)
             if not ready:
                 return
         feed.start(ready[0])

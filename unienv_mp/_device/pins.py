@@ -94,6 +94,14 @@ class HostPins:
         for pin in list(self._pins):
             self._unpin(pin)
 
+    def forget(self):
+        """Drop every pin without a device call (in a forked child, whose parent owns the
+        registrations)."""
+        pins, self._pins, self._starts = self._pins, [], []
+        self.pinned_bytes = 0
+        for pin in pins:
+            pin.view.release()
+
     def _pin(self, seg):
         view = memoryview(seg)   # (first: the mapping now lives at least as long as the pin)
         address, nbytes = seg.address, seg.size

@@ -15,7 +15,7 @@ import time
 from typing import Optional
 
 from .. import stats as _stats
-from .._backend import Dealer, TicketTable, none_pending
+from .._backend import TicketTable, none_pending
 from ..errors import WorkerError, error_payload
 
 __all__ = ["InProcessManager", "own_target"]
@@ -50,7 +50,6 @@ class InProcessManager:
         self.in_order = in_order
         self.closed = False
         self._tasks = TicketTable()
-        self._dealer = Dealer()
         self._batches_in = getattr(target_fn, "batches_in", None)
         self._caller = _stats.CallerRecord()
 
@@ -102,10 +101,7 @@ class InProcessManager:
         self._tasks.pop(ticket, None)
 
     def reset_order(self) -> None:
-        self._dealer.reset()
-
-    def slot_segments(self):
-        return ()
+        pass   # (no workers to deal to)
 
     def stats(self, reset: bool = False):
         return self._caller.report(0, [], time.monotonic_ns(), reset)
