@@ -370,3 +370,23 @@ def test_a_forked_child_does_not_touch_its_parents_device(fake):
         assert fake.registered == registered      # (the parent's are as they were)
         m.sample()
     assert fake.registered == {} and not fake.violations
+
+
+def test_in_process_gathers_with_index_select_where_it_can(monkeypatch):
+    # The in-process gather (one index draw, one index_select per array) gives the
+    # wrapped sampler's own batches for the same seeds, bit for bit; a view runs the
+    # wrapped sampler itself.
+    from unienv_data.batches.framestack_batch import FrameStackedBatch
+    from unienv_mp._device.resident import ResidentTarget
+    rb = replay_buffer(300)
+    wrapped = replay_buffer(300)
+    wrapped.extend(_data.transitions(300, 130))   # (its rows start at 130 of the storage)
+    for sampler, planned in ((StepSampler(rb, 16, seed=2), True),
+                             (StepSampler(wrapped, 16, seed=2), True),
+                             (StepSampler(FrameStackedBatch(rb, 1), 16, seed=2), False)):
+        fast = ResidentTarget(own_target(SamplerTarget(sampler)))
+        plain = own_target(SamplerTarget(sampler))
+        for work in (("sample", 11, 3), ("sample", 12, 1),
+                     ("get_at", torch.tensor([5, 0, 299, 7])), ("sample_flat", 13, 2)):
+            assert _same(fast(work), plain(work)), work
+        assert (fast._tree("get_at") is not None) == planned

@@ -144,11 +144,14 @@ class Planner:
     (frame stacks, columns, combined datasets: :mod:`unienv_mp._views`) ``view`` is the
     plan of the view, and this planner plans the storages under it."""
 
-    def __init__(self, sampler):
+    def __init__(self, sampler, on_device=False):
         import torch
         from unienv_data.replay_buffer.replay_buffer import ReplayBuffer
         from unienv_data.samplers.step_sampler import StepSampler
         self.torch = torch
+        # (True: the sources may live on a GPU, for a gather in the calling process; see
+        # unienv_mp._device.resident.  The workers take CPU rows only.)
+        self.on_device = on_device
         self.require(sampler, StepSampler, _SAMPLER_METHODS, "the wrapped sampler")
         device = getattr(sampler, "_device", None)
         if device is not None and torch.device(device).type != "cpu":
@@ -220,7 +223,7 @@ class Planner:
             # tensor is known to return its rows' bytes
             raise NotDirect(f"{qualname(storage)} holds a {qualname(data)}, not a plain "
                             f"or memory-mapped tensor")
-        if data.device.type != "cpu":
+        if data.device.type != "cpu" and not self.on_device:
             raise NotDirect(f"{qualname(storage)} holds its rows on {data.device}")
         if data.dim() < 1 or data.layout != torch.strided or data.is_quantized:
             raise NotDirect(f"{qualname(storage)} holds a tensor that is not a strided "
@@ -337,7 +340,7 @@ class Planner:
         return Leaf((col[0],), dtype, parts)
 
 
-def _is_index_tensor(arg):
+def is_index_tensor(arg):
     """A non-empty 1-D int64 tensor: the indices an epoch sends (anything else, the
     generic getter handles as UniEnv does)."""
     torch = sys.modules.get("torch")
@@ -430,7 +433,7 @@ class Gatherer:
                 return None
             sample_index = self.sampler.sample_index
             return getter, k, [sample_index() for _ in range(k or 1)]
-        if name in _GETTERS and _is_index_tensor(arg) and self.structure(name) is not None:
+        if name in _GETTERS and is_index_tensor(arg) and self.structure(name) is not None:
             return name, None, [arg]
         return None
 

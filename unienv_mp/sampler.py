@@ -31,7 +31,7 @@ from ._delegates import Delegates
 from ._device.feed import make_feed
 from ._device.handout import DeviceHandOut
 from ._device.placement import device_type, place
-from ._device.resident import InProcessManager, own_target
+from ._device.resident import InProcessManager, ResidentTarget, own_target
 from ._epochs import Epochs
 from ._sampling import SamplerTarget
 from ._streams import Stream, base_seed
@@ -708,7 +708,7 @@ class MultiprocessingSampler(SamplerBase):
 
     def _new_manager(self):
         if self._placement.kind == "in_process":
-            return InProcessManager(own_target(SamplerTarget(self.sampler)),
+            return InProcessManager(ResidentTarget(own_target(SamplerTarget(self.sampler))),
                                     in_order=self.in_order)
         return MultiProcessingSampleManager(
             SamplerTarget(self._worker_sampler, direct=self._direct), n_workers=self.n_workers,

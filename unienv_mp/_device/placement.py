@@ -54,7 +54,7 @@ def place(sampler, who):
         return Placement("in_process", _torch_device(data_device if device is None
                                                      else device), None,
                          f"the data is on {data_device}: worker processes cannot gather "
-                         f"it, so the wrapped sampler runs in this process")
+                         f"it, so batches are made in this process")
     if device_type(data_device) != "cpu":
         raise ValueError(f"{who} takes data on the CPU or on a CUDA device, but "
                          f"sampler.data.device is {data_device!r}")

@@ -14,11 +14,13 @@ RNG in this process is touched only by the epochs' permutations, as with workers
 import time
 from typing import Optional
 
+from .. import _unienv
+from .. import gather as _gather
 from .. import stats as _stats
 from .._backend import TicketTable, none_pending
 from ..errors import WorkerError, error_payload
 
-__all__ = ["InProcessManager", "own_target"]
+__all__ = ["InProcessManager", "own_target", "ResidentTarget"]
 
 
 def own_target(target):
@@ -28,6 +30,68 @@ def own_target(target):
     twin = type(target).__new__(type(target))
     twin.__dict__.update(target.__getstate__())
     return twin
+
+
+class ResidentTarget:
+    """``target`` (a ``SamplerTarget``, see :func:`own_target`), with ``sample`` and
+    ``get_at`` of a StepSampler over a ReplayBuffer of tensors (on any device) made as one
+    draw of indices and one ``index_select`` per array: what the wrapped sampler computes,
+    without its layers.  Every other task, and samplers it cannot read (views, storages
+    that compute their rows, ``device=`` on the sampler), run ``target`` itself.  The
+    batches are the same either way, bit for bit (the same RNG draws, the same rows)."""
+
+    def __init__(self, target):
+        self.target = target
+        self.batches_in = target.batches_in
+        self._trees = None   # getter -> tree of source tensors (None: not planned yet)
+
+    def _tree(self, getter):
+        trees = self._trees
+        if trees is None:
+            trees = self._trees = {}
+            try:
+                planner = _gather.Planner(self.target.sampler, on_device=True)
+                if planner.buffer is not None:
+                    trees["get_at"] = _sources(planner.structure("get_at"))
+            except Exception:
+                pass   # (NotDirect, or anything the planner trips on: the target's way)
+        return trees.get(getter)
+
+    def __call__(self, work):
+        name = work[0]
+        if name == "sample" and len(work) == 3:
+            tree = self._tree("get_at")
+            if tree is not None:
+                _, seed, k = work
+                target = self.target
+                target.reseed(seed)
+                sample_index = target.sampler.sample_index
+                buffer = target.sampler.data
+                return tuple([_gather_rows(tree, _gather.sampled_rows(buffer,
+                                                                       sample_index()))
+                              for _ in range(k)])
+        elif name == "get_at" and len(work) == 2 and _gather.is_index_tensor(work[1]):
+            tree = self._tree("get_at")
+            if tree is not None:
+                rows = _unienv.logical_to_physical(self.target.sampler.data, work[1])
+                return _gather_rows(tree, rows)
+        return self.target(work)
+
+
+def _sources(tree):
+    """The source tensor of each leaf of a planned structure; NotDirect unless every leaf
+    is one whole source of its own row shape and dtype."""
+    if isinstance(tree, dict):
+        return {k: _sources(v) for k, v in tree.items()}
+    if isinstance(tree, _gather.Leaf) and tree.direct and tree.columns is None:
+        return tree.parts[0][0]
+    raise _gather.NotDirect("a leaf that is not one whole tensor")
+
+
+def _gather_rows(tree, rows):
+    if isinstance(tree, dict):
+        return {k: _gather_rows(v, rows) for k, v in tree.items()}
+    return tree.index_select(0, rows)
 
 
 class _Task:
