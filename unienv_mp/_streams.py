@@ -30,6 +30,10 @@ Chunks whose task raised count as handed out (their batches are skipped).  Batch
 requested ahead are not part of the position: :meth:`Stream.position` and
 :meth:`Stream.from_position` save and restore it, and :meth:`Stream.reset` forgets what
 was requested, to be asked for again.
+
+**With a manager.**  :func:`take_chunk` collects a requested chunk into ``ready``, and
+:func:`forget_requests` drops every request of a call cut short: the two steps the
+sampler's hand-outs (CPU and device) share.
 """
 import collections
 import hashlib
@@ -37,7 +41,11 @@ import pickle
 import sys
 import zlib
 
-__all__ = ["Stream", "EpochProgress", "base_seed", "stream_key", "chunk_seed"]
+from . import _process
+from .errors import WorkerError
+
+__all__ = ["Stream", "EpochProgress", "base_seed", "stream_key", "chunk_seed", "take_chunk",
+           "forget_requests"]
 
 _MASK = (1 << 64) - 1
 _MASK32 = (1 << 32) - 1
@@ -232,6 +240,31 @@ class Stream:
         s.next_new = top + 1
         s.retry = [c for c in range(s.low, s.next_new) if c not in s.done]
         return s
+
+
+def take_chunk(manager, stream, ticket):
+    """Collect the task of ``ticket`` from ``manager`` (waiting for it if need be): its
+    batches join ``stream.ready``.  A task that raised: its chunk's batches are skipped,
+    the other requests stand, and the ``WorkerError`` is raised."""
+    tickets = stream.tickets
+    try:
+        value = manager.result(ticket)
+    except WorkerError:
+        tickets.remove(ticket)
+        stream.failed(ticket)
+        raise
+    tickets.remove(ticket)
+    stream.arrived(ticket, value)
+
+
+def forget_requests(manager, stream):
+    """A call on ``stream`` was cut short (Ctrl-C, a timeout, a worker that died for good):
+    its requests are cancelled on ``manager`` and asked for again next time, and the
+    position stays where it is."""
+    with _process.interrupts_deferred():
+        for t in stream.tickets:
+            manager.cancel(t)
+        stream.reset()
 
 
 class EpochProgress:

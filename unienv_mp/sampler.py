@@ -34,7 +34,7 @@ from ._device.placement import device_type, place
 from ._device.resident import InProcessManager, ResidentTarget, own_target
 from ._epochs import Epochs
 from ._sampling import SamplerTarget
-from ._streams import Stream, base_seed
+from ._streams import Stream, base_seed, forget_requests, take_chunk
 from ._validate import (MAX_BATCHES_PER_TASK, MAX_BUFFERS, check_bool, check_context,
                         check_doze_time, check_int, check_seconds, check_workers,
                         physical_memory)
@@ -306,7 +306,7 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
                     self._caller.batches += 1
                     return ready.popleft()
                 ticket = tickets[0] if self.in_order else manager.wait_any(tickets)
-                self._take_chunk(manager, stream, ticket)
+                take_chunk(manager, stream, ticket)
                 if cold:
                     stream.top_up(manager.submit, n_buffers)
                 self._caller.batches += 1
@@ -314,33 +314,8 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
             except WorkerError:
                 raise
             except BaseException:
-                self._forget_requests(manager, stream)
+                forget_requests(manager, stream)
                 raise
-
-    @staticmethod
-    def _take_chunk(manager, stream, ticket):
-        """Collect the task of ``ticket`` (the stream's, waiting for it if need be): its
-        batches join ``stream.ready``.  A task that raised: its chunk's batches are
-        skipped, the other requests stand, and the ``WorkerError`` is raised."""
-        tickets = stream.tickets
-        try:
-            value = manager.result(ticket)
-        except WorkerError:
-            tickets.remove(ticket)
-            stream.failed(ticket)
-            raise
-        tickets.remove(ticket)
-        stream.arrived(ticket, value)
-
-    @staticmethod
-    def _forget_requests(manager, stream):
-        """A call on ``stream`` was cut short (Ctrl-C, a timeout, a worker that died for
-        good): what was requested is asked for again next time, and the position stays
-        where it is."""
-        with _process.interrupts_deferred():
-            for t in stream.tickets:
-                manager.cancel(t)
-            stream.reset()
 
     def _slot_segments(self):
         """The slot segments of every live manager (what the device feed page-locks)."""

@@ -1,6 +1,7 @@
 """The sampler's hand-out of batches on a device (or page-locked): the CPU batch its stream
 gives, passed through the device feed, and the copy of the stream's next batch issued
 ahead when it is here already (rule 6 of :mod:`.feed`)."""
+from .._streams import forget_requests, take_chunk
 from ..errors import WorkerError
 
 __all__ = ["DeviceHandOut"]
@@ -49,8 +50,8 @@ class DeviceHandOut:
 
     def _look_ahead(self, name, stream, feed):
         """Issue the copy of ``name``'s next batch if it is here (rule 6 of the feed's
-        rules): collects its task if it has arrived, as the next call would (the sampler's
-        ``_take_chunk``).  A task that raised is skipped, and its error kept for the next
+        rules): collects its task if it has arrived, as the next call would
+        (``take_chunk``).  A task that raised is skipped, and its error kept for the next
         call."""
         ready = stream.ready
         if not ready:
@@ -61,12 +62,12 @@ class DeviceHandOut:
                     or not manager.ready(tickets[0]):
                 return
             try:
-                s._take_chunk(manager, stream, tickets[0])
+                take_chunk(manager, stream, tickets[0])
             except WorkerError as e:
                 self._deferred[name] = e
                 return
             except BaseException:
-                s._forget_requests(manager, stream)
+                forget_requests(manager, stream)
                 raise
             if not ready:
                 return
