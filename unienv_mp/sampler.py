@@ -377,7 +377,7 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
         """``"direct"``: workers gather ``sample()`` and epoch batches straight into the
         shared slots (see ``direct_gather``); ``"generic"``: they call the wrapped
         sampler's methods (:attr:`gather_path_reason` says why); ``"in_process"``: the
-        data is on a GPU, and the wrapped sampler runs in this process (no workers)."""
+        data is on a GPU, and batches are made in this process (no workers)."""
         placement = self._placement
         if placement is not None and placement.kind == "in_process":
             return "in_process"
@@ -495,8 +495,9 @@ class MultiprocessingSampler(SamplerBase):
             slot goes back to its worker once the copy has completed.  Its values are
             those of the same sampler without ``device=``, moved to the device, bit for
             bit; ``sample_index()`` stays on the data's device, as UniEnv's does.  Data
-            already on a GPU (a ReplayBuffer over CUDA storages): no workers; the wrapped
-            sampler runs in this process (:attr:`gather_path` ``"in_process"``).  Other
+            already on a GPU (a ReplayBuffer over CUDA storages): no workers; batches are
+            made in this process, with one ``index_select`` per array where the data is
+            a ReplayBuffer of tensors (:attr:`gather_path` ``"in_process"``).  Other
             samplers whose ``device`` is a GPU are refused with ``ValueError``, and
             ``device="cuda"`` without CUDA here with a ``RuntimeError`` that says why.
         n_workers: worker processes.

@@ -15,7 +15,8 @@ One file per idea:
 * :mod:`.placement`: where a wrapped sampler's batches are made (workers on the CPU, or
   this process for data on the GPU), what the workers run, and the errors for what
   cannot be done.
-* :mod:`.resident`: the manager that runs the wrapped sampler in this process, for data
+* :mod:`.resident`: the manager that makes batches in this process (one ``index_select``
+  per array where it can, else the wrapped sampler's own methods), for data
   that already lives on the GPU.
 
 Workers never touch a device: everything here runs in the training process.

@@ -10,6 +10,8 @@ a sampler with workers gives for the same seed and chunks (``batches_per_task``;
 default 8 here, so that the generators are reseeded once per 8 batches);
 the work function runs on its own copy of the wrapped sampler, so the wrapped sampler's
 RNG in this process is touched only by the epochs' permutations, as with workers.
+:class:`ResidentTarget` makes the batches of a StepSampler over a ReplayBuffer of tensors
+as one index draw and one ``index_select`` per array.
 """
 import time
 from typing import Optional
