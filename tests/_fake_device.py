@@ -64,6 +64,7 @@ class FakeOps(DeviceOps):
         self.held = []           # (data_ptr, stream) of tensors handed to a stream
         self.fail_copies = 0     # the next n copies raise, as a device out of memory would
         self.copies = 0
+        self.device_syncs = 0
 
     # -- streams and events ---------------------------------------------------------------
 
@@ -104,6 +105,10 @@ class FakeOps(DeviceOps):
 
     def wait(self, stream, event):
         self.waited.append(event)
+
+    def synchronize_device(self):
+        self.device_syncs += 1
+        self.run_all()
 
     def hold(self, tensor, stream):
         self.held.append((tensor.data_ptr(), stream))

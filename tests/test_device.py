@@ -390,3 +390,214 @@ def test_in_process_gathers_with_index_select_where_it_can(monkeypatch):
                      ("get_at", torch.tensor([5, 0, 299, 7])), ("sample_flat", 13, 2)):
             assert _same(fast(work), plain(work)), work
         assert (fast._tree("get_at") is not None) == planned
+
+
+# -- an outsider's attacks, each a test ------------------------------------------------------
+
+def _ctrl_c_at(func, marker):
+    """Send this process a SIGINT just before the first line of ``func`` holding
+    ``marker`` runs (once)."""
+    import inspect
+    import signal
+    import sys
+    lines, start = inspect.getsourcelines(func)
+    lineno = start + next(i for i, t in enumerate(lines) if marker in t)
+    code = func.__code__
+
+    def call(frame, event, arg):
+        if frame.f_code is code:
+            def line(frame, event, arg):
+                if event == "line" and frame.f_lineno == lineno:
+                    sys.settrace(None)
+                    signal.raise_signal(signal.SIGINT)
+                return line
+            return line
+    sys.settrace(call)
+
+
+def _untrace():
+    import sys
+    sys.settrace(None)
+
+
+@pytest.mark.parametrize("marker", ["feed.start(ready[0])", "manager.ready(tickets[0])",
+                                    "self._early[name] = ", "feed.start(value[0])"])
+def test_a_ctrl_c_in_the_look_ahead_moves_nothing(fake, marker):
+    # The batch whose hand-out a Ctrl-C cuts short is handed out by the next call, and a
+    # checkpoint taken meanwhile resumes at it.
+    from unienv_mp._device.handout import DeviceHandOut
+    rb = replay_buffer(300)
+    # (chunks of 2: the next batch is in the chunk every other call, else in the next task)
+    kw = dict(n_workers=1, n_buffers=2, batches_per_task=2, ctx="fork")
+    with MultiprocessingSampler(StepSampler(rb, 8, seed=0), **kw) as m:
+        ref = [_data.indices_of(m.sample()) for _ in range(8)]
+    with MultiprocessingSampler(_on_cuda(StepSampler(rb, 8, seed=0)), **kw) as m:
+        got = [m.sample() for _ in range(2)]
+        for _ in range(4):   # (until the look-ahead reaches the line)
+            _ctrl_c_at(DeviceHandOut._look_ahead, marker)
+            try:
+                got.append(m.sample())
+            except KeyboardInterrupt:
+                checkpoint, handed = m.state_dict(), len(got)
+                break
+            finally:
+                _untrace()
+        else:
+            pytest.fail(f"the look-ahead never reached {marker!r}")
+        while len(got) < 8:
+            got.append(m.sample())
+        fake.run_all()
+        assert [_data.indices_of(b) for b in got] == ref
+    with MultiprocessingSampler(_on_cuda(StepSampler(rb, 8, seed=0)), **kw) as m:
+        m.load_state_dict(checkpoint)
+        b = m.sample()
+        fake.run_all()
+        assert _data.indices_of(b) == ref[handed]
+    assert not fake.violations
+
+
+@pytest.mark.parametrize("marker", ["self._pins.insert", "i = bisect"])
+def test_a_ctrl_c_while_a_slot_is_page_locked(fake, marker):
+    # Registered exactly when recorded: later calls work, nothing is registered twice,
+    # and close() unregisters everything.
+    from unienv_mp._device.pins import HostPins
+    rb = replay_buffer(300, img=IMG)
+    m = MultiprocessingSampler(_on_cuda(StepSampler(rb, 64, seed=0)), n_workers=1,
+                               ctx="fork")
+    with m:
+        _ctrl_c_at(HostPins._pin_now, marker)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                m.sample()
+        finally:
+            _untrace()
+        for _ in range(5):
+            m.sample()
+    fake.run_all()
+    assert fake.registered == {} and not fake.violations
+
+
+def test_a_close_cut_short_is_finished_by_the_next(fake):
+    from unienv_mp._device.feed import DeviceFeed
+    rb = replay_buffer(300, img=IMG)
+    m = MultiprocessingSampler(_on_cuda(StepSampler(rb, 64, seed=0)), n_workers=1,
+                               ctx="fork")
+    for _ in range(10):
+        m.sample()
+    assert m.stats().device.in_flight
+    _ctrl_c_at(DeviceFeed.close, "self._ops.synchronize(copy.end)")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            m.close()
+    finally:
+        _untrace()
+    m.close()
+    assert fake.registered == {} and not fake.violations
+
+
+@pytest.mark.parametrize("between", ["stats", "sample_with_metadata"])
+def test_a_copy_issued_ahead_is_used_whatever_runs_between_calls(monkeypatch, between):
+    ops = FakeOps(speed=1000)   # (every copy completes at once, as on a fast GPU)
+    monkeypatch.setattr(ops_mod, "for_device", lambda device: ops)
+    rb = replay_buffer(500, img=IMG)
+    with MultiprocessingSampler(_on_cuda(StepSampler(rb, 64, seed=3)), n_workers=2,
+                                ctx="fork") as m:
+        m.sample()
+        m.sample_with_metadata()
+        for _ in range(100):
+            m.sample()
+            getattr(m, between)()
+        n = 102 + (100 if between == "sample_with_metadata" else 0)
+        # (each batch copied once; a few copies issued ahead for batches still waiting)
+        assert m.stats().device.copies <= n + 4
+
+
+def test_a_worker_error_met_looking_ahead_goes_with_its_stream(fake):
+    # A fresh stream (manual_seed, load_state_dict) does not inherit it.
+    import time
+    from unienv_mp._streams import base_seed, chunk_seed, stream_key
+    rb = replay_buffer(300)
+    bad = chunk_seed(stream_key(base_seed(StepSampler(rb, 8, seed=1)), "sample"), 2)
+
+    class FailOnSeed(StepSampler):
+        def manual_seed(self, seed):
+            self.seed_ = seed
+            return super().manual_seed(seed)
+
+        def get_at(self, idx):
+            if getattr(self, "seed_", None) == bad:
+                raise KeyError("bad chunk")
+            return super().get_at(idx)
+
+    for how in ("manual_seed", "load_state_dict"):
+        with MultiprocessingSampler(_on_cuda(FailOnSeed(rb, 8, seed=1)), n_workers=1,
+                                    n_buffers=2, batches_per_task=1, ctx="fork") as m:
+            fresh = m.state_dict()
+            m.sample()
+            time.sleep(0.5)   # (chunk 2, which raises, has come back)
+            m.sample()        # (its look-ahead collects chunk 2)
+            if how == "manual_seed":
+                m.manual_seed(5)
+            else:
+                m.load_state_dict(fresh)
+            m.sample()        # (a fresh stream's first batch)
+            if how == "load_state_dict":
+                m.sample()
+                with pytest.raises(WorkerError, match="bad chunk"):
+                    m.sample()   # (chunk 2 of the restored stream raises in turn)
+    fake.run_all()
+
+
+@pytest.mark.parametrize("device", [False, True])
+def test_a_forked_childs_close_leaves_the_parent_alone(fake, device):
+    import os
+    rb = replay_buffer(300, img=IMG)
+    kw = dict(n_workers=2, ctx="fork")
+    ref = [_data.indices_of(b) for b in _cpu_stream(rb, 40, **kw)]
+    s = StepSampler(rb, 64, seed=3)
+    with MultiprocessingSampler(_on_cuda(s) if device else s, **kw) as m:
+        out = [m.sample() for _ in range(10)]
+        fake.run_all()
+        out = [_data.indices_of(b) for b in out]
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                m.stats()
+                m.close()
+                code = 5 if fake.unregistrations else 0
+            except BaseException:
+                code = 6
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")   # (no worker replaced)
+            more = [m.sample() for _ in range(30)]
+        fake.run_all()
+        out += [_data.indices_of(b) for b in more]
+    assert out == ref
+    assert fake.registered == {} and not fake.violations
+
+
+def test_copy_true_keeps_device_copies_from_page_locked_slots(fake):
+    rb = replay_buffer(300, img=IMG)
+    ref = _cpu_stream(rb, 20, n_workers=2, ctx="fork")
+    with MultiprocessingSampler(_on_cuda(StepSampler(rb, 64, seed=3)), n_workers=2,
+                                ctx="fork", copy=True) as m:
+        out = [m.sample() for _ in range(20)]
+        assert m.stats().device.pageable_leaves == 0
+    fake.run_all()
+    assert all(_same(a, b) for a, b in zip(ref, out))
+
+
+def test_pin_memory_close_waits_for_the_device_before_unregistering(fake, monkeypatch):
+    monkeypatch.setattr(ops_mod, "cuda_unavailable", lambda device: None)
+    rb = replay_buffer(300)
+    with pytest.raises(ValueError, match="pin_memory=True.*copy=True"):
+        MultiprocessingSampler(StepSampler(rb, 64, seed=3), pin_memory=True, copy=True)
+    with MultiprocessingSampler(StepSampler(rb, 64, seed=3), n_workers=2, ctx="fork",
+                                pin_memory=True) as m:
+        held = m.sample()   # (the caller's own copy of it may still run)
+    assert fake.device_syncs == 1 and fake.registered == {}
+    assert held["state"].shape == (64, 10)

@@ -358,9 +358,14 @@ def test_a_ctrl_c_anywhere_in_a_device_sample_loses_nothing(monkeypatch):
     def sample_round():
         sampler.manual_seed(0)
         seen = []
+        cut = None
         try:
-            for _ in range(3):
-                batch = sampler.sample()
+            while len(seen) < 2:
+                try:
+                    batch = sampler.sample()
+                except KeyboardInterrupt as e:   # (the caller goes on: what is lost?)
+                    cut = e
+                    continue
                 fake.run_all()   # (the caller reads it: its copy has completed)
                 idx = check_batch(batch)
                 held.append((batch, idx))
@@ -368,12 +373,21 @@ def test_a_ctrl_c_anywhere_in_a_device_sample_loses_nothing(monkeypatch):
         finally:
             assert len(set(seen)) == len(seen), f"a batch came twice: {seen}"
             assert seen == sorted(seen), f"out of order: {seen}"
+            lost = seen[-1] + 1 - len(seen) if seen else 0
+            # at most the batch of the call cut short, as on the CPU (a Ctrl-C between
+            # its hand-out from the stream and the device hand-out's first step)
+            assert lost <= 1, f"{lost} batches lost: {seen}"
+            lost_in.append(lost)
+        if cut is not None:
+            raise cut
 
     def recover():
         for batch, idx in held:
             assert check_batch(batch) == idx, "a batch kept by the caller changed"
         assert not fake.violations, fake.violations
         check_slots(sampler._manager)
+
+    lost_in = []
 
     with sampler:
         sample_round()
@@ -382,6 +396,7 @@ def test_a_ctrl_c_anywhere_in_a_device_sample_loses_nothing(monkeypatch):
                                                    handout.__file__})
         runs = interrupt_everywhere(interrupter, sample_round, recover)
         assert runs > 300
+        print("batches lost per round:", collections.Counter(lost_in))
         sample_round()
         recover()
     fake.run_all()

@@ -32,8 +32,8 @@ requested ahead are not part of the position: :meth:`Stream.position` and
 was requested, to be asked for again.
 
 **With a manager.**  :func:`take_chunk` collects a requested chunk into ``ready``, and
-:func:`forget_requests` drops every request of a call cut short: the two steps the
-sampler's hand-outs (CPU and device) share.
+:func:`forget_requests` drops every request of a call cut short (the sampler's two steps
+on a stream that involve its manager).
 """
 import collections
 import hashlib

@@ -9,6 +9,7 @@ lane.  Its methods work on the manager's state (see ``MultiProcessingSampleManag
 :mod:`unienv_mp.manager`.
 """
 import collections
+import os
 import queue as _queue
 import signal
 import time
@@ -372,8 +373,11 @@ class Supervision:
         returns, and the memory is released once that call has left (if it has not
         within ``CLOSE_WAIT`` seconds, the processes are stopped and the memory is
         released at the manager's garbage collection or at exit, with a
-        ``RuntimeWarning``)."""
+        ``RuntimeWarning``).  In a forked child it only marks this copy closed: the
+        workers, their rings and their slots are the parent's."""
         self.closed = True
+        if os.getpid() != getattr(self, "_owner_pid", os.getpid()):
+            return
         resources = self._resources
         resources.shut_down()   # first, without the lock: wakes a call waiting meanwhile
         lock = getattr(self, "_lock", None)

@@ -186,6 +186,9 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
         batches only."""
         if self._placement is None:
             _check_cpu(self.sampler, type(self).__name__)
+        if self.pin_memory and self.copy:
+            raise ValueError("pin_memory=True hands out batches in their page-locked slots, "
+                             "and copy=True copies them out of their slots: choose one")
         # (both see the sampler through a weak proxy: a sampler that refers to itself
         # would outlive its last user until a garbage collection, and its workers with it)
         me = weakref.proxy(self)
@@ -500,6 +503,9 @@ class MultiprocessingSampler(SamplerBase):
             a ReplayBuffer of tensors (:attr:`gather_path` ``"in_process"``).  Other
             samplers whose ``device`` is a GPU are refused with ``ValueError``, and
             ``device="cuda"`` without CUDA here with a ``RuntimeError`` that says why.
+            A device error (out of memory) in ``sample*`` puts the batch back for the
+            next call; in an epoch it ends the epoch, as a worker's error does.
+            ``copy`` has no effect on device batches (they are copies).
         n_workers: worker processes.
         n_buffers: batches requested ahead of the caller, per method.
         ctx: multiprocessing context or start method name (``"fork"``, ``"spawn"``,
@@ -587,7 +593,13 @@ class MultiprocessingSampler(SamplerBase):
             copy): once the last array is garbage collected the slot goes back to its
             worker, which may write the next batch into it while a copy still reads it.
             Without CUDA here: one ``RuntimeWarning``, and plain slots.  Not with a
-            sampler whose batches go to a device already (``ValueError``).
+            sampler whose batches go to a device already, nor with ``copy=True``
+            (``ValueError``).  A batch that is not in a slot is not page-locked: a small
+            one (4 KiB or less travels inside its ring entry), or one copied out because
+            the caller holds more than ``2 * n_workers + 8`` slots' batches at once
+            (``stats().device.pageable_leaves`` counts them).  :meth:`close` waits for
+            the work queued on the GPU, then unregisters the slots: batches held after
+            it are ordinary memory.
 
     :meth:`stats` says where the time goes.  :meth:`state_dict` and
     :meth:`load_state_dict` save and restore the position of every
@@ -689,7 +701,9 @@ class MultiprocessingSampler(SamplerBase):
         return MultiProcessingSampleManager(
             SamplerTarget(self._worker_sampler, direct=self._direct), n_workers=self.n_workers,
             ctx=self.mp_ctx, doze_time=self.doze_time, daemon=self.daemon,
-            in_order=self.in_order, copy=self.copy, timeout=self.timeout,
+            # (a device batch is a copy already: its CPU batch stays in the slot)
+            in_order=self.in_order, copy=self.copy and self._placement.kind != "copy",
+            timeout=self.timeout,
             respawn=self.respawn, stall_timeout=self.stall_timeout,
             start_later=self._start_later())
 

@@ -54,6 +54,9 @@ from .pins import HostPins
 
 __all__ = ["DeviceFeed", "make_feed"]
 
+#: Copies issued ahead kept for their hand-out (one per stream in use is the need).
+_AHEAD = 4
+
 
 class _Copy:
     """One batch being copied: the CPU batch held until the copy completes, the device
@@ -84,8 +87,12 @@ class DeviceFeed:
         self._max = max_in_flight
         self._timing = timing
         self._in_flight = collections.deque()   # _Copy, in issue order
-        self._ahead = None        # the _Copy issued ahead of its hand-out
-        self.closed = False
+        # id(cpu batch) -> (the batch, its _Copy) issued ahead of its hand-out, oldest
+        # first (one per stream whose next batch is here; the batch is kept with it, so
+        # that the id is its own)
+        self._ahead = {}
+        self._closing = False     # close() began: no copy is issued any more
+        self.closed = False       # close() ended
         self._pid = os.getpid()   # (a forked child never touches its parent's device)
         self._copies = 0
         self._copy_s = 0.0
@@ -97,10 +104,9 @@ class DeviceFeed:
     def hand_out(self, cpu):
         """``cpu`` on the device, ordered on the caller's current stream (rules 3, 6)."""
         t0 = time.perf_counter_ns()
-        ahead = self._ahead
-        if ahead is not None and ahead.cpu is cpu:
-            copy = ahead
-            self._ahead = None
+        entry = self._ahead.pop(id(cpu), None)
+        if entry is not None and entry[0] is cpu:
+            copy = entry[1]
         else:
             copy = self._issue(cpu)
         ops = self._ops
@@ -117,10 +123,14 @@ class DeviceFeed:
         """Issue the copy of ``cpu``, the stream's next batch, ahead of its hand-out
         (rule 6)."""
         ahead = self._ahead
-        if ahead is not None and ahead.cpu is cpu:
+        entry = ahead.get(id(cpu))
+        if entry is not None and entry[0] is cpu:
             return
         t0 = time.perf_counter_ns()
-        self._ahead = self._issue(cpu)
+        ahead[id(cpu)] = (cpu, self._issue(cpu))
+        if len(ahead) > _AHEAD:
+            # (batches started ahead and then dropped, by a reseed say: the oldest goes)
+            del ahead[next(iter(ahead))]
         self._wait_ns += time.perf_counter_ns() - t0
 
     def pinned(self, cpu):
@@ -144,7 +154,7 @@ class DeviceFeed:
             self._pageable += 1
 
     def _issue(self, cpu):
-        if self.closed:
+        if self._closing:
             raise RuntimeError("the device feed is closed")
         in_flight = self._in_flight
         self._retire()
@@ -183,7 +193,7 @@ class DeviceFeed:
 
     def stats(self, reset=False):
         """A :class:`DeviceStats` of what was done since the start (or the last reset)."""
-        if not self.closed:
+        if not self._closing and os.getpid() == self._pid:
             self._retire()
         out = DeviceStats(
             device=str(self._ops.device) if self.copying else "cpu (pinned)",
@@ -200,18 +210,20 @@ class DeviceFeed:
 
     def close(self):
         """Wait for every copy in flight, let go of the CPU batches, unregister every slot
-        (rule 8).  Idempotent; a device error is reported as a warning, not raised.  In a
-        forked child, only lets go (the device work is the parent's)."""
+        (rule 8).  Idempotent, and a close cut short (a Ctrl-C while it waits) is finished
+        by the next; a device error is reported as a warning, not raised.  In a forked
+        child, only lets go (the device work is the parent's)."""
         if self.closed:
             return
-        self.closed = True
-        self._ahead = None
+        self._closing = True
+        self._ahead.clear()
         in_flight = self._in_flight
         if os.getpid() != self._pid:
             # A forked child: the copies and registrations are its parent's.  It lets go
             # of its own copies of the mappings, and calls nothing on the device.
             in_flight.clear()
             self.pins.forget()
+            self.closed = True
             return
         error = None
         while in_flight:
@@ -224,7 +236,11 @@ class DeviceFeed:
                 error = error or e
             in_flight.popleft()
             copy.cpu = None
-        self.pins.close()
+        try:
+            self.pins.close()
+        except Exception as e:
+            error = error or e
+        self.closed = True
         if error is not None:
             import warnings
             warnings.warn(f"unienv_mp: a copy to {self._ops.device} failed while the sampler "

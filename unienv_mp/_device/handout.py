@@ -1,10 +1,27 @@
 """The sampler's hand-out of batches on a device (or page-locked): the CPU batch its stream
 gives, passed through the device feed, and the copy of the stream's next batch issued
-ahead when it is here already (rule 6 of :mod:`.feed`)."""
-from .._streams import forget_requests, take_chunk
+ahead when it is here already (rule 6 of :mod:`.feed`).
+
+**The look-ahead changes nothing in the stream.**  When the stream's next batch is in its
+``ready`` chunk, its copy is started; when it is in the next task, which has arrived, the
+task's result is collected from the manager and kept here (``_early``) with its copy
+started, and it joins the stream only at the next call, as that call would have collected
+it.  So the position between calls is what the caller was handed, a ``state_dict()``
+taken then is exact, and a Ctrl-C anywhere in the look-ahead puts the batch being handed
+out back (nothing else moved): the next call hands it out again.
+"""
+from .. import _process
 from ..errors import WorkerError
 
 __all__ = ["DeviceHandOut"]
+
+
+class _Failed:
+    """The result of a task collected ahead that raised (its error, raised in turn)."""
+    __slots__ = ("error",)
+
+    def __init__(self, error):
+        self.error = error
 
 
 class DeviceHandOut:
@@ -17,7 +34,10 @@ class DeviceHandOut:
     def __init__(self, sampler, cpu_sample):
         self._sampler = sampler
         self._cpu_sample = cpu_sample
-        self._deferred = {}   # method -> a WorkerError met looking ahead, for its next call
+        # method -> (its stream, ticket, result or _Failed) collected ahead; used only by
+        # the same stream while that ticket is still its request (manual_seed,
+        # load_state_dict and close make new streams; a reset forgets the requests)
+        self._early = {}
 
     def sample(self, name):
         """The next batch of ``name``'s stream, on the device (or page-locked).
@@ -27,53 +47,67 @@ class DeviceHandOut:
         if name == "sample_index":
             return self._cpu_sample(s, name)
         with s._lock:
-            error = self._deferred.pop(name, None)
-            if error is not None:
-                raise error
+            if name in self._early:
+                # (one step: the task collected ahead joins its stream, or is dropped)
+                with _process.interrupts_deferred():
+                    _arrive(s._streams.get(name), self._early.pop(name))
             cpu = self._cpu_sample(s, name)
-            feed = s._feed
-            stream = s._streams[name]
-            # The batch is off the stream now: a device error (or a Ctrl-C) in its copy puts
-            # it back, so that nothing is lost and the position does not move.
+            # The batch is off the stream now, and nothing below changes the stream: a
+            # device error or a Ctrl-C puts it back, so that nothing is lost and the
+            # position does not move.
             try:
+                feed = s._feed
                 out = feed.hand_out(cpu) if feed.copying else feed.pinned(cpu)
+                if feed.copying:
+                    self._look_ahead(name, s._streams[name], feed)
             except BaseException:
-                stream.ready.appendleft(cpu)
+                s._streams[name].ready.appendleft(cpu)
                 s._caller.batches -= 1
                 raise
-            if feed.copying:
-                try:
-                    self._look_ahead(name, stream, feed)
-                except Exception:
-                    pass   # (what failed is met again, and raised, by the next call)
             return out
 
     def _look_ahead(self, name, stream, feed):
-        """Issue the copy of ``name``'s next batch if it is here (rule 6 of the feed's
-        rules): collects its task if it has arrived, as the next call would
-        (``take_chunk``).  A task that raised is skipped, and its error kept for the next
-        call."""
-        ready = stream.ready
-        if not ready:
+        """Issue the copy of ``name``'s next batch if it is here (see the module's
+        docstring).  What fails here (but a Ctrl-C) is met again by the next call."""
+        try:
+            ready = stream.ready
+            if ready:
+                feed.start(ready[0])
+                return
             s = self._sampler
             tickets = stream.tickets
             manager = s._manager
             if not tickets or not s.in_order or manager is None \
                     or not manager.ready(tickets[0]):
                 return
-            try:
-                take_chunk(manager, stream, tickets[0])
-            except WorkerError as e:
-                self._deferred[name] = e
-                return
-            except BaseException:
-                forget_requests(manager, stream)
-                raise
-            if not ready:
-                return
-        feed.start(ready[0])
+            ticket = tickets[0]
+            # (one step: a result collected is a result kept)
+            with _process.interrupts_deferred():
+                try:
+                    value = manager.result(ticket)
+                except WorkerError as e:
+                    value = _Failed(e)
+                self._early[name] = (stream, ticket, value)
+            if type(value) is not _Failed and value:
+                feed.start(value[0])
+        except Exception:
+            pass
 
     def epoch_batch(self, value):
         """An epoch's CPU batch, handed out as :meth:`sample` hands out batches."""
         feed = self._sampler._feed
         return feed.hand_out(value) if feed.copying else feed.pinned(value)
+
+
+def _arrive(stream, early):
+    """The task collected ahead joins ``stream``, as the next call would have joined it
+    (``take_chunk``), if it is still that stream's request; a task that raised raises
+    now, its chunk skipped."""
+    owner, ticket, value = early
+    if owner is not stream or ticket not in stream.chunk_of:
+        return   # (a new stream, or requests forgotten: asked for again, or dropped)
+    stream.tickets.remove(ticket)
+    if type(value) is _Failed:
+        stream.failed(ticket)
+        raise value.error
+    stream.arrived(ticket, value)

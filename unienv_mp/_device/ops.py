@@ -58,6 +58,11 @@ class DeviceOps:
         """Make the later work of ``stream`` wait for ``event`` (no host wait)."""
         raise NotImplementedError
 
+    def synchronize_device(self):
+        """Block until all the work queued on the device, on every stream, has
+        completed."""
+        raise NotImplementedError
+
     def hold(self, tensor, stream):
         """Tell the allocator that ``tensor`` is used on ``stream``, so that its memory is
         not reused before ``stream``'s work enqueued before it is freed has completed."""
@@ -140,6 +145,9 @@ class CudaOps(DeviceOps):
 
     def wait(self, stream, event):
         stream.wait_event(event)
+
+    def synchronize_device(self):
+        self._torch.cuda.synchronize(self.device)
 
     def hold(self, tensor, stream):
         tensor.record_stream(stream)

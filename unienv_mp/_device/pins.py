@@ -90,7 +90,11 @@ class HostPins:
             self._unpin(pin)
 
     def close(self):
-        """Unregister every segment (the feed has waited for its copies first)."""
+        """Unregister every segment (the feed has waited for its copies first).  Batches
+        the caller still holds (``pin_memory=True``) may still be read by copies the
+        caller queued: the device finishes its queued work first."""
+        if any(p.segment.users > 1 for p in self._pins):
+            self._ops.synchronize_device()
         for pin in list(self._pins):
             self._unpin(pin)
 
@@ -103,6 +107,11 @@ class HostPins:
             pin.view.release()
 
     def _pin(self, seg):
+        # (one step a Ctrl-C cannot cut: registered exactly when recorded)
+        with _process.interrupts_deferred():
+            self._pin_now(seg)
+
+    def _pin_now(self, seg):
         view = memoryview(seg)   # (first: the mapping now lives at least as long as the pin)
         address, nbytes = seg.address, seg.size
         try:
