@@ -822,8 +822,9 @@ def test_a_ctrl_c_while_sample_cleans_up_after_a_timeout_leaves_no_cancelled_tic
                                 ctx="fork", batches_per_task=1, timeout=0.5,
                                 direct_gather=False) as m:
         take(m, 3)
-        cleanup = line_of(MultiprocessingSampler._sample, "stream.reset()")
-        with interrupt_at(MultiprocessingSampler._sample, cleanup) as i:
+        from unienv_mp._streams import forget_requests
+        cleanup = line_of(forget_requests, "stream.reset()")
+        with interrupt_at(forget_requests, cleanup) as i:
             with pytest.raises(KeyboardInterrupt):
                 m.sample()                  # the 4th batch takes 2 s: a timeout first
         assert i.fired

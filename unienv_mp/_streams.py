@@ -31,9 +31,8 @@ requested ahead are not part of the position: :meth:`Stream.position` and
 :meth:`Stream.from_position` save and restore it, and :meth:`Stream.reset` forgets what
 was requested, to be asked for again.
 
-**With a manager.**  :func:`take_chunk` collects a requested chunk into ``ready``, and
-:func:`forget_requests` drops every request of a call cut short (the sampler's two steps
-on a stream that involve its manager).
+**With a manager.**  :func:`forget_requests` drops every request of a call cut short, to
+be asked for again.
 """
 import collections
 import hashlib
@@ -42,9 +41,8 @@ import sys
 import zlib
 
 from . import _process
-from .errors import WorkerError
 
-__all__ = ["Stream", "EpochProgress", "base_seed", "stream_key", "chunk_seed", "take_chunk",
+__all__ = ["Stream", "EpochProgress", "base_seed", "stream_key", "chunk_seed",
            "forget_requests"]
 
 _MASK = (1 << 64) - 1
@@ -240,21 +238,6 @@ class Stream:
         s.next_new = top + 1
         s.retry = [c for c in range(s.low, s.next_new) if c not in s.done]
         return s
-
-
-def take_chunk(manager, stream, ticket):
-    """Collect the task of ``ticket`` from ``manager`` (waiting for it if need be): its
-    batches join ``stream.ready``.  A task that raised: its chunk's batches are skipped,
-    the other requests stand, and the ``WorkerError`` is raised."""
-    tickets = stream.tickets
-    try:
-        value = manager.result(ticket)
-    except WorkerError:
-        tickets.remove(ticket)
-        stream.failed(ticket)
-        raise
-    tickets.remove(ticket)
-    stream.arrived(ticket, value)
 
 
 def forget_requests(manager, stream):

@@ -34,7 +34,7 @@ from ._device.placement import device_type, place
 from ._device.resident import InProcessManager, ResidentTarget, own_target
 from ._epochs import Epochs
 from ._sampling import SamplerTarget
-from ._streams import Stream, base_seed, forget_requests, take_chunk
+from ._streams import Stream, base_seed, forget_requests
 from ._validate import (MAX_BATCHES_PER_TASK, MAX_BUFFERS, check_bool, check_context,
                         check_doze_time, check_int, check_seconds, check_workers,
                         physical_memory)
@@ -309,7 +309,15 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
                     self._caller.batches += 1
                     return ready.popleft()
                 ticket = tickets[0] if self.in_order else manager.wait_any(tickets)
-                take_chunk(manager, stream, ticket)
+                try:
+                    value = manager.result(ticket)
+                except WorkerError:
+                    # the chunk's batches are skipped; the other requests stand
+                    tickets.remove(ticket)
+                    stream.failed(ticket)
+                    raise
+                tickets.remove(ticket)
+                stream.arrived(ticket, value)
                 if cold:
                     stream.top_up(manager.submit, n_buffers)
                 self._caller.batches += 1

@@ -101,8 +101,8 @@ class DeviceHandOut:
 
 def _arrive(stream, early):
     """The task collected ahead joins ``stream``, as the next call would have joined it
-    (``take_chunk``), if it is still that stream's request; a task that raised raises
-    now, its chunk skipped."""
+    (see ``SamplerBase._sample``), if it is still that stream's request; a task that
+    raised raises now, its chunk skipped."""
     owner, ticket, value = early
     if owner is not stream or ticket not in stream.chunk_of:
         return   # (a new stream, or requests forgotten: asked for again, or dropped)
