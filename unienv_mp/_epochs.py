@@ -26,8 +26,31 @@ class Epochs:
         """``(manager, own)``: the manager an epoch starting now runs on, and whether it
         is the epoch's own (closed when the epoch ends; it is in ``_epoch_managers`` from
         the moment it is made) or one that outlives the epoch (the ``sample*`` manager,
-        or one kept in ``_kept`` for the next epochs)."""
+        or one kept in ``_kept`` for the next epochs).  It sets ``_epoch_workers`` (see
+        ``epoch_workers``)."""
+        running = self._manager is not None and not self._manager.closed
+        self._epoch_workers = (("kept", "the sample* workers serve every epoch") if running
+                               else ("new", "no workers were running yet (they serve "
+                                            "every epoch)"))
         return self._ensure_manager(), False
+
+    @property
+    def epoch_workers(self):
+        """Which workers the latest epoch began on: ``"kept"`` (workers that were already
+        running: the ``sample*`` workers, or those of an earlier epoch), ``"new"``
+        (workers started for it), ``"in_process"`` (no workers: the data is on a GPU), or
+        None before the first epoch.  :attr:`epoch_workers_reason` says why (see
+        ``persistent_workers``)."""
+        return self._epoch_workers[0]
+
+    @property
+    def epoch_workers_reason(self):
+        """Why the latest epoch began on :attr:`epoch_workers`, in words: for example
+        ``"the data is unchanged since they started"``, ``"the data changed since the
+        workers started"``, or ``"whether the data changed cannot be told: a custom
+        function (my_mask), which may read anything (persistent_workers=True promises that
+        it does not)"``.  None before the first epoch."""
+        return self._epoch_workers[1]
 
     def _retire(self, manager):
         """``manager`` is no longer kept for anything: closed now, or, while epochs still

@@ -22,26 +22,42 @@ one is still alive and is the same object, and every value and version is the sa
 
 The walk is exact only for classes whose ``get*_at`` methods read nothing but their
 attributes: UniEnv's ``StepSampler``, ``ReplayBuffer`` (with its in-process ring state),
-``DictStorage``, ``FlattenedStorage`` and ``PytorchTensorStorage`` (exactly those classes,
-not subclasses), UniEnv's spaces, and plain containers, scalars and CPU tensors.  Anything
-else (a custom sampler or storage, a memory-mapped tensor or numpy array, which torch
-does not version, an image or HDF5 storage reading files, a transformation holding a
-function) makes :func:`take` return None: the sampler then starts new workers for each
-epoch, as before.  What the version counter cannot see either: writes that bypass torch
-(through a numpy view from ``Tensor.numpy()``, ctypes, or another process), which is
-why ``persistent_workers=False`` exists.
+``DictStorage``, ``FlattenedStorage`` and ``PytorchTensorStorage``, the views
+``FrameStackedBatch``, ``SliceStackedBatch`` (and the column stacks its ``get_column``
+makes), ``CombinedBatch``, ``SubItemBatch`` and ``SubIndexedBatch`` (exactly those
+classes, not subclasses), UniEnv's spaces, UniEnv's two valid-mask helpers
+(``get_valid_mask_function_with_episodeid_key`` / ``..._with_episode_end_key``), and
+plain containers, scalars and CPU tensors.  In a ReplayBuffer made with
+``multiprocessing=True``, workers read the ring state and the tensors in shared memory as
+they are now: those count by identity (a tensor by where its memory is, not by its
+version), the rest as in any buffer.  A view is a pure function of its parameters
+and the buffers under it, so its fingerprint is theirs: a view parameter changed
+(``fill_invalid_data``, ``fixed_offset``, a part added to a ``CombinedBatch``) is seen as
+a change of the data.  What a view only caches (a ``CombinedBatch``'s thread pool and its
+memo of batched spaces) is left out.  Anything else (a custom sampler, storage or valid
+mask function, a memory-mapped tensor or numpy array, which torch does not version, an
+image or HDF5 storage reading files, a transformation holding a function) makes
+:func:`take` return None, and :func:`check` says why: the sampler then starts new workers
+for each epoch, as before.  What the version counter cannot see either: writes that bypass
+torch's counter: through a numpy view from ``Tensor.numpy()``, ctypes or another process;
+and within torch, through ``tensor.data`` (a tensor with a counter of its own), through
+the storage (``tensor.untyped_storage()``), or through another tensor made over the same
+memory (``set_``, DLPack).  That is why ``persistent_workers=False`` exists.
 
 This module is one of those that know UniEnv's classes (see :mod:`unienv_mp.gather`).
 """
+import functools
 import weakref
 
-__all__ = ["take", "same"]
+from . import _unienv
+
+__all__ = ["take", "check", "same"]
 
 # The walk gives up past this many objects (a fingerprint should cost microseconds; a
 # graph this large is not a replay buffer of tensors).
 _MAX_OBJECTS = 20000
 
-_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+_SCALARS = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis))
 
 
 class Fingerprint:
@@ -71,6 +87,11 @@ def same(old, new):
 
 
 def _classes():
+    from unienv_data.batches.combined_batch import CombinedBatch
+    from unienv_data.batches.framestack_batch import FrameStackedBatch
+    from unienv_data.batches.slicestack_batch import SliceStackedBatch
+    from unienv_data.batches.subindex_batch import SubIndexedBatch
+    from unienv_data.batches.subitem_batch import SubItemBatch
     from unienv_data.replay_buffer import replay_buffer as rbm
     from unienv_data.samplers.step_sampler import StepSampler
     from unienv_data.storages.dict_storage import DictStorage
@@ -79,18 +100,21 @@ def _classes():
     from unienv_interface.space import Space
     from unienv_interface.space.spaces import dict as dict_space
     known = {rbm.ReplayBuffer, rbm._LocalRingState, DictStorage, FlattenedStorage,
-             PytorchTensorStorage}
+             PytorchTensorStorage, FrameStackedBatch, SliceStackedBatch,
+             _unienv.column_stack_class(), CombinedBatch, SubItemBatch, SubIndexedBatch}
     space_dict = getattr(dict_space, "_SpaceDict", None)
     if space_dict is not None:
         known.add(space_dict)
-    return StepSampler, frozenset(known), Space
+    # class -> the attributes left out of its fingerprint (see the module's docstring)
+    known = {cls: _unienv.cache_attributes(cls) for cls in known}
+    return StepSampler, known, Space, frozenset(_unienv.mask_helpers()), rbm.ReplayBuffer
 
 
 _cache = None
 
 
 class _Unknown(Exception):
-    pass
+    """The walk met something it cannot vouch for; its argument says what."""
 
 
 class _Strong:
@@ -112,11 +136,16 @@ def _slots(cls):
     return (slots,) if isinstance(slots, str) else tuple(slots)
 
 
+def _name(obj):
+    t = obj if isinstance(obj, type) else type(obj)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
 class _Walk:
     """One walk over a sampler's object graph: the tokens it recorded, and references to
     the objects whose identities they hold."""
 
-    def __init__(self, torch, known, space):
+    def __init__(self, torch, known, space, helpers, buffer_t):
         self.tokens = []
         self.refs = []
         self.seen = {}   # id -> the object's number, in the order first met
@@ -126,6 +155,9 @@ class _Walk:
         self.dtype_t = (torch.dtype, torch.device)
         self.known = known
         self.space = space
+        self.helpers = helpers
+        self.buffer_t = buffer_t
+        self.in_shared = 0   # (inside a buffer made with multiprocessing=True)
 
     def sampler(self, sampler):
         add = self.add
@@ -157,13 +189,19 @@ class _Walk:
             add(("again", seen[key]))
             return
         if len(seen) >= _MAX_OBJECTS:
-            raise _Unknown
+            raise _Unknown(f"the data holds more than {_MAX_OBJECTS} objects")
         seen[key] = len(seen)
         if t is self.tensor_t:
-            if obj.device.type != "cpu" or obj.is_inference():
-                raise _Unknown
+            if obj.device.type != "cpu":
+                raise _Unknown(f"a tensor on {obj.device}")
+            if obj.is_inference():
+                raise _Unknown("an inference tensor (torch keeps no version counter "
+                               "for it)")
             self.refs.append(weakref.ref(obj))
-            add((key, obj.data_ptr(), obj._version, tuple(obj.shape), obj.stride(),
+            # (a tensor in shared memory under a shared buffer: by its memory, which
+            # workers read as it is now; any other by its version too)
+            version = -1 if self.in_shared and obj.is_shared() else obj._version
+            add((key, obj.data_ptr(), version, tuple(obj.shape), obj.stride(),
                  obj.storage_offset(), obj.dtype))
         elif t is tuple or t is list:
             add((t, len(obj)))
@@ -175,27 +213,74 @@ class _Walk:
         elif isinstance(obj, type):
             # a class (a compute backend is one): by identity; classes live for good
             add(("class", key))
+        elif t is functools.partial:
+            self.partial(obj, key)
         elif t in self.known or isinstance(obj, self.space):
             self.instance(obj, t, key)
+        elif callable(obj):
+            raise _Unknown(f"a custom function "
+                           f"({getattr(obj, '__qualname__', _name(obj))}), which may read "
+                           f"anything")
         else:
-            raise _Unknown
+            raise _Unknown(f"a {_name(obj)}, which the fingerprint cannot vouch for "
+                           f"(see unienv_mp._fingerprint)")
 
     def items(self, mapping):
         for k, v in mapping.items():
             self.visit(k)
             self.visit(v)
 
+    def shared_buffer(self, rb, key):
+        """A ReplayBuffer made with ``multiprocessing=True``: workers read its shared ring
+        state and the tensors of its storage in shared memory as they are now, so those
+        count by identity (a tensor by its memory, not its version); everything else as in
+        any buffer, so that a storage or tensor replaced by one that is not shared is
+        seen.  Its per-process bookkeeping of segments, which reads do not use, is left
+        out."""
+        add = self.add
+        add(("shared", key))
+        self.in_shared += 1
+        try:
+            for k, v in vars(rb).items():
+                add(k)
+                if k in _unienv.SHARED_BUFFER_LOCAL:
+                    continue
+                if k in _unienv.SHARED_BUFFER_LIVE and type(v) not in self.known:
+                    self.refs.append(_Strong(v))
+                    add(("live", type(v), id(v)))
+                    continue
+                self.visit(v)
+        finally:
+            self.in_shared -= 1
+
+    def partial(self, obj, key):
+        """A valid-mask helper of UniEnv: the function (which lives for good) by
+        identity, then its arguments."""
+        if obj.func not in self.helpers:
+            raise _Unknown(f"a custom function "
+                           f"({getattr(obj.func, '__qualname__', _name(obj.func))}), which "
+                           f"may read anything")
+        self.refs.append(weakref.ref(obj))
+        self.add(("partial", key, id(obj.func)))
+        self.visit(obj.args)
+        self.visit(obj.keywords)
+
     def instance(self, obj, t, key):
-        """An object of one of the known classes: by identity, then every attribute."""
+        """An object of one of the known classes: by identity, then every attribute but
+        those it only caches."""
         add = self.add
         if not (t.__module__.startswith(("unienv_data.", "unienv_interface."))):
-            raise _Unknown   # (a subclass of a space defined elsewhere)
+            raise _Unknown(f"a {_name(obj)}, a subclass of UniEnv's Space defined "
+                           f"elsewhere")
         try:
             self.refs.append(weakref.ref(obj))
         except TypeError:
             # (no weak references, e.g. a class with __slots__: held strongly, as a
             # function returning it, so that its identity stays its own)
             self.refs.append(_Strong(obj))
+        if t is self.buffer_t and obj.is_multiprocessing_safe:
+            self.shared_buffer(obj, key)
+            return
         add(("object", t, key))
         if isinstance(obj, dict):
             add(len(obj))
@@ -207,33 +292,43 @@ class _Walk:
             self.visit(getattr(obj, n, _MISSING))
         attrs = getattr(obj, "__dict__", None)
         if attrs is not None:
+            skip = self.known.get(t, ())
             add(len(attrs))
             for k, v in attrs.items():
                 add(k)
-                self.visit(v)
+                if k not in skip:
+                    self.visit(v)
 
 
 def take(sampler):
     """The fingerprint of ``sampler`` and its data, or None if it cannot be told exactly
     (see the module's docstring)."""
+    return check(sampler)[0]
+
+
+def check(sampler):
+    """``(fingerprint, None)``, or ``(None, why)`` where the fingerprint of ``sampler``
+    cannot be told exactly: ``why`` names what the walk cannot vouch for."""
     global _cache
     try:
         import torch
     except ImportError:
-        return None
+        return None, "torch is not installed"
     if _cache is None:
         try:
             _cache = _classes()
         except Exception:   # (another UniEnv: nothing is known)
-            _cache = (None, frozenset(), None)
-    step_sampler, known, space = _cache
-    if step_sampler is None or type(sampler) is not step_sampler:
-        return None
-    walk = _Walk(torch, known, space)
+            _cache = (None, {}, None, frozenset(), None)
+    step_sampler, known, space, helpers, buffer_t = _cache
+    if step_sampler is None:
+        return None, "this UniEnv's classes are not those the fingerprint knows"
+    if type(sampler) is not step_sampler:
+        return None, f"the sampler is a {_name(sampler)}, not UniEnv's StepSampler"
+    walk = _Walk(torch, known, space, helpers, buffer_t)
     try:
         walk.sampler(sampler)
-    except _Unknown:
-        return None
-    except Exception:
-        return None
-    return Fingerprint(tuple(walk.tokens), walk.refs)
+    except _Unknown as e:
+        return None, str(e)
+    except Exception as e:
+        return None, f"reading the data raised {type(e).__name__}: {e}"
+    return Fingerprint(tuple(walk.tokens), walk.refs), None

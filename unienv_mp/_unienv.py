@@ -8,7 +8,8 @@ any release (``pyproject.toml`` pins the one release this package is written for
 are read here only, each through one small function, and nowhere else in the package.
 """
 __all__ = ["ring_state", "same_ring", "logical_to_physical", "batched_space", "instance_space",
-           "dict_items", "stack_anchor", "stack_mask_key", "column_stack_class"]
+           "dict_items", "stack_anchor", "stack_mask_key", "column_stack_class", "mask_helpers",
+           "cache_attributes", "SHARED_BUFFER_LIVE", "SHARED_BUFFER_LOCAL"]
 
 
 def ring_state(rb):
@@ -85,3 +86,31 @@ def column_stack_class():
     returns, whose valid mask reads a separate episode column (``mask_batch``)."""
     from unienv_data.batches.slicestack_batch import _ColumnSliceStackedBatch
     return _ColumnSliceStackedBatch
+
+
+def mask_helpers():
+    """The functions behind UniEnv's valid-mask helpers (what
+    ``get_valid_mask_function_with_episodeid_key`` and ``..._with_episode_end_key`` wrap
+    in a ``functools.partial``): they read nothing but their arguments."""
+    from unienv_data.batches.slicestack_batch import SliceStackedBatch
+    return (SliceStackedBatch._valid_mask_function_episodeid_key,
+            SliceStackedBatch._valid_mask_function_episode_end_key)
+
+
+def cache_attributes(cls):
+    """The attributes of UniEnv's class ``cls`` that hold no data, only what its methods
+    cache or run with: a CombinedBatch's thread pool (and the pid that made it) and its
+    memo of batched spaces, which its reads check before use."""
+    from unienv_data.batches.combined_batch import CombinedBatch
+    if cls is CombinedBatch:
+        return frozenset(("_executor", "_executor_pid", "_batch_space_cache"))
+    return frozenset()
+
+
+#: A ReplayBuffer made with ``multiprocessing=True``: the attributes that every process
+#: reads as they are now (its ring state, shared between processes, and its lock) ...
+SHARED_BUFFER_LIVE = frozenset(("_ring_state", "_lock"))
+#: ... and those each process keeps for itself, which no read uses (the bookkeeping of
+#: the episodes' segments that ``extend`` updates).
+SHARED_BUFFER_LOCAL = frozenset(("_physical_segments", "_active_segment_start_physical",
+                                 "_active_segment_length"))

@@ -138,6 +138,7 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
                          sampler.batch_size)
         self._direct = not_direct is None
         self._not_direct = not_direct
+        self._epoch_workers = (None, None)   # (see epoch_workers)
         self.sampler = sampler
         self._placement, self.pin_memory = placement, pin_memory
         self.n_workers = n_workers
@@ -381,7 +382,9 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
                 self._ended_startup_ns = 0
             feed = self._feed
             device = None if feed is None else feed.stats(reset=reset)
-            return dataclasses.replace(out, gather_path=self.gather_path, device=device)
+            return dataclasses.replace(out, gather_path=self.gather_path, device=device,
+                                       epoch_workers=self.epoch_workers,
+                                       epoch_workers_reason=self.epoch_workers_reason)
 
     @property
     def gather_path(self):
@@ -497,8 +500,24 @@ class MultiprocessingSampler(SamplerBase):
     ones (see ``persistent_workers``).
 
     Args:
-        sampler: the ``BatchSampler`` to run in the workers (e.g. a ``StepSampler``).
-            Batches on a GPU: ``StepSampler(rb, B, device="cuda")`` over CPU data; the
+        sampler: the ``BatchSampler`` to run in the workers: UniEnv's
+            ``StepSampler(data, batch_size)``, where ``data`` is a ``ReplayBuffer`` or one
+            of UniEnv's views of one (``unienv_data.batches``), which workers gather
+            directly too.  With ``mask =
+            SliceStackedBatch.get_valid_mask_function_with_episodeid_key("episode_id")``
+            (frames of other episodes are invalid; ``..._with_episode_end_key("done")``
+            reads episode ends instead), a frame stack of the step and the one before it
+            is ``FrameStackedBatch(rb, prefetch_horizon=1, get_valid_mask_function=mask)``
+            (``prefetch_horizon=k`` frames before the step and ``postfetch_horizon=j``
+            after it: ``k + 1 + j`` frames), and an action chunk of the next 16 actions
+            is ``SliceStackedBatch(rb, torch.arange(16),
+            get_valid_mask_function=mask).get_column(["action"])``.  The valid mask (one
+            bool per frame, ``False`` where a frame is outside the step's episode and was
+            filled with the nearest valid one) comes back in the metadata: ``batch, meta
+            = sample_with_metadata()``, ``meta["slice_valid_mask"]`` of shape ``(B,
+            frames)``; ``CombinedBatch(parts)`` adds ``meta["batch_index"]``, the part
+            each element came from.  Batches on a GPU: ``StepSampler(rb, B,
+            device="cuda")`` over CPU data; the
             workers make each batch on the CPU, in a slot that is page-locked, and this
             process copies it to the GPU on a stream of its own, ahead of the call that
             hands it out.  The batch handed out is on the device, ordered on the caller's
@@ -583,8 +602,10 @@ class MultiprocessingSampler(SamplerBase):
             torch tensors' identities, data pointers and version counters, the
             ReplayBuffer's count and offset); where it cannot be told (a custom sampler
             or storage, memory-mapped or file-backed data), each epoch starts workers of
-            its own.  Writes that bypass torch (through ``tensor.numpy()``) are not
-            seen: pass ``False`` if the data is written that way.  ``True``: the caller
+            its own; :attr:`epoch_workers_reason` says which.  UniEnv's views of such
+            buffers are told too.  Writes that bypass a tensor's version counter
+            (through ``tensor.numpy()``, ``tensor.data``, ``tensor.untyped_storage()``)
+            are not seen: pass ``False`` if the data is written that way.  ``True``: the caller
             promises that the data does not change: epochs run on the existing workers
             whatever the storage, unless the data's length changed (then on new ones).
             ``False``: each epoch over unshared data starts workers of its own, and they
@@ -608,6 +629,16 @@ class MultiprocessingSampler(SamplerBase):
             (``stats().device.pageable_leaves`` counts them).  :meth:`close` waits for
             the work queued on the GPU, then unregisters the slots: batches held after
             it are ordinary memory.
+
+    Limits (each refused with a ``ValueError`` that names the bound and its number here):
+    ``n_workers`` at most ``max(64, 8 * CPUs)``, the CPUs this process may run on;
+    ``n_buffers`` at most 4096 and ``batches_per_task`` at most 1024 (far more than ever
+    helps); the batches in flight, ``(n_buffers + batches_per_task) * batch bytes``, at
+    most half of the machine's memory, where the batch size is known before any batch is
+    made; ``doze_time`` at most 10 s; ``timeout`` and ``stall_timeout`` at most
+    10,000,000 s (about 116 days; ``None``: no limit).  The manager takes the same
+    ``n_workers``, ``doze_time``, ``timeout`` and ``stall_timeout``, and ``max_respawns``
+    up to 1e9, ``max_leases`` up to 1,000,000.
 
     :meth:`stats` says where the time goes.  :meth:`state_dict` and
     :meth:`load_state_dict` save and restore the position of every
@@ -741,14 +772,15 @@ class MultiprocessingSampler(SamplerBase):
         return unchanged
 
     def _data_now(self):
-        """The fingerprint of the data as it is now (see :mod:`unienv_mp._fingerprint`),
-        or None where it cannot be told or ``persistent_workers=False``; with
-        ``persistent_workers=True``, the data's length (the caller promises the rest)."""
+        """``(now, why)``: the fingerprint of the data as it is now (see
+        :mod:`unienv_mp._fingerprint`), or None where it cannot be told (``why`` says
+        why) or ``persistent_workers=False``; with ``persistent_workers=True``, the data's
+        length (the caller promises the rest)."""
         if self.persistent_workers is None:
-            return _fingerprint.take(self.sampler)
+            return _fingerprint.check(self.sampler)
         if self.persistent_workers is True:
-            return len(self.sampler.data)
-        return None
+            return len(self.sampler.data), None
+        return None, None
 
     def _holds_data_now(self, held, now):
         """Whether workers started when the data's fingerprint was ``held`` hold the data
@@ -763,36 +795,59 @@ class MultiprocessingSampler(SamplerBase):
         # is the data as it is now (what new workers would copy): one pool.
         kept = self._kept
         if kept is not None and not _data_is_shared(self.sampler):
-            now = self._data_now()
+            now = self._data_now()[0]
             self._kept = None
             if not kept.closed and self._holds_data_now(self._kept_fp, now):
                 self._manager_fp = self._kept_fp
                 return kept
             self._retire(kept)   # (older data: no use to anything)
-        now = None if self.persistent_workers is False else self._data_now()
+        now = None if self.persistent_workers is False else self._data_now()[0]
         manager = self._new_manager()
         self._manager_fp = now
         return manager
 
     def _epoch_manager(self):
-        if _data_is_shared(self.sampler) or self._placement.kind == "in_process":
+        if self._placement.kind == "in_process":
+            self._epoch_workers = ("in_process", "the data is on a GPU: batches are made "
+                                                 "in this process, by no workers")
+            return self._ensure_manager(), False
+        if _data_is_shared(self.sampler):
+            running = self._manager is not None
+            self._epoch_workers = (("kept", "the data is shared between processes") if running
+                                   else ("new", "no workers were running yet (they are kept "
+                                                "for later epochs: the data is shared "
+                                                "between processes)"))
             return self._ensure_manager(), False
         # Workers hold a copy of unshared data as it was when they started: this epoch
         # runs on workers that exist only if that copy is the data as it is now, and
         # otherwise needs workers started now.
         keep = self.persistent_workers is not False
-        now = self._data_now()
-        if self.persistent_workers is None and now is None:
+        now, why = self._data_now()
+        if not keep:
+            why = "persistent_workers=False"
+        elif now is None:
             keep = False   # (cannot be told: new workers, as without persistent_workers)
+            why = (f"whether the data changed cannot be told: {why} (persistent_workers="
+                   f"True promises that it does not)")
         if keep:
             for pool, held in ((self._manager, self._manager_fp),
                                (self._kept, self._kept_fp)):
                 if pool is not None and not pool.closed and self._holds_data_now(held, now):
+                    self._epoch_workers = ("kept", "persistent_workers=True"
+                                           if self.persistent_workers else
+                                           "the data is unchanged since they started")
                     return pool, False
+            running = any(pool is not None and not pool.closed
+                          for pool in (self._manager, self._kept))
+            why = ("no workers were running yet" if not running else
+                   "the data's length changed since the workers started"
+                   if self.persistent_workers else
+                   "the data changed since the workers started")
             # (the workers kept so far hold older data: they go)
             kept, self._kept = self._kept, None
             self._retire(kept)
         manager = self._new_manager()
+        self._epoch_workers = ("new", why)
         if keep:
             self._kept, self._kept_fp = manager, now
             return manager, False

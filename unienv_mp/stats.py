@@ -388,6 +388,10 @@ class SamplerStats:
         workers: one :class:`WorkerStats` per worker index.
         gather_path: ``"direct"``, ``"generic"`` or ``"in_process"`` for a sampler (None for
             a manager).
+        epoch_workers: which workers the sampler's latest epoch began on, ``"kept"``,
+            ``"new"`` or ``"in_process"`` (None for a manager, or before the first
+            epoch), and epoch_workers_reason: why, in words (see the sampler's
+            ``persistent_workers``).
         machine_idle_fraction: how much of the machine's CPU time went unused meanwhile
             (``/proc/stat``; None if unknown): with little left, more workers cannot run
             faster.
@@ -408,6 +412,8 @@ class SamplerStats:
     machine_idle_fraction: Optional[float] = None
     startup_seconds: float = 0.0
     device: Optional[DeviceStats] = None
+    epoch_workers: Optional[str] = None
+    epoch_workers_reason: Optional[str] = None
 
     @property
     def busy_fraction(self):
