@@ -62,7 +62,8 @@ def check_seconds(value, what, allow_none=True, maximum=MAX_SECONDS, why=None):
     if value == math.inf:
         raise ValueError(f"{what} must be finite{none}, got {value}")
     if value > maximum:
-        raise ValueError(f"{what} must be at most {maximum:g} s{none}, got {value:g}"
+        most = f"{int(maximum):,}" if maximum == int(maximum) else f"{maximum:g}"
+        raise ValueError(f"{what} must be at most {most} s{none}, got {value:g}"
                          + (f": {why}" if why else ""))
     return float(value)
 
@@ -97,8 +98,9 @@ def check_workers(value, what="n_workers"):
     most = max(MIN_MAX_WORKERS, WORKERS_PER_CPU * cpus)
     number = check_int(value, what)
     if number > most:
-        raise ValueError(f"{what}={number} is more than {WORKERS_PER_CPU} worker processes "
-                         f"per CPU ({cpus} CPUs available here, so at most {most}): each "
+        raise ValueError(f"{what} must be at most {most} here, got {number}: the limit is "
+                         f"{WORKERS_PER_CPU} worker processes per CPU this process may run "
+                         f"on, and at least {MIN_MAX_WORKERS} ({cpus} CPUs here); each "
                          f"worker is a process, and more of them only add start-up time "
                          f"and memory")
     return number
