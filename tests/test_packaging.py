@@ -89,3 +89,25 @@ def test_only_unienv_mp_ray_imports_ray():
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"
+
+
+def test_a_failed_run_can_be_resumed_with_lf_and_ff(tmp_path):
+    """The project's pytest options keep pytest's cache, so that ``--lf`` reruns only the
+    tests that failed and ``--ff`` runs them first."""
+    import subprocess
+    (tmp_path / "test_two.py").write_text(
+        "def test_passes():\n    pass\n\ndef test_fails():\n    assert False\n")
+
+    def run(*args):
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest", "-c", os.path.join(ROOT, "pyproject.toml"),
+             "--rootdir", str(tmp_path), "-p", "no:randomly", "-v", *args,
+             str(tmp_path / "test_two.py")],
+            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        return out.stdout
+    first = run()
+    assert "test_passes PASSED" in first and "test_fails FAILED" in first
+    again = run("--lf")
+    assert "test_fails FAILED" in again and "test_passes" not in again
+    ordered = run("--ff")
+    assert ordered.index("test_fails") < ordered.index("test_passes")
