@@ -452,9 +452,29 @@ def test_start_later_starts_one_worker_then_the_others_when_the_caller_would_wai
         assert len(mgr.workers) == 3 and len(asked) == 2
         pids = [p.pid for p in mgr.workers]
         assert len(set(pids)) == 3
+        # (round-robin over the workers that are up: once all are)
+        wait_until(lambda: all(w.startup_seconds is not None
+                               for w in mgr.stats().workers), 60)
         mgr.reset_order()
         assert [mgr.result(mgr.submit(0.0)) for _ in range(3)] == pids
         assert len(mgr.stats().workers) == 3
+
+
+def _slow_start_of_worker_1(seed):
+    if seed == 1:
+        time.sleep(5)
+
+
+def test_tasks_started_later_go_to_the_workers_that_are_up_while_another_starts():
+    with MultiProcessingSampleManager(_sleep_then_pid, n_workers=2, ctx="fork", timeout=30,
+                                      worker_init_fn=_slow_start_of_worker_1,
+                                      worker_seeds=[0, 1], start_later=lambda: True) as mgr:
+        first = mgr.result(mgr.submit(0.0))
+        t = mgr.submit(0.2)
+        assert mgr.result(t) == first          # the caller waited: worker 1 started
+        assert len(mgr.workers) == 2 and mgr.stats().workers[1].startup_seconds is None
+        pids = {mgr.result(mgr.submit(0.0)) for _ in range(20)}
+        assert pids == {first}, "a task went to the worker still starting"
 
 
 def test_start_later_false_keeps_the_others_from_ever_starting():

@@ -193,8 +193,16 @@ def test_the_advice_on_a_spawn_run_leaves_the_start_up_out(slow):
     s = (StepSampler(rb, 4, seed=0) if slow == "consumer"
          else _data.SlowSampler(rb, 4, seed=0, delay=0.03))
     with MultiprocessingSampler(s, n_workers=2, n_buffers=2, ctx="spawn") as m:
-        for _ in range(30):
+        # (30 batches once the worker started later is up too: tasks go only to workers
+        # that are up)
+        n = up = 0
+        while up < 30 and n < 3000:
             m.sample()
+            n += 1
+            workers = m.stats().workers
+            if up or (len(workers) == 2
+                      and all(w.startup_seconds is not None for w in workers)):
+                up += 1
             if slow == "consumer":
                 time.sleep(0.02)    # the training step
         st = m.stats()

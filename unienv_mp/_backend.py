@@ -113,20 +113,33 @@ class TicketTable(dict):
 
 class Dealer:
     """Which worker gets a task submitted without one: with ``in_order``, round-robin from
-    worker 0 (:meth:`reset` starts again there), else the least loaded."""
-    __slots__ = ("next",)
+    worker 0 (:meth:`reset` starts again there), else the least loaded.  Given ``up(lane)``
+    (whether a lane's worker is taking tasks), a worker that is not up (still starting,
+    or being replaced) is passed over while another is up: a task dealt to it would make
+    the caller wait for its start (a worker started under spawn imports torch for a
+    second or more)."""
+    __slots__ = ("next", "up")
 
-    def __init__(self):
+    def __init__(self, up=None):
         self.next = 0
+        self.up = up
 
     def pick(self, lanes, in_order, load):
         """The lane for the next task, of ``lanes`` (a sequence, which may have grown
         since the last call); ``load(lane)``: how busy a lane is."""
+        n, up = len(lanes), self.up
         if in_order:
-            i = self.next % len(lanes)
-            self.next = (i + 1) % len(lanes)
+            i = self.next % n
+            if up is not None and not up(lanes[i]):
+                for k in range(1, n):
+                    if up(lanes[(i + k) % n]):
+                        i = (i + k) % n
+                        break
+            self.next = (i + 1) % n
             return lanes[i]
-        return min(lanes, key=load)
+        if up is None:
+            return min(lanes, key=load)
+        return min(lanes, key=lambda lane: (not up(lane), load(lane)))
 
     def reset(self):
         """Deal the next task to worker 0."""

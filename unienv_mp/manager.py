@@ -100,6 +100,12 @@ def _load(lane):
     return len(lane.inflight) + len(lane.waiting)
 
 
+def _up(lane):
+    """Whether a lane's worker is taking tasks: its process began serving them, and no
+    task waits for a process to be started (see the Dealer)."""
+    return not lane.waiting and lane.worker.started_ns != 0
+
+
 class _Task:
     """One submitted work item.  One is made per batch: submit() sets ``ticket`` and
     ``work``, and every other field starts as the class attribute below until it is set
@@ -163,6 +169,7 @@ class MultiProcessingSampleManager(Supervision, SlotAccounting, Polling,
       starts now; the others start one at a time when the caller would otherwise wait,
       after the first result, while ``start_later()`` returns True (see
       :class:`~unienv_mp._supervision.Supervision`); :meth:`start_all` starts them now.
+      Tasks without a worker then skip one still starting while another is up.
 
     :meth:`stats` says where the time goes (see :class:`~unienv_mp.SamplerStats`).
 
@@ -212,7 +219,7 @@ class MultiProcessingSampleManager(Supervision, SlotAccounting, Polling,
         self._seeds = worker_seeds
         self._seed_rng = np.random.default_rng(
             None if worker_seeds is None else [int(s) for s in worker_seeds])
-        self._dealer = Dealer()                  # which worker gets the next task
+        self._dealer = Dealer(None if start_later is None else _up)   # (see start_later)
         self._tasks = TicketTable()              # ticket -> _Task (not yet delivered)
         self._order = collections.deque()        # tickets of add_work, for fetch()
         self._released = collections.deque()     # lease tokens given back by the GC
