@@ -34,6 +34,7 @@ Under fork none of this applies: the workers inherit the parent's memory.
 """
 import io
 import mmap
+import os
 import pickle
 import sys
 from multiprocessing import context as _mpcontext
@@ -104,7 +105,7 @@ class Parcel:
         try:
             with memoryview(seg) as mv:
                 for item, off in zip(pending, offsets):
-                    item.copy_into(mv, off)
+                    item.copy_into(mv, off, seg.fd)
         except BaseException:
             seg.close()
             raise
@@ -129,6 +130,20 @@ class _Pending:
         self.nbytes = nbytes
         self.source = source
         self.copy_into = copy_into
+
+
+def _write(fd, off, data):
+    """Write the bytes of ``data`` (a contiguous uint8 array) at ``off`` of the segment
+    ``fd``, by ``pwrite``: the kernel copies them straight into the segment's pages, at
+    twice the speed of a copy through its mapping, which takes a page fault per page."""
+    view = memoryview(data)
+    done, n = 0, len(view)
+    while done < n:
+        done += os.pwrite(fd, view[done:done + _WRITE_CHUNK], off + done)
+
+
+#: Bytes per ``pwrite`` (Linux writes at most about 2 GiB in one call).
+_WRITE_CHUNK = 1 << 30
 
 
 def _on_file_or_shared(a):
@@ -194,7 +209,10 @@ class _Pickler(ForkingPickler):
             return None
         order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
 
-        def copy_into(mv, off, a=a, order=order):
+        def copy_into(mv, off, fd, a=a, order=order):
+            if a.flags.c_contiguous or a.flags.f_contiguous:
+                _write(fd, off, np.ravel(a, order="K").view(np.uint8))
+                return
             dst = np.frombuffer(mv, dtype=a.dtype, count=a.size, offset=off)
             np.copyto(dst.reshape(a.shape, order=order), a, casting="no")
 
@@ -211,10 +229,8 @@ class _Pickler(ForkingPickler):
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
 
-        def copy_into(mv, off, storage=storage, nbytes=nbytes):
-            src = torch.empty(0, dtype=torch.uint8).set_(storage)
-            dst = torch.frombuffer(mv, dtype=torch.uint8, count=nbytes, offset=off)
-            dst.copy_(src)
+        def copy_into(mv, off, fd, storage=storage):
+            _write(fd, off, torch.empty(0, dtype=torch.uint8).set_(storage).numpy())
 
         if nbytes == 0:
             record = None
