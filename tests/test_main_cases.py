@@ -6,6 +6,7 @@ import glob
 import json
 import multiprocessing as mp
 import os
+import re
 import subprocess
 import sys
 
@@ -158,7 +159,9 @@ def test_without_pillow_all_cases_but_jpeg_run():
     for c in out["cases"]:
         rows = (c["results"] if c["case"] != "views" else
                 [r for view in c["results"].values() for r in view.values()])
-        assert {r["name"] for r in rows} == {"in_process"}
+        # (--impl in_process brings the epoch case's frame-stack row of its own)
+        assert {r["name"] for r in rows} == (
+            {"in_process", "in_process_view"} if c["case"] == "epoch" else {"in_process"})
 
 
 # --- latency -------------------------------------------------------------------------------
@@ -241,7 +244,8 @@ def test_epoch_case_times_every_epoch_of_each_row(capsys):
     rc, out = _json_run(capsys, SMALL + ["--case", "epoch"])
     assert rc == 0 and out["case"] == "epoch"
     assert [r["name"] for r in out["results"]] == [
-        "unienv_mp", "unienv_mp_sample", "unienv_shm", "in_process", "dataloader_epoch"]
+        "unienv_mp", "unienv_mp_sample", "unienv_shm", "in_process", "dataloader_epoch",
+        "unienv_mp_view", "unienv_mp_view_spawn", "in_process_view"]
     epochs = out["config"]["epochs"]
     for r in out["results"]:
         assert r["error"] is None, r
@@ -255,6 +259,23 @@ def test_epoch_case_times_every_epoch_of_each_row(capsys):
     assert rc == 0 and "later epochs s" in text
     assert config.LABELS["unienv_mp_sample"] in text
     assert config.LABELS["dataloader_epoch"] not in text
+    # the frame-stack rows: the in-process one against unienv_mp under each start method
+    (line,) = [x for x in text.splitlines() if x.startswith(config.LABELS["in_process_view"])]
+    assert re.search(r"x (faster|slower) \(fork\); .*x (faster|slower) \(spawn\)", line)
+
+
+def test_the_view_rows_of_the_epoch_case_run_epochs_over_a_frame_stack():
+    cfg = config.Config(**TINY)
+    rb = data.build_episodic_buffer(cfg.transitions, cfg)
+    for name in config.VIEW_EPOCH_ROWS:
+        epoch, close = epochs.epoch_runner(name, rb, cfg)
+        try:
+            for _ in range(2):
+                batches = list(epoch())
+                assert len(batches) == -(-300 // 16)
+                assert batches[0]["obs"]["image"].shape[:2] == (16, 2)   # 2 frames
+        finally:
+            close()
 
 
 @pytest.mark.parametrize("name", ["unienv_mp", "in_process", "dataloader_epoch"])
@@ -513,3 +534,10 @@ def test_charts_use_a_log_axis_where_rows_span_more_than_10x_and_keep_the_legend
     fig = plots.table_figure(plt, results, "state", cfg)
     assert fig.axes[0].get_xscale() == "log" and "batches of 32" in fig._suptitle.get_text()
     plt.close(fig)
+
+
+def test_the_epoch_case_times_as_many_epochs_as_asked(capsys):
+    rc, out = _json_run(capsys, SMALL + ["--case", "epoch", "--impl", "in_process",
+                                         "--epochs", "3"])
+    assert rc == 0 and out["config"]["epochs"] == 3
+    assert [len(r["epoch_s"]) for r in out["results"]] == [3, 3]

@@ -100,6 +100,8 @@ def parse_args(argv=None):
     p.add_argument("--buffers", type=_positive(int), default=8, help="batches in flight")
     p.add_argument("--append", type=_positive(int), default=4,
                    help="online: transitions appended per loop step (default 4)")
+    p.add_argument("--epochs", type=_positive(int), default=4,
+                   help="epoch: epochs timed per row, the first then the later (default 4)")
     p.add_argument("--start-method", choices=("fork", "spawn", "forkserver"), default="fork")
     p.add_argument("--impl", default=",".join(DEFAULT_IMPLEMENTATIONS),
                    help="comma-separated subset of: " + ", ".join(IMPLEMENTATIONS)
@@ -152,7 +154,7 @@ def make_config(args, case=None):
     case = case or args.case
     cfg = case_config(case, quick=args.quick, workers=args.workers[0],
                               buffers=args.buffers, start_method=args.start_method,
-                              append=args.append)
+                              append=args.append, epochs=args.epochs)
     if not args.quick:
         cfg.seconds = args.seconds
     if args.batch_size:

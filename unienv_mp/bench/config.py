@@ -35,7 +35,7 @@ TORCHRL_PREFETCH = 4
 # The implementations whose speed depends on the number of workers (a worker sweep times
 # them at each count; the others run once).
 USES_WORKERS = ("unienv_mp", "unienv_mp_generic", "unienv", "unienv_shm", "dataloader", "ray",
-                "unienv_mp_sample", "dataloader_epoch")
+                "unienv_mp_sample", "dataloader_epoch", "unienv_mp_view", "unienv_mp_view_spawn")
 
 
 #: The steps of one episode in the views case's buffers (``data.build_episodic_buffer``).
@@ -106,12 +106,15 @@ CASES = {
                     "new epoch_iter(); the first sample() of a new sampler"),
     "epoch": Case("epoch", "epoch",
                   ("unienv_mp", "unienv_mp_sample", "unienv_shm", "in_process",
-                   "dataloader_epoch"),
+                   "dataloader_epoch", "unienv_mp_view", "unienv_mp_view_spawn",
+                   "in_process_view"),
                   "seconds per epoch of epoch_iter() over 20k in-memory steps of {state, "
                   "action, 3x128x128 image}, batches of 256: the first epoch (which starts "
                   "the workers) and the later ones, and each epoch's first batch; the "
                   "unienv_mp sample() row times as many steady-state sample() batches as "
-                  "an epoch has",
+                  "an epoch has; the view rows run epochs over a frame stack of 2 frames "
+                  "(FrameStackedBatch(rb, 1), episode_id mask) of the views case's "
+                  "episodic buffer of as many steps, under fork and under spawn",
                   quick_transitions=2000),
 }
 
@@ -123,14 +126,23 @@ CASES = {
 EPOCH_ROWS = {
     "unienv_mp_sample": "unienv_mp sample(), as many batches",
     "dataloader_epoch": "torch DataLoader(UniEnvAsPyTorchDataset), persistent workers",
+    "unienv_mp_view": "frame stack: unienv_mp MultiprocessingSampler",
+    "unienv_mp_view_spawn": "frame stack: unienv_mp MultiprocessingSampler, spawn",
+    "in_process_view": "frame stack: UniEnv StepSampler, in process",
 }
+
+#: The epoch case's rows over a view (a frame stack of the episodic buffer), each with the
+#: row it is compared with.
+VIEW_EPOCH_ROWS = ("unienv_mp_view", "unienv_mp_view_spawn", "in_process_view")
 
 
 LABELS.update(EPOCH_ROWS)
 
 
 #: The implementation (``--impl``) each of them comes with.
-EPOCH_ROW_OF = {"unienv_mp_sample": "unienv_mp", "dataloader_epoch": "dataloader"}
+EPOCH_ROW_OF = {"unienv_mp_sample": "unienv_mp", "dataloader_epoch": "dataloader",
+                "unienv_mp_view": "unienv_mp", "unienv_mp_view_spawn": "unienv_mp",
+                "in_process_view": "in_process"}
 
 
 def case_config(case: str, quick: bool = False, **overrides) -> Config:

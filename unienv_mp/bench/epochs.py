@@ -3,14 +3,15 @@ ones, and each epoch's first batch (``measure_epochs``)."""
 import gc
 import multiprocessing as mp
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, List, Optional
 
 import numpy as np
 
-from .config import LABELS, Config
+from .config import EPOCH_ROW_OF, LABELS, VIEW_EPOCH_ROWS, Config
 from .measure import guarded, preimport, touch
 from .peers import close_sampler, drop_dataloader, sampler_object
+from .views import frame_stack
 
 
 @dataclass
@@ -63,6 +64,13 @@ def epoch_runner(name: str, rb, cfg: Config, seed: int = 0):
         return _dataloader_epochs(rb, cfg, seed)
     if name in ("unienv_mp", "unienv_shm", "unienv", "in_process"):
         s = sampler_object(name, rb, cfg, seed)
+        return s.epoch_iter, lambda: close_sampler(s)
+    if name in VIEW_EPOCH_ROWS:
+        # (``rb``: the episodic buffer, see runner._epochs)
+        view = frame_stack(rb)
+        if name == "unienv_mp_view_spawn":
+            cfg = replace(cfg, start_method="spawn")
+        s = sampler_object(EPOCH_ROW_OF[name], view, cfg, seed)
         return s.epoch_iter, lambda: close_sampler(s)
     raise ValueError(f"{name!r} is not a row of the epoch case")
 

@@ -3,8 +3,9 @@ progress bar, into a ``CaseRun``: its table, its JSON payload and its chart."""
 from dataclasses import dataclass, replace
 
 from . import plots, tables
-from .config import CASES, EPOCH_ROW_OF, LABELS, USES_WORKERS, Config, case_missing
-from .data import case_data
+from .config import (CASES, EPOCH_ROW_OF, LABELS, USES_WORKERS, VIEW_EPOCH_ROWS, Config,
+                     case_missing)
+from .data import build_episodic_buffer, case_data
 from .epochs import measure_epochs
 from .latency import TRIGGERS, measure_latency
 from .measure import measure, speedups
@@ -98,7 +99,8 @@ def rows_to_run(case, impls, missing, say):
     for name in listed:
         if name in missing:
             say(f"skipping {LABELS[name]}: {missing[name]}")
-    names = [n for n in listed if n not in missing]
+    # (the frame-stack rows of the epoch case last, together)
+    names = sorted((n for n in listed if n not in missing), key=lambda n: n in VIEW_EPOCH_ROWS)
     if not names:
         why = ("; ".join(sorted({missing[n] for n in listed})) if listed else
                f"--impl lists none of its rows ({', '.join(spec.rows)})")
@@ -171,7 +173,14 @@ def _latency(rows, rb):
 
 
 def _epochs(rows, rb):
-    points = rows.points(lambda n, cfg, adv: measure_epochs(n, rb, cfg, adv))
+    episodic = None
+    if any(n in VIEW_EPOCH_ROWS for n in rows.names):
+        bar = rows.progress.bar(rows.cfg.transitions, "epoch: building the episodic buffer",
+                                "steps")
+        episodic = build_episodic_buffer(rows.cfg.transitions, rows.cfg, bar.update)
+        bar.close()
+    points = rows.points(lambda n, cfg, adv: measure_epochs(
+        n, episodic if n in VIEW_EPOCH_ROWS else rb, cfg, adv))
     return rows.done(tables.epoch_table(points, rows.cfg), _points_payload(points),
                      lambda plt: plots.epoch_figure(plt, points),
                      any(r.error for _, r in points))

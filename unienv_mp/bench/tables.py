@@ -4,7 +4,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import List
 
-from .config import LABELS, describe
+from .config import LABELS, VIEW_EPOCH_ROWS, describe
 from .latency import LATENCY_PAUSE_S
 from .measure import speedups
 from .views import VIEWS
@@ -241,8 +241,8 @@ def epoch_table(points, cfg):
         if r.error:
             rows.append(lead + ["-"] * 4 + ["failed: " + r.error[:60]])
             continue
-        up = _unienv_mp_is(points, w, r, lambda x: x.later_epoch_s if x.seconds else 0.0,
-                           swept)
+        up = (_view_versus(points, w, r, _later_epochs, cfg) if r.name in VIEW_EPOCH_ROWS
+              else _unienv_mp_is(points, w, r, _later_epochs, swept))
         if r.name == "unienv_mp_sample":
             rows.append(lead + ["-", f"{r.later_epoch_s:.3f}", "-", "-", up])
             continue
@@ -262,7 +262,32 @@ def epoch_table(points, cfg):
              f"{LABELS['unienv_mp_sample']}: as many sample() batches of a "
              f"running unienv_mp sampler as an epoch has (the steady state an epoch is "
              f"compared with), timed {cfg.epochs - 1} times after as many untimed."]
+    if any(r.name in VIEW_EPOCH_ROWS for _, r in points):
+        notes.append("frame stack: epochs over FrameStackedBatch(rb, 1) (2 frames, "
+                     "episode_id mask) of an episodic buffer of as many steps (the views "
+                     "case's: obs.state, obs.image, action, reward, episode_id, "
+                     "episode_end); its in-process row is compared with the unienv_mp "
+                     "rows over the same view, under each start method.")
     return Table(title, head, rows, notes)
+
+
+def _later_epochs(r):
+    return r.later_epoch_s if r.seconds else 0.0
+
+
+def _view_versus(points, w, r, value, cfg):
+    """The "unienv_mp is" cell of a frame-stack row of the epoch case: for the in-process
+    one, unienv_mp's rows over the same view against it, each with its start method."""
+    if r.name != "in_process_view" or not value(r) > 0:
+        return "-"
+    cells = []
+    for ref_name, method in (("unienv_mp_view", cfg.start_method),
+                             ("unienv_mp_view_spawn", "spawn")):
+        for v, ref in points:
+            if ref.name == ref_name and not ref.error and value(ref) > 0 \
+                    and (w is None or v is None or v == w):
+                cells.append(f"{_versus(value(r) / value(ref))} ({method})")
+    return "; ".join(cells) or "n/a"
 
 
 def sweep_table(points, cfg, case):

@@ -30,7 +30,9 @@ def _episode_end_mask():
     return SliceStackedBatch.get_valid_mask_function_with_episode_end_key("episode_end")
 
 
-def _frame_stack(rb):
+def frame_stack(rb):
+    """The frame stack robot learners sample: the step and the one before it
+    (``prefetch_horizon=1``: 2 frames), invalid across episode starts (episode_id)."""
     from unienv_data.batches import FrameStackedBatch
     return FrameStackedBatch(rb, 1, get_valid_mask_function=_episode_id_mask())
 
@@ -52,15 +54,15 @@ def _state_history(rb):
 
 def _combined(halves):
     from unienv_data.batches import CombinedBatch
-    return CombinedBatch([_frame_stack(h) for h in halves], use_thread_pool=True)
+    return CombinedBatch([frame_stack(h) for h in halves], use_thread_pool=True)
 
 
 #: The views case's rows, in table order (the rows of UniEnv's own pipeline benchmark).
 VIEWS = {
     "framestack": View("FrameStackedBatch(rb, 1, episode_id mask)",
-                       lambda rb, halves: _frame_stack(rb)),
+                       lambda rb, halves: frame_stack(rb)),
     "framestack_image": View("  same, .get_column(['obs', 'image'])",
-                             lambda rb, halves: _frame_stack(rb).get_column(["obs", "image"])),
+                             lambda rb, halves: frame_stack(rb).get_column(["obs", "image"])),
     "action_chunk": View("SliceStackedBatch(rb, arange(16), episode_id mask)"
                          ".get_column(['action'])", lambda rb, halves: _action_chunk(rb), 16),
     "state_history": View("SliceStackedBatch(rb, arange(-1, 15), episode_end mask)"
