@@ -1,8 +1,10 @@
-"""Shared test fixtures: every test is checked for leaked shared memory, descriptors and
-child processes."""
+"""Shared test fixtures: every test runs with Python's own Ctrl-C handler, and is checked
+for leaked shared memory, descriptors and child processes."""
 import gc
 import multiprocessing as mp
 import os
+import signal
+import threading
 import time
 
 import pytest
@@ -56,6 +58,22 @@ def wait_until(predicate, timeout=5.0, interval=0.01):
             return True
         time.sleep(interval)
     return predicate()
+
+
+@pytest.fixture(autouse=True)
+def default_sigint():
+    """Each test runs with Python's own SIGINT handler (a KeyboardInterrupt), whatever the
+    run inherited: a background job of a non-interactive shell, or ``nohup``, starts with
+    SIGINT ignored, and the Ctrl-C tests would see no KeyboardInterrupt.  The handler the
+    run had is put back after the test."""
+    if threading.current_thread() is not threading.main_thread():
+        yield   # (signal handlers are set from the main thread only)
+        return
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 @pytest.fixture(autouse=True)

@@ -111,3 +111,20 @@ def test_a_failed_run_can_be_resumed_with_lf_and_ff(tmp_path):
     assert "test_fails FAILED" in again and "test_passes" not in again
     ordered = run("--ff")
     assert ordered.index("test_fails") < ordered.index("test_passes")
+
+
+def test_the_ctrl_c_tests_pass_when_the_run_starts_with_sigint_ignored():
+    """A background job of a non-interactive shell (or ``nohup``) starts with SIGINT
+    ignored: the tests that send a Ctrl-C install Python's handler themselves
+    (conftest's ``default_sigint``)."""
+    import signal
+    import subprocess
+
+    def ignore_sigint():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         os.path.join(ROOT, "tests", "test_reproducible.py"), "-k",
+         "a_state_taken_after_an_epoch_failed_to_start"],
+        cwd=ROOT, preexec_fn=ignore_sigint, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout[-2000:]
