@@ -339,6 +339,46 @@ def test_close_from_another_thread_while_sampling(delay):
         assert wait_until(lambda: not mp.active_children(), timeout=5)
 
 
+def _identity(x):
+    return x
+
+
+@pytest.mark.parametrize("through", ["manager", "sampler"])
+def test_close_from_another_thread_as_a_task_is_pushed_raises_runtime_error(
+        monkeypatch, through):
+    """close() shuts the task ring just before the call pushes its task: the call raises
+    RuntimeError, as every call that close() cuts short does (it raised RingClosed)."""
+    from unienv_mp._worker_handle import WorkerHandle
+    if through == "manager":
+        obj = MultiProcessingSampleManager(_identity, n_workers=1, ctx="fork")
+        obj.result(obj.submit(1))
+        call = lambda: obj.submit(2)   # noqa: E731
+    else:
+        obj = MultiprocessingSampler(StepSampler(replay_buffer(40), 4, seed=0), n_workers=1,
+                                     n_buffers=1, ctx="fork", batches_per_task=1)
+        obj.sample()
+        call = obj.sample
+    real = WorkerHandle.push_task
+    closer = []
+
+    def close_first(self, *args, **kwargs):
+        if not closer:
+            closer.append(threading.Thread(target=obj.close))
+            closer[0].start()
+            assert wait_until(lambda: self.shut_down, 10)
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(WorkerHandle, "push_task", close_first)
+    try:
+        with pytest.raises(RuntimeError, match="closed"):
+            for _ in range(20):   # (the sampler pushes once its requests ahead are in)
+                call()
+        assert closer, "no task was pushed"
+    finally:
+        for t in closer:
+            t.join(30)
+        obj.close()
+
+
 def test_workers_killed_meanwhile_start_no_process_after_close():
     """The sampling thread finds a worker dead while close() runs in another: it must not
     start a replacement."""

@@ -165,22 +165,20 @@ class MultiProcessingSampleManager(Supervision, SlotAccounting, Polling,
       the tasks waiting for it (default: no limit); beyond, it is killed and replaced,
       with a warning carrying its stacks (see :class:`~unienv_mp._supervision.Supervision`
       for what becomes of its tasks).
-    * ``start_later``: None (default): every worker starts now.  A function: only worker 0
-      starts now; the others start one at a time when the caller would otherwise wait,
-      after the first result, while ``start_later()`` returns True (see
-      :class:`~unienv_mp._supervision.Supervision`); :meth:`start_all` starts them now.
-      Tasks without a worker then skip one still starting while another is up.
+    * ``start_later``: None (default): all start now.  A function: worker 0 starts now, the
+      others one at a time when the caller would wait (after the first result) while
+      ``start_later()`` is True, and tasks skip one still starting while another is up
+      (:class:`~unienv_mp._supervision.Supervision`); :meth:`start_all` starts them now.
 
     :meth:`stats` says where the time goes (see :class:`~unienv_mp.SamplerStats`).
 
     Threads: every method may be called from any thread.  Calls are serialised (a lock,
     held for the whole call: a second thread waits while the first waits for a result),
-    and :meth:`close` is safe at any moment, from any thread (see there).  A forked child
-    cannot use its parent's manager: every call raises ``RuntimeError`` there.
+    and :meth:`close` is safe at any moment, from any thread: a call it cuts short raises
+    ``RuntimeError``.  A forked child cannot use its parent's manager (``RuntimeError``).
 
-    The work function must be picklable under the spawn and forkserver start methods.  If
-    it has a ``batches_in(work)`` method, :meth:`stats` counts that many batches for each
-    task (the sampler's chunks); otherwise one.
+    The work function must be picklable under spawn and forkserver.  With a ``batches_in(work)``
+    method, :meth:`stats` counts that many batches per task (the sampler's chunks).
     """
 
     def __init__(
@@ -306,6 +304,8 @@ class MultiProcessingSampleManager(Supervision, SlotAccounting, Polling,
                         self._bury(lane, e)
                         lane.waiting.append(task)
                         self._restart(lane)
+                    except RingClosed:   # (close() shut the ring, from another thread)
+                        raise RuntimeError(CLOSED_WHILE_WAITING) from None
                 if record is not None:
                     record.append(ticket)
             except BaseException:
