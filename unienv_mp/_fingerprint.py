@@ -141,6 +141,11 @@ def _name(obj):
     return f"{t.__module__}.{t.__qualname__}"
 
 
+def _custom(fn):
+    return _Unknown(f"a custom function ({getattr(fn, '__qualname__', _name(fn))}), which "
+                    f"may read anything")
+
+
 class _Walk:
     """One walk over a sampler's object graph: the tokens it recorded, and references to
     the objects whose identities they hold."""
@@ -218,9 +223,7 @@ class _Walk:
         elif t in self.known or isinstance(obj, self.space):
             self.instance(obj, t, key)
         elif callable(obj):
-            raise _Unknown(f"a custom function "
-                           f"({getattr(obj, '__qualname__', _name(obj))}), which may read "
-                           f"anything")
+            raise _custom(obj)
         else:
             raise _Unknown(f"a {_name(obj)}, which the fingerprint cannot vouch for "
                            f"(see unienv_mp._fingerprint)")
@@ -257,9 +260,7 @@ class _Walk:
         """A valid-mask helper of UniEnv: the function (which lives for good) by
         identity, then its arguments."""
         if obj.func not in self.helpers:
-            raise _Unknown(f"a custom function "
-                           f"({getattr(obj.func, '__qualname__', _name(obj.func))}), which "
-                           f"may read anything")
+            raise _custom(obj.func)
         self.refs.append(weakref.ref(obj))
         self.add(("partial", key, id(obj.func)))
         self.visit(obj.args)

@@ -139,7 +139,11 @@ def _write(fd, off, data):
     view = memoryview(data)
     done, n = 0, len(view)
     while done < n:
-        done += os.pwrite(fd, view[done:done + _WRITE_CHUNK], off + done)
+        wrote = os.pwrite(fd, view[done:done + _WRITE_CHUNK], off + done)
+        if wrote <= 0:
+            raise OSError(f"pwrite into a shared-memory segment wrote nothing at "
+                          f"{off + done}")
+        done += wrote
 
 
 #: Bytes per ``pwrite`` (Linux writes at most about 2 GiB in one call).
