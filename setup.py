@@ -14,21 +14,21 @@ CFLAGS = ["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function"]
 
 extensions = [
     Extension(
-        "unienv_mp._ring",
-        sources=["unienv_mp/_ring.pyx", "csrc/umr_ring.c", "csrc/umr_shm.c"],
+        "unienv_mp._transport.ring",
+        sources=["unienv_mp/_transport/ring.pyx", "csrc/umr_ring.c", "csrc/umr_shm.c"],
         include_dirs=["csrc"],
         extra_compile_args=CFLAGS,
     ),
     Extension(
-        "unienv_mp._codec",
-        sources=["unienv_mp/_codec.pyx"],
+        "unienv_mp._transport.codec",
+        sources=["unienv_mp/_transport/codec.pyx"],
         include_dirs=["csrc", numpy.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=CFLAGS,
     ),
     Extension(
-        "unienv_mp._rows",
-        sources=["unienv_mp/_rows.pyx", "csrc/umr_rows.c", "csrc/umr_window.c"],
+        "unienv_mp._direct.rows",
+        sources=["unienv_mp/_direct/rows.pyx", "csrc/umr_rows.c", "csrc/umr_window.c"],
         include_dirs=["csrc"],
         extra_compile_args=CFLAGS,
     ),

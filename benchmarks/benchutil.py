@@ -17,7 +17,7 @@ def make_queue(impl, *, maxsize=0, slot_size=MiB, n_slots=None, max_size_bytes=1
     """A queue of implementation ``impl``.  ``slot_size``/``n_slots`` only apply to shm,
     ``max_size_bytes`` only to faster_fifo (its circular buffer must hold the messages)."""
     if impl == "shm":
-        from unienv_mp.queue import ShmQueue
+        from unienv_mp._transport.shm_queue import ShmQueue
         return ShmQueue(maxsize, ctx=CTX, slot_size=slot_size, n_slots=n_slots)
     if impl == "mp":
         return CTX.Queue(maxsize)

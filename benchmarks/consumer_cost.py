@@ -49,7 +49,7 @@ def main(argv=None):
     import unienv_mp
     from unienv_mp.bench.config import Config
     from unienv_mp.bench.data import build_buffer
-    from unienv_mp.sampler import MultiprocessingSampler
+    from unienv_mp._sampling.sampler import MultiprocessingSampler
 
     if a.case == "state":
         cfg = Config(transitions=20_000, batch_size=32, image_shape=())

@@ -1,4 +1,4 @@
-"""The backend contract (unienv_mp._backend.Manager), run against the process manager, the
+"""The backend contract (unienv_mp.backend.Manager), run against the process manager, the
 Ray manager and an in-process fake built on the same shared parts: ordering, cancel,
 timeouts, errors, the respawn budget, worker indices and close; and a Ctrl-C at every
 bytecode of the Ray manager's cancel."""
@@ -15,9 +15,8 @@ import _data
 from _data import GoneOnSeed, indices_of, replay_buffer
 from unienv_mp import MultiProcessingSampleManager, WorkerDiedError, WorkerError
 from unienv_mp import stats as _stats
-from unienv_mp._backend import (Dealer, Manager, TicketTable, no_result, none_pending,
-                                respawn_verdict)
-from unienv_mp._sampling import SamplerTarget
+from unienv_mp.backend import Dealer, Manager, TicketTable, no_result, none_pending, respawn_verdict
+from unienv_mp._sampling.target import SamplerTarget
 from unienv_mp._validate import check_index
 from unienv_mp.errors import error_payload
 
@@ -270,7 +269,7 @@ def test_close(make):
 def test_a_ctrl_c_anywhere_in_cancel_leaves_no_ticket_in_flight_without_its_task(
         local_ray, monkeypatch):
     from test_interrupts import Interrupter, interrupt_everywhere
-    from unienv_mp import _backend
+    from unienv_mp import backend as _backend
     from unienv_mp.ray import manager as ray_manager
 
     m = RayManager(2, target=SamplerTarget(_sampler()), num_cpus_per_worker=0)

@@ -26,7 +26,8 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
-from unienv_mp import Segment, _codec
+from unienv_mp import Segment
+from unienv_mp._transport import codec as _codec
 from unienv_mp.errors import CodecError
 
 try:

@@ -9,11 +9,11 @@ import torch
 from unienv_data.samplers import StepSampler
 
 import unienv_mp._device.ops as ops_mod
-import unienv_mp.sampler as sampler_mod
+import unienv_mp._sampling.sampler as sampler_mod
 from unienv_mp import MultiprocessingSampler, WorkerError
 from unienv_mp._device.placement import Placement, cpu_twin, place
 from unienv_mp._device.resident import InProcessManager, own_target
-from unienv_mp._sampling import SamplerTarget
+from unienv_mp._sampling.target import SamplerTarget
 
 import _data
 from _data import replay_buffer
@@ -515,7 +515,7 @@ def test_a_copy_issued_ahead_is_used_whatever_runs_between_calls(monkeypatch, be
 def test_a_worker_error_met_looking_ahead_goes_with_its_stream(fake):
     # A fresh stream (manual_seed, load_state_dict) does not inherit it.
     import time
-    from unienv_mp._streams import base_seed, chunk_seed, stream_key
+    from unienv_mp._sampling.streams import base_seed, chunk_seed, stream_key
     rb = replay_buffer(300)
     bad = chunk_seed(stream_key(base_seed(StepSampler(rb, 8, seed=1)), "sample"), 2)
 

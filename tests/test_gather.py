@@ -16,7 +16,7 @@ from unienv_interface.backends.pytorch import PyTorchComputeBackend as TB
 from unienv_interface.space import BoxSpace, DictSpace
 
 from unienv_mp import MultiprocessingSampler, WorkerError
-from unienv_mp import gather
+from unienv_mp._direct import gather
 
 import _data
 from conftest import in_shared_memory

@@ -18,9 +18,9 @@ import pytest
 from unienv_data.samplers import StepSampler
 
 from unienv_mp import CodecError, MultiprocessingSampler, WorkerDiedError
-from unienv_mp import _protocol as P
+from unienv_mp._transport import protocol as P
 from unienv_mp import stats as _stats
-from unienv_mp.manager import MultiProcessingSampleManager
+from unienv_mp._process.manager import MultiProcessingSampleManager
 
 import _data
 from _data import indices_of, replay_buffer
@@ -348,7 +348,7 @@ def test_close_from_another_thread_as_a_task_is_pushed_raises_runtime_error(
         monkeypatch, through):
     """close() shuts the task ring just before the call pushes its task: the call raises
     RuntimeError, as every call that close() cuts short does (it raised RingClosed)."""
-    from unienv_mp._worker_handle import WorkerHandle
+    from unienv_mp._process.handle import WorkerHandle
     if through == "manager":
         obj = MultiProcessingSampleManager(_identity, n_workers=1, ctx="fork")
         obj.result(obj.submit(1))

@@ -23,6 +23,8 @@ import time
 
 import numpy as np
 import pytest
+
+import unienv_mp
 import torch
 from conftest import wait_until
 
@@ -30,9 +32,10 @@ import _data
 from unienv_data.samplers import StepSampler
 
 from unienv_mp import MultiprocessingSampler
-from unienv_mp import (_backend, _epochs, _polling, _process, _slots, _stalls, _supervision,
-                       _unienv_queue, _work_encoder, _worker_handle, manager as M)
-from unienv_mp._streams import Stream
+from unienv_mp import backend as _backend, _os as _process
+from unienv_mp._sampling import epochs as _epochs
+from unienv_mp._process import polling as _polling, slots as _slots, stalls as _stalls, pool as _supervision, unienv_queue as _unienv_queue, encoder as _work_encoder, handle as _worker_handle, manager as M
+from unienv_mp._sampling.streams import Stream
 
 _NEVER_INTERRUPTED = {dis.opmap[name] for name in ("NOP", "PUSH_EXC_INFO", "POP_EXCEPT")}
 _handlers = {}   # code object -> offsets where its exception handlers start
@@ -278,7 +281,7 @@ def test_a_ctrl_c_anywhere_in_sample_loses_nothing(in_order):
     Ctrl-C drops at most the batch of the call it cuts short."""
     from unienv_data.samplers import StepSampler
     from unienv_mp import MultiprocessingSampler
-    from unienv_mp import _streams, sampler as S
+    from unienv_mp._sampling import streams as _streams, sampler as S
     rb = _data.replay_buffer(100)
 
     def make(in_order):
@@ -337,7 +340,7 @@ def test_a_ctrl_c_anywhere_in_a_device_sample_loses_nothing(monkeypatch):
     interrupted too.  Every batch is the stream's, once, in order; the device never reads
     a slot given back, nor one unregistered; close() leaves nothing registered."""
     from _fake_device import FakeOps
-    from unienv_mp import _streams, sampler as S
+    from unienv_mp._sampling import streams as _streams, sampler as S
     from unienv_mp._device import feed, handout, ops as device_ops, pins
     fake = FakeOps(speed=1)
     monkeypatch.setattr(device_ops, "for_device", lambda device: fake)
@@ -823,7 +826,7 @@ def test_a_ctrl_c_while_sample_cleans_up_after_a_timeout_leaves_no_cancelled_tic
                                 ctx="fork", batches_per_task=1, timeout=0.5,
                                 direct_gather=False) as m:
         take(m, 3)
-        from unienv_mp._streams import forget_requests
+        from unienv_mp._sampling.streams import forget_requests
         cleanup = line_of(forget_requests, "stream.reset()")
         with interrupt_at(forget_requests, cleanup) as i:
             with pytest.raises(KeyboardInterrupt):
@@ -838,7 +841,7 @@ def test_a_ctrl_c_anywhere_in_sample_drops_at_most_the_batch_it_was_handing_out(
     along the stream: a call cut short drops at most the batch it was handing out (the
     next call hands out that batch or the one after it), and never hands one out twice."""
     from test_interrupts import Interrupter
-    from unienv_mp import _streams, sampler as S
+    from unienv_mp._sampling import streams as _streams, sampler as S
     expected = reference(2000, batches_per_task=4)
     rb = _data.replay_buffer(100)
     moved = []
@@ -880,8 +883,8 @@ def test_a_ctrl_c_before_any_bytecode_of_the_stream_keeps_its_position(in_order,
     once, and what was handed out is what position() says."""
     import random
     from test_interrupts import Interrupter
-    from unienv_mp import _streams
-    from unienv_mp._streams import chunk_seed, stream_key
+    from unienv_mp._sampling import streams as _streams
+    from unienv_mp._sampling.streams import chunk_seed, stream_key
     k, n_buffers = 3, 4
     key = stream_key(0, "sample")
     chunk_of_seed = {chunk_seed(key, c): c for c in range(1000)}
@@ -944,23 +947,32 @@ def test_a_ctrl_c_before_any_bytecode_of_the_stream_keeps_its_position(in_order,
 
 #: The package's modules whose code the tests here (and tests/test_backend_contract.py, for
 #: the Ray manager) interrupt at every bytecode.
-INTERRUPTED = {os.path.relpath(f, os.path.dirname(M.__file__)) for f in PACKAGE_FILES} | {
-    "sampler.py", "_streams.py", "_epochs.py", os.path.join("ray", "manager.py"),
+ROOT = os.path.dirname(unienv_mp.__file__)
+INTERRUPTED = {os.path.relpath(f, ROOT) for f in PACKAGE_FILES} | {
+    os.path.join("_sampling", "sampler.py"), os.path.join("_sampling", "streams.py"), os.path.join("_sampling", "epochs.py"), os.path.join("ray", "manager.py"),
     os.path.join("_device", "feed.py"), os.path.join("_device", "pins.py"),
     os.path.join("_device", "handout.py")}
 
 #: Every other module of the package, and why a Ctrl-C in it needs no such test.
 NOT_INTERRUPTED = {
     "__init__.py": "re-exports",
+    "gather.py": "re-exports",
+    "manager.py": "re-exports",
+    "queue.py": "re-exports",
+    "sampler.py": "re-exports",
+    os.path.join("_direct", "__init__.py"): "a docstring",
+    os.path.join("_process", "__init__.py"): "a docstring",
+    os.path.join("_sampling", "__init__.py"): "a docstring",
+    os.path.join("_transport", "__init__.py"): "a docstring",
     "__main__.py": "the main job's entry point (the benchmark harness, not the library)",
-    "_checkpoints.py": "manual_seed and load_state_dict check and build first, then change "
+    os.path.join("_sampling", "checkpoints.py"): "manual_seed and load_state_dict check and build first, then change "
                        "the sampler in one step that holds SIGINT back (a chosen line: "
                        "test_sampling_goes_on_after_a_ctrl_c_in_manual_seed); state_dict "
                        "reads",
-    "_codec.pyx": "compiled: a signal is acted on once it returns to its (tested) caller",
-    "_ring.pyx": "compiled: as _codec; what a ring does is recorded inside the call",
-    "_rows.pyx": "compiled: as _codec",
-    "_delegates.py": "the wrapped sampler's properties and get*_at, forwarded: nothing kept",
+    os.path.join("_transport", "codec.pyx"): "compiled: a signal is acted on once it returns to its (tested) caller",
+    os.path.join("_transport", "ring.pyx"): "compiled: as _codec; what a ring does is recorded inside the call",
+    os.path.join("_direct", "rows.pyx"): "compiled: as _codec",
+    os.path.join("_sampling", "delegates.py"): "the wrapped sampler's properties and get*_at, forwarded: nothing kept",
     os.path.join("_device", "__init__.py"): "a docstring",
     os.path.join("_device", "ops.py"): "each call is one device call that returns or "
                                        "raises (CudaOps runs only with CUDA: test_cuda.py; "
@@ -971,25 +983,25 @@ NOT_INTERRUPTED = {
                                             "leaves it pending, and the sampler cancels its "
                                             "tickets after any interruption (tested in "
                                             "sampler.py's code)",
-    "_fingerprint.py": "reads the data and returns a value: nothing kept across a call",
-    "_headroom.py": "a memory check before a segment is made: returns or raises",
-    "_protocol.py": "constants of the wire format, and SlotWriter (run in the workers)",
-    "_sampling.py": "the work function runs in the workers (SIGINT ignored); the parent's "
+    os.path.join("_sampling", "fingerprint.py"): "reads the data and returns a value: nothing kept across a call",
+    os.path.join("_transport", "headroom.py"): "a memory check before a segment is made: returns or raises",
+    os.path.join("_transport", "protocol.py"): "constants of the wire format, and SlotWriter (run in the workers)",
+    os.path.join("_sampling", "target.py"): "the work function runs in the workers (SIGINT ignored); the parent's "
                     "draws return values the tested sampler code records",
-    "_state.py": "builds and checks state_dict values: returns or raises",
-    "_transfer.py": "the Parcel, made before a worker's start, which is tested "
+    os.path.join("_sampling", "state.py"): "builds and checks state_dict values: returns or raises",
+    os.path.join("_process", "transfer.py"): "the Parcel, made before a worker's start, which is tested "
                     "(test_a_ctrl_c_as_a_worker_starts_leaves_no_descriptor)",
-    "_unienv.py": "reads UniEnv's internals: returns or raises",
+    os.path.join("_direct", "unienv.py"): "reads UniEnv's internals: returns or raises",
     "_validate.py": "argument checks at construction",
-    "_views.py": "plans views: in the workers, and once at construction",
+    os.path.join("_direct", "views.py"): "plans views: in the workers, and once at construction",
     "compat.py": "UniEnv's helpers on the manager's add_work/fetch, which are tested "
                  "(test_a_ctrl_c_anywhere_in_add_work_and_fetch_loses_nothing)",
     "errors.py": "exception classes",
-    "gather.py": "runs in the workers, which ignore SIGINT",
-    "queue.py": "ShmQueue, the transport on its own, which promises no more than "
+    os.path.join("_direct", "gather.py"): "runs in the workers, which ignore SIGINT",
+    os.path.join("_transport", "shm_queue.py"): "ShmQueue, the transport on its own, which promises no more than "
                 "multiprocessing.Queue does when a Ctrl-C lands in put or get",
     "stats.py": "counters read into new objects: returns or raises",
-    "worker.py": "runs in the workers, which ignore SIGINT",
+    os.path.join("_process", "worker.py"): "runs in the workers, which ignore SIGINT",
     os.path.join("ray", "__init__.py"): "re-exports",
     os.path.join("ray", "_actor.py"): "runs in the Ray actors",
     os.path.join("ray", "_batch.py"): "packs and unpacks results: returns or raises",
@@ -999,7 +1011,7 @@ NOT_INTERRUPTED = {
 
 
 def test_every_module_of_the_package_is_interrupted_or_says_why_not():
-    root = os.path.dirname(M.__file__)
+    root = ROOT
     modules = set()
     for folder, dirs, files in os.walk(root):
         rel = os.path.relpath(folder, root)

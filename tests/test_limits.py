@@ -9,7 +9,7 @@ from unienv_data.samplers import StepSampler
 
 from _data import replay_buffer
 from unienv_mp import MultiprocessingSampler, _validate
-from unienv_mp.manager import MultiProcessingSampleManager
+from unienv_mp._process.manager import MultiProcessingSampleManager
 
 
 def _identity(x):

@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from unienv_mp.bench import (cli, config, data, epochs, index_select, latency, measure,
-                             online, peers, plots, tables, views)
+from unienv_mp.bench import cli, config, data, epochs, index_select, latency, measure, online, peers, plots, tables, views
 
 SMALL = ["--transitions", "300", "--image-shape", "3x8x8", "--batch-size", "16",
          "--workers", "2", "--buffers", "2", "--seconds", "0.3", "--no-progress"]

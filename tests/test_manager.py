@@ -10,8 +10,8 @@ import torch
 from unienv_data.samplers import StepSampler
 
 from unienv_mp import CodecError, MultiprocessingSampler, WorkerDiedError
-from unienv_mp._worker_handle import WorkerHandle
-from unienv_mp.manager import MultiProcessingSampleManager
+from unienv_mp._process.handle import WorkerHandle
+from unienv_mp._process.manager import MultiProcessingSampleManager
 
 from _data import replay_buffer
 from conftest import wait_until
@@ -195,7 +195,7 @@ def test_a_result_the_worker_cannot_put_in_a_slot_is_an_error_not_a_death():
 # -- Ctrl-C --------------------------------------------------------------------------------
 
 def test_interrupts_deferred_holds_ctrl_c_until_the_block_ends():
-    import unienv_mp._process as M
+    import unienv_mp._os as M
     done = []
     with pytest.raises(KeyboardInterrupt):
         with M.interrupts_deferred():
@@ -228,7 +228,7 @@ def test_ctrl_c_while_a_result_is_recorded_keeps_the_result():
 
 
 def test_ctrl_c_while_a_dead_worker_is_being_replaced(monkeypatch):
-    import unienv_mp._process as M
+    import unienv_mp._os as M
     real = M.stop_processes
     armed = [True]
 

@@ -83,7 +83,7 @@ def test_only_unienv_mp_ray_imports_ray():
         "                                               'unienv_mp.bench.')]\n"
         "for name in names:\n"
         "    importlib.import_module(name)\n"
-        "assert 'unienv_mp.bench.peers' in names and 'unienv_mp.sampler' in names, names\n"
+        "assert 'unienv_mp.bench.peers' in names and 'unienv_mp._sampling.sampler' in names, names\n"
         "print('ray' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)

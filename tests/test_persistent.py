@@ -10,7 +10,7 @@ from test_gather import assert_identical
 from unienv_data.samplers import StepSampler
 
 from unienv_mp import MultiprocessingSampler
-from unienv_mp import _fingerprint
+from unienv_mp._sampling import fingerprint as _fingerprint
 
 EPOCHS = ("epoch_iter", "epoch_iter_with_metadata", "epoch_flat_iter",
           "epoch_flat_iter_with_metadata")

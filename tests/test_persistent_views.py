@@ -10,7 +10,7 @@ import _views_data as vd
 from test_persistent import run_epoch, same_epochs
 
 from unienv_mp import MultiprocessingSampler
-from unienv_mp import _fingerprint
+from unienv_mp._sampling import fingerprint as _fingerprint
 
 
 def mp_sampler(view, persistent=None, ctx="fork", batch=8, **kwargs):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from unienv_mp import RingClosed
-from unienv_mp.queue import ShmQueue
+from unienv_mp._transport.shm_queue import ShmQueue
 
 from conftest import own_segment_fds, wait_until
 
@@ -190,7 +190,7 @@ def test_message_of_a_killed_producer_is_skipped_with_a_warning(ctx):
 
 
 def test_a_slow_reader_does_not_cost_a_descriptor_per_message():
-    import unienv_mp.queue as qm
+    import unienv_mp._transport.shm_queue as qm
     q = ShmQueue(slot_size=8192, n_slots=2, inline_size=64)
     before = len(own_segment_fds())
     for i in range(40):
@@ -216,7 +216,7 @@ def _put_arrays(q, n):
 def test_a_reader_keeping_every_array_still_gets_every_message(ctx):
     # Slots all held, spills up to the limit: the producer must notice that its spills
     # have been read and go on spilling, rather than wait for a slot that never comes.
-    import unienv_mp.queue as qm
+    import unienv_mp._transport.shm_queue as qm
     n = 4 + qm.MAX_PENDING_SPILLS + 20
     q = ShmQueue(slot_size=64 << 10, n_slots=4)
     out = ShmQueue()
@@ -316,7 +316,7 @@ def _noop():
 
 
 def test_fork_while_another_thread_holds_the_spill_lock():
-    import unienv_mp.queue as qm
+    import unienv_mp._transport.shm_queue as qm
     qm._spill_lock.acquire()
     try:
         p = mp.get_context("fork").Process(target=_noop)
@@ -335,7 +335,7 @@ def _flood(q, n):
 
 
 def test_unbounded_put_never_blocks_and_child_flushes_before_exit(ctx, monkeypatch):
-    import unienv_mp.queue as qm
+    import unienv_mp._transport.shm_queue as qm
     monkeypatch.setattr(qm, "DEFAULT_CAPACITY", 16)
     q = ShmQueue()
     assert q._capacity == 16
@@ -350,7 +350,7 @@ def test_unbounded_put_never_blocks_and_child_flushes_before_exit(ctx, monkeypat
 
 
 def test_unbounded_put_in_this_process_buffers_locally():
-    import unienv_mp.queue as qm
+    import unienv_mp._transport.shm_queue as qm
     q = ShmQueue()
     n = qm.DEFAULT_CAPACITY + 500
     for i in range(n):
@@ -368,7 +368,7 @@ def _flood_and_cancel(q):
 
 
 def test_cancel_join_thread_lets_a_process_exit_with_data_unsent(ctx, monkeypatch):
-    import unienv_mp.queue as qm
+    import unienv_mp._transport.shm_queue as qm
     monkeypatch.setattr(qm, "DEFAULT_CAPACITY", 16)
     q = ShmQueue()
     p = ctx.Process(target=_flood_and_cancel, args=(q,))
@@ -387,7 +387,7 @@ def _fill_then_spill_via_feeder(q, n_small, n_big):
 
 
 def test_spills_sent_by_the_feeder_are_waited_for_at_exit(ctx, monkeypatch):
-    import unienv_mp.queue as qm
+    import unienv_mp._transport.shm_queue as qm
     monkeypatch.setattr(qm, "DEFAULT_CAPACITY", 8)
     q = ShmQueue(slot_size=4096, n_slots=2)
     p = ctx.Process(target=_fill_then_spill_via_feeder, args=(q, 8, 5))
@@ -407,7 +407,7 @@ def test_spills_sent_by_the_feeder_are_waited_for_at_exit(ctx, monkeypatch):
 
 def test_dropping_a_queue_with_unread_spills_does_not_block(monkeypatch):
     import threading
-    import unienv_mp.queue as qm
+    import unienv_mp._transport.shm_queue as qm
     monkeypatch.setattr(qm, "DEFAULT_CAPACITY", 2)
     q = ShmQueue(slot_size=4096)
     big = np.zeros(10_000)                         # 80 kB: a spill
@@ -448,7 +448,7 @@ def test_shutdown_is_seen_by_every_process_handle():
 
 
 def test_put_after_shutdown_raises_even_with_messages_buffered(monkeypatch):
-    import unienv_mp.queue as qm
+    import unienv_mp._transport.shm_queue as qm
     monkeypatch.setattr(qm, "DEFAULT_CAPACITY", 4)
     q = ShmQueue()
     for i in range(6):

@@ -16,7 +16,7 @@ from _data import indices_of, replay_buffer
 from conftest import wait_until
 from test_interrupts import interrupt_at, interrupted, line_of, positions, reference
 from unienv_mp import MultiprocessingSampler, WorkerError
-from unienv_mp._streams import base_seed, chunk_seed, stream_key
+from unienv_mp._sampling.streams import base_seed, chunk_seed, stream_key
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

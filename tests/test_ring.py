@@ -10,7 +10,7 @@ import time
 import pytest
 
 from unienv_mp import RingBuffer, RingClosed, Segment
-from unienv_mp._ring import Event
+from unienv_mp._transport.ring import Event
 
 from conftest import own_segment_fds, own_segment_maps
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from unienv_mp import Segment
-from unienv_mp._rows import gather_rows
+from unienv_mp._direct.rows import gather_rows
 
 
 @pytest.mark.parametrize("row_bytes", [1, 12, 1000, 1024, 1040, 4096, 49152, 49160])

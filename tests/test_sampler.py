@@ -165,8 +165,8 @@ def test_same_seed_same_batches_whatever_the_timing():
 def test_batch_j_is_draw_j_mod_k_of_the_sampler_seeded_for_chunk_j_div_k(direct):
     """With k batches per task, batch j of the stream is what the wrapped sampler draws
     ((j mod k) + 1)-th after manual_seed(chunk_seed(key, j // k)), key being the stream's
-    key for the sampler's base seed (see unienv_mp._streams)."""
-    from unienv_mp._streams import base_seed, chunk_seed, stream_key
+    key for the sampler's base seed (see unienv_mp._sampling.streams)."""
+    from unienv_mp._sampling.streams import base_seed, chunk_seed, stream_key
     rb = replay_buffer(400)
     key = stream_key(base_seed(StepSampler(rb, 5, seed=9)), "sample")
     k = 3

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from unienv_mp import Segment
-from unienv_mp import _headroom
+from unienv_mp._transport import headroom as _headroom
 
 import _syscall_filter
 

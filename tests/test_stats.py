@@ -12,9 +12,8 @@ import _data
 from _data import replay_buffer
 from conftest import wait_until
 from test_interrupts import interrupt_at, interrupted, line_of
-from unienv_mp import (MultiProcessingSampleManager, MultiprocessingSampler, SamplerStats,
-                       WorkerError, WorkerStalledError, stats as S)
-from unienv_mp._streams import base_seed, chunk_seed, stream_key
+from unienv_mp import MultiProcessingSampleManager, MultiprocessingSampler, SamplerStats, WorkerError, WorkerStalledError, stats as S
+from unienv_mp._sampling.streams import base_seed, chunk_seed, stream_key
 
 
 # -- the counters ----------------------------------------------------------------------------
@@ -400,7 +399,7 @@ def test_a_ctrl_c_while_a_stalled_worker_is_killed_leaves_the_sampler_working():
     never recovers from."""
     from test_stats import StuckOnFifth
     from unienv_mp import WorkerDiedError
-    from unienv_mp.manager import MultiProcessingSampleManager as Manager
+    from unienv_mp._process.manager import MultiProcessingSampleManager as Manager
     rb = replay_buffer(100)
     with MultiprocessingSampler(StuckOnFifth(rb, 4, seed=0), n_workers=1, n_buffers=2,
                                 ctx="fork", batches_per_task=1, stall_timeout=0.5,
@@ -484,7 +483,7 @@ def test_a_task_given_up_after_a_stall_releases_its_spill_segment():
     result arrives (_accept) or the task is dropped.  A stalled task given up gets its
     WorkerStalledError as its result: its segment must go too, not stay until close()."""
     import numpy as np
-    from unienv_mp.manager import MultiProcessingSampleManager as Manager
+    from unienv_mp._process.manager import MultiProcessingSampleManager as Manager
     with Manager(SleepOnBig(), n_workers=1, ctx="fork", stall_timeout=0.3,
                  respawn=False) as mgr:
         t = mgr.submit(np.zeros(2000, dtype=np.int64))     # 16 KiB: a spill segment
@@ -552,7 +551,7 @@ def test_a_worker_just_started_under_spawn_has_no_cpu_fraction_yet():
     as the new interpreter takes to start; its cpu_fraction is then unknown (None), not
     its CPU time over the time since boot."""
     from unienv_mp import stats as S
-    from unienv_mp.manager import MultiProcessingSampleManager as Manager
+    from unienv_mp._process.manager import MultiProcessingSampleManager as Manager
     from test_stats import Echo
     with Manager(Echo(), n_workers=1, ctx="spawn") as mgr:
         started = mgr._lanes[0].worker.counters()[S.STARTED]

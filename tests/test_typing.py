@@ -1,4 +1,4 @@
-"""The stubs of the compiled modules (unienv_mp/*.pyi), held to the modules themselves.
+"""The stubs of the compiled modules (unienv_mp/**/*.pyi), held to the modules themselves.
 
 - stubtest compares every name, signature, default and kind (method, property, static)
   of the stubs with the compiled modules;
@@ -24,7 +24,10 @@ import unienv_mp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "unienv_mp")
 TYPING = os.path.join(ROOT, "tests", "typecheck")
-COMPILED = sorted(os.path.basename(p)[:-4] for p in glob.glob(os.path.join(PACKAGE, "*.pyx")))
+# Compiled modules by dotted name within the package ("_transport.ring"), their sources
+# and stubs beside them.
+COMPILED = sorted(os.path.relpath(p, PACKAGE)[:-4].replace(os.sep, ".")
+                  for p in glob.glob(os.path.join(PACKAGE, "**", "*.pyx"), recursive=True))
 
 
 def _module(name):
@@ -32,8 +35,12 @@ def _module(name):
     return sys.modules[f"unienv_mp.{name}"]
 
 
+def _path(name, suffix):
+    return os.path.join(PACKAGE, *name.split(".")) + suffix
+
+
 def _stub(name):
-    with open(os.path.join(PACKAGE, name + ".pyi")) as f:
+    with open(_path(name, ".pyi")) as f:
         return ast.parse(f.read())
 
 
@@ -44,8 +51,9 @@ def _mypy_env():
 
 
 def test_every_compiled_module_has_a_stub_and_is_compiled():
-    assert COMPILED == ["_codec", "_ring", "_rows"]
-    stubs = sorted(os.path.basename(p)[:-4] for p in glob.glob(os.path.join(PACKAGE, "*.pyi")))
+    assert COMPILED == ["_direct.rows", "_transport.codec", "_transport.ring"]
+    stubs = sorted(os.path.relpath(p, PACKAGE)[:-4].replace(os.sep, ".")
+                   for p in glob.glob(os.path.join(PACKAGE, "**", "*.pyi"), recursive=True))
     assert stubs == COMPILED
     assert os.path.isfile(os.path.join(PACKAGE, "py.typed"))
     for name in COMPILED:
@@ -77,8 +85,8 @@ def test_stubs_match_the_compiled_modules(tmp_path):
 
 
 def test_buffer_classes_export_buffers():
-    from unienv_mp._codec import SlotLease
-    from unienv_mp._ring import Segment
+    from unienv_mp._transport.codec import SlotLease
+    from unienv_mp._transport.ring import Segment
     for name in COMPILED:
         for node in _stub(name).body:
             if isinstance(node, ast.ClassDef) and any(
@@ -161,7 +169,7 @@ def test_constructors_match_the_sources():
     checked = []
     for name in COMPILED:
         module = _module(name)
-        with open(os.path.join(PACKAGE, name + ".pyx")) as f:
+        with open(_path(name, ".pyx")) as f:
             source = f.read()
         for node in _stub(name).body:
             if not isinstance(node, ast.ClassDef) or not hasattr(module, node.name):

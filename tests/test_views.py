@@ -10,8 +10,10 @@ from unienv_data.batches.framestack_batch import FrameStackedBatch
 from unienv_data.batches.slicestack_batch import SliceStackedBatch
 from unienv_data.batches.subitem_batch import SubItemBatch
 
-from unienv_mp import MultiprocessingSampler, _codec, _rows, _views, gather
-from unienv_mp._protocol import SlotWriter
+from unienv_mp import MultiprocessingSampler
+from unienv_mp._transport import codec as _codec
+from unienv_mp._direct import rows as _rows, views as _views, gather
+from unienv_mp._transport.protocol import SlotWriter
 
 import _views_data as vd
 from test_gather import assert_identical, getters_refused

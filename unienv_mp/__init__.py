@@ -7,20 +7,26 @@ The sampler names (which import UniEnv) are loaded on first use, so that the tra
 (``RingBuffer``, ``ShmQueue``) can be used without importing UniEnv.  Type checkers and
 IDEs see them as ordinary imports.
 """
+import sys
 from typing import TYPE_CHECKING
 
-from ._ring import RingBuffer, Segment
+from ._sampling import state as _state_format
+from ._transport.ring import RingBuffer, Segment
+from ._transport.shm_queue import ShmQueue
 from .errors import (CodecError, PeerGoneError, RingClosed, WorkerDiedError, WorkerError,
                      WorkerStalledError)
-from .queue import ShmQueue
 from .stats import DeviceStats, SamplerStats, WorkerStats
 
 if TYPE_CHECKING:
     from .compat import worker_loop as worker_loop
     from .compat import wrap_epoch_iter_function as wrap_epoch_iter_function
     from .compat import wrap_sample_function as wrap_sample_function
-    from .manager import MultiProcessingSampleManager as MultiProcessingSampleManager
-    from .sampler import MultiprocessingSampler as MultiprocessingSampler
+    from ._process.manager import MultiProcessingSampleManager as MultiProcessingSampleManager
+    from ._sampling.sampler import MultiprocessingSampler as MultiprocessingSampler
+
+# A state_dict() saved by unienv_mp 0.1 pickled its torch.Generator as an object of the
+# module ``unienv_mp._state``, which is now ``unienv_mp._sampling.state``.
+sys.modules.setdefault(__name__ + "._state", _state_format)
 
 #: The package's version, and the only place it is written (pyproject.toml reads it).
 __version__ = "0.1.0"

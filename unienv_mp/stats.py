@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from . import _process
+from . import _os as _process
 
 __all__ = ["SamplerStats", "WorkerStats", "DeviceStats"]
 

@@ -11,13 +11,10 @@ import numpy as np
 from typing_extensions import assert_type
 
 import unienv_mp
-from unienv_mp import (CodecError, MultiProcessingSampleManager, MultiprocessingSampler,
-                       PeerGoneError, RingBuffer, RingClosed, Segment, ShmQueue,
-                       WorkerDiedError, WorkerError, worker_loop, wrap_epoch_iter_function,
-                       wrap_sample_function)
-from unienv_mp._codec import SlotLease, decode, encode, prepare, write
-from unienv_mp._ring import DEFAULT_POLL_INTERVAL, Event, now_ns
-from unienv_mp._rows import gather_rows
+from unienv_mp import CodecError, MultiProcessingSampleManager, MultiprocessingSampler, PeerGoneError, RingBuffer, RingClosed, Segment, ShmQueue, WorkerDiedError, WorkerError, worker_loop, wrap_epoch_iter_function, wrap_sample_function
+from unienv_mp._transport.codec import SlotLease, decode, encode, prepare, write
+from unienv_mp._transport.ring import DEFAULT_POLL_INTERVAL, Event, now_ns
+from unienv_mp._direct.rows import gather_rows
 
 
 def ring_round_trip() -> None:

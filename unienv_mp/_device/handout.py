@@ -10,7 +10,7 @@ it.  So the position between calls is what the caller was handed, a ``state_dict
 taken then is exact, and a Ctrl-C anywhere in the look-ahead puts the batch being handed
 out back (nothing else moved): the next call hands it out again.
 """
-from .. import _process
+from .. import _os as _process
 from ..errors import WorkerError
 
 __all__ = ["DeviceHandOut"]

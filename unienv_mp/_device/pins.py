@@ -8,7 +8,7 @@ and stays registered while it backs a slot.
 
 **Never unmapped while registered.**  A mapping unmapped while still registered breaks
 later, unrelated pinning in the process ("invalid argument").  A :class:`Pin` holds a
-buffer view of its segment, and a :class:`~unienv_mp._ring.Segment` is never unmapped while
+buffer view of its segment, and a :class:`~unienv_mp._transport.ring.Segment` is never unmapped while
 a view of it lives (its ``close`` only marks it; the unmap waits for the last view).  So the
 order is fixed by construction: :meth:`HostPins._unpin` unregisters, then releases the view.
 
@@ -25,7 +25,7 @@ attempts: the batches copy from pageable memory, correctly but synchronously.
 import bisect
 import warnings
 
-from .. import _process
+from .. import _os as _process
 from .ops import RegistrationRefused
 
 __all__ = ["HostPins", "Pin"]

@@ -3,7 +3,7 @@ calling process when its result is asked for.
 
 Worker processes cannot help there (each would need the GPU, and a forked child cannot use
 CUDA), and the GPU gathers a batch in a fraction of the time a process hand-over takes.  So
-the sampler keeps its streams, epochs and checkpoints (:class:`~unienv_mp.sampler.
+the sampler keeps its streams, epochs and checkpoints (:class:`~unienv_mp._sampling.sampler.
 SamplerBase`), and this manager runs the work function of a worker (``SamplerTarget``) in
 place: ``submit`` only queues, ``result`` runs the task.  The stream of batches is the one
 a sampler with workers gives for the same seed and chunks (``batches_per_task``; by
@@ -16,10 +16,10 @@ as one index draw and one ``index_select`` per array.
 import time
 from typing import Optional
 
-from .. import _unienv
-from .. import gather as _gather
+from .._direct import unienv as _unienv
+from .._direct import gather as _gather
 from .. import stats as _stats
-from .._backend import TicketTable, none_pending
+from ..backend import TicketTable, none_pending
 from ..errors import WorkerError, error_payload
 
 __all__ = ["InProcessManager", "own_target", "ResidentTarget"]
@@ -106,7 +106,7 @@ class _Task:
 
 
 class InProcessManager:
-    """The manager contract (:class:`~unienv_mp._backend.Manager`) with no workers:
+    """The manager contract (:class:`~unienv_mp.backend.Manager`) with no workers:
     ``target_fn(work)`` runs in this process at :meth:`result`.  A task that raises gives
     :class:`~unienv_mp.WorkerError` carrying its traceback, as from a worker."""
     n_workers = 0

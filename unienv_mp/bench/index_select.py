@@ -1,7 +1,7 @@
 """The speed limit of in-process sampling (the ``index_select`` row): a StepSampler's own
 indices mapped to storage rows as the core's workers map them, every array gathered by
 ``torch.index_select`` into output tensors allocated once and returned for every batch."""
-from .. import gather
+from .._direct import gather
 from .config import Config
 from .data import dict_storage_tensors
 
@@ -29,7 +29,7 @@ def index_select_sampler(base, rb, cfg: Config):
 def view_limit_sampler(base, cfg: Config):
     """The speed limit of in-process sampling of a view: ``base``'s own indices, the
     view's final storage rows and valid mask computed as unienv_mp's workers compute them
-    (``unienv_mp._views``, the same table of rows), and every array gathered by
+    (``unienv_mp._direct.views``, the same table of rows), and every array gathered by
     ``torch.index_select`` into output tensors allocated once here and returned (the same
     ones) for every batch."""
     root = gather.Planner(base).view

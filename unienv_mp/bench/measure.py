@@ -150,7 +150,7 @@ def measure(name: str, rb, cfg: Config, progress: Callable[[float], None] = lamb
 
 
 def _is_unienv_mp_sampler(obj):
-    from ..sampler import SamplerBase
+    from .._sampling.sampler import SamplerBase
     return isinstance(obj, SamplerBase)
 
 

@@ -60,7 +60,7 @@ def sampler_object(name: str, rb, cfg: Config, seed: int = 0):
     base = StepSampler(rb, cfg.batch_size, seed=seed)
     ctx = mp.get_context(cfg.start_method)
     if name in ("unienv_mp", "unienv_mp_generic"):
-        from ..sampler import MultiprocessingSampler
+        from .._sampling.sampler import MultiprocessingSampler
         return MultiprocessingSampler(
             base, n_workers=cfg.workers, n_buffers=cfg.buffers, ctx=ctx,
             direct_gather=False if name == "unienv_mp_generic" else None)

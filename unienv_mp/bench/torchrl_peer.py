@@ -1,7 +1,7 @@
 """The ``torchrl`` row: a TorchRL ``ReplayBuffer(prefetch=TORCHRL_PREFETCH)`` over the same
 rows as UniEnv's buffer (uniform, or slices of an episode for the views case).  torchrl is
 optional: it is imported when a sampler is made."""
-from .. import gather
+from .._direct import gather
 from .config import TORCHRL_PREFETCH, Config
 from .data import dict_storage_tensors
 

@@ -6,10 +6,10 @@ import time
 
 from unienv_data.base import BatchSampler
 
-from .. import _state
-from .. import gather as _gather
-from .._sampling import SamplerTarget
-from .._streams import base_seed
+from .._sampling import state as _state
+from .._direct import gather as _gather
+from .._sampling.target import SamplerTarget
+from .._sampling.streams import base_seed
 from ..errors import error_payload
 from ._batch import pack
 
@@ -20,7 +20,7 @@ OK, ERROR, COULD_NOT_START = 0, 1, 2
 
 
 class SamplerActor:
-    """Runs a :class:`~unienv_mp._sampling.SamplerTarget` (the work function of
+    """Runs a :class:`~unienv_mp._sampling.target.SamplerTarget` (the work function of
     :class:`~unienv_mp.MultiprocessingSampler`'s workers) on the tasks it is sent.
 
     Args:

@@ -3,7 +3,7 @@ actors replaced.
 
 The ticket interface of :class:`~unienv_mp.MultiProcessingSampleManager` (``submit``,
 ``result``, ``ready``, ``wait_any``, ``cancel``, ``stats``, ``close``), which
-:class:`~unienv_mp.sampler.SamplerBase` runs on, with Ray actors instead of processes and
+:class:`~unienv_mp._sampling.sampler.SamplerBase` runs on, with Ray actors instead of processes and
 object references instead of rings.  Each worker is a
 :class:`~unienv_mp.ray._actor.SamplerActor` that runs the tasks sent to it one after the
 other; a task's result is an object reference, read zero-copy from the object store on
@@ -23,10 +23,10 @@ import warnings
 import ray
 import ray.exceptions as _rx
 
-from .. import _process
+from .. import _os as _process
 from .. import stats as _stats
-from .._backend import Dealer, TicketTable, no_result, none_pending, respawn_verdict
-from .._sampling import SamplerTarget
+from ..backend import Dealer, TicketTable, no_result, none_pending, respawn_verdict
+from .._sampling.target import SamplerTarget
 from .._validate import check_index, check_int, check_seconds
 from ..errors import WorkerDiedError, WorkerError
 from . import _actor
@@ -87,7 +87,7 @@ class RayManager:
 
     Args:
         n_workers: actors.
-        target: a :class:`~unienv_mp._sampling.SamplerTarget`, put into the object store
+        target: a :class:`~unienv_mp._sampling.target.SamplerTarget`, put into the object store
             once and read by every actor (replacements included) ...
         factory: ... or, instead, a callable each actor calls to make its own sampler.
         in_order: ``True``: tasks are dealt round-robin (results are collected by ticket

@@ -9,9 +9,9 @@ from typing import Any, Callable, Dict, Optional
 import ray
 from unienv_data.base import BatchSampler
 
-from .. import _state
-from ..sampler import SamplerBase
-from .._sampling import SamplerTarget
+from .._sampling import state as _state
+from .._sampling.sampler import SamplerBase
+from .._sampling.target import SamplerTarget
 from .._validate import check_int
 from .manager import RayManager, check_cpus
 

@@ -40,7 +40,7 @@ import pickle
 import sys
 import zlib
 
-from . import _process
+from .. import _os as _process
 
 __all__ = ["Stream", "EpochProgress", "base_seed", "stream_key", "chunk_seed",
            "forget_requests"]

@@ -4,15 +4,15 @@ A caller that waits for whichever of several tickets comes first (:meth:`~Pollin
 ``fetch`` without ``in_order``) or asks without blocking (:meth:`~Polling.ready`) collects
 what every worker has published, and sleeps on the doorbell that every worker rings after
 publishing.  :class:`Polling` is a base class of the manager; its methods work on the
-manager's state and keep the rules against a Ctrl-C at the top of :mod:`unienv_mp.manager`.
+manager's state and keep the rules against a Ctrl-C at the top of :mod:`unienv_mp._process.manager`.
 """
 import queue as _queue
 import time
 from typing import Optional
 
-from ._backend import CLOSED_WHILE_WAITING, no_result, none_pending
-from ._worker_handle import WorkerDied
-from .errors import RingClosed
+from ..backend import CLOSED_WHILE_WAITING, no_result, none_pending
+from .handle import WorkerDied
+from ..errors import RingClosed
 
 __all__ = ["Polling"]
 

@@ -3,7 +3,7 @@ fingerprint of everything the sampler's ``get*_at`` methods read, or None where 
 cannot be told.
 
 Workers hold a copy of data that is not shared between processes (fork's copy-on-write
-image, or the spawn transfer's snapshot, see :mod:`unienv_mp._transfer`) as it was when
+image, or the spawn transfer's snapshot, see :mod:`unienv_mp._process.transfer`) as it was when
 they started.  An epoch must cover the data as it is when the epoch starts, so it may run
 on workers that already exist only if nothing the epoch's batches depend on has changed
 since those workers started.  :func:`take` walks the sampler's object graph and records
@@ -44,12 +44,12 @@ and within torch, through ``tensor.data`` (a tensor with a counter of its own), 
 the storage (``tensor.untyped_storage()``), or through another tensor made over the same
 memory (``set_``, DLPack).  That is why ``persistent_workers=False`` exists.
 
-This module is one of those that know UniEnv's classes (see :mod:`unienv_mp.gather`).
+This module is one of those that know UniEnv's classes (see :mod:`unienv_mp._direct.gather`).
 """
 import functools
 import weakref
 
-from . import _unienv
+from .._direct import unienv as _unienv
 
 __all__ = ["take", "check", "same"]
 
@@ -226,7 +226,7 @@ class _Walk:
             raise _custom(obj)
         else:
             raise _Unknown(f"a {_name(obj)}, which the fingerprint cannot vouch for "
-                           f"(see unienv_mp._fingerprint)")
+                           f"(see unienv_mp._sampling.fingerprint)")
 
     def items(self, mapping):
         for k, v in mapping.items():

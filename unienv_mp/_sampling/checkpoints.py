@@ -1,17 +1,18 @@
 """Seeds and checkpoints on the training process's side of a sampler: ``manual_seed``,
-``state_dict`` and ``load_state_dict`` (what the state holds: :mod:`unienv_mp._state`; the
-positions of the streams in it: :mod:`unienv_mp._streams`).
+``state_dict`` and ``load_state_dict`` (what the state holds: :mod:`unienv_mp._sampling.state`; the
+positions of the streams in it: :mod:`unienv_mp._sampling.streams`).
 
-:class:`Checkpoints` is a base class of :class:`unienv_mp.sampler.SamplerBase` and works on
+:class:`Checkpoints` is a base class of :class:`unienv_mp._sampling.sampler.SamplerBase` and works on
 that class's state: ``_lock``, the ``sample*`` streams (``_streams``, ``_base``), the epoch
 being handed out (``_open_epochs``) and those restored (``_resume``).  Each change of that
 state is one step that a Ctrl-C cannot cut in two.
 """
 import collections
 
-from . import _process, _state
-from ._streams import EpochProgress, Stream, base_seed
-from ._validate import MAX_BUFFERS
+from .. import _os as _process
+from . import state as _state
+from .streams import EpochProgress, Stream, base_seed
+from .._validate import MAX_BUFFERS
 
 __all__ = ["Checkpoints"]
 

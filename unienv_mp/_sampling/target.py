@@ -7,7 +7,7 @@ import sys
 from unienv_data.base import BatchSampler
 from unienv_interface.utils.seed_util import next_seed_rng
 
-from . import gather as _gather
+from .._direct import gather as _gather
 
 __all__ = ["NO_ARG", "SamplerTarget", "draw_worker_seeds", "epoch_order", "epoch_batches",
            "split_epoch"]
@@ -22,13 +22,13 @@ class SamplerTarget:
     ``fn``, for a method name of ``None``).  A work item is either
 
     * ``(method, seed, k)``: a chunk of a ``sample*`` method's stream (see
-      :mod:`unienv_mp._streams`): the sampler's RNGs are seeded with ``seed``, as
+      :mod:`unienv_mp._sampling.streams`): the sampler's RNGs are seeded with ``seed``, as
       ``manual_seed(seed)`` would seed them, then ``k`` batches are drawn one after the
       other and come back as a tuple; or
     * ``(method, argument)``: one call, ``method()`` for an argument of ``NO_ARG`` or
       ``method(argument)`` (e.g. the indices of a ``get*_at`` method).
 
-    With ``direct=True`` the methods a direct plan serves (see :mod:`unienv_mp.gather`)
+    With ``direct=True`` the methods a direct plan serves (see :mod:`unienv_mp._direct.gather`)
     return a batch that the worker gathers straight into its slot; the plan is made in the
     worker, from the worker's own sampler, at the first such task.
 

@@ -24,9 +24,9 @@ import queue as _queue
 from multiprocessing import context as _mpcontext
 from multiprocessing import reduction as _mpreduction
 
-from . import _headroom
-from ._validate import check_int, check_timeout
-from .errors import RingClosed, PeerGoneError
+from . import headroom as _headroom
+from .._validate import check_int, check_timeout
+from ..errors import RingClosed, PeerGoneError
 
 __all__ = ["Segment", "RingBuffer", "Event", "DEFAULT_POLL_INTERVAL", "DEFAULT_SPIN",
            "ENTRY_HEADER", "now_ns", "segment_from_peer"]
@@ -45,7 +45,7 @@ cdef enum:
     # pop_tagged copies an entry of up to this many bytes through a buffer on its stack, a
     # larger one through a malloc of the entry size, which would be most of the cost of the
     # pop.  The manager pops one result entry per batch, of ENTRY_HEADER + RESULT_INLINE
-    # (unienv_mp._worker_handle) bytes: those fit.
+    # (unienv_mp._process.handle) bytes: those fit.
     _POP_ON_STACK = 4608
 
 cdef extern from "Python.h":

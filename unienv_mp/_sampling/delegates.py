@@ -2,7 +2,7 @@
 training process: its spaces, backend, device, data and random number generators, and its
 ``get*_at`` methods, called here (epochs call them in the workers).
 
-:class:`Delegates` is a base class of :class:`unienv_mp.sampler.SamplerBase`; the wrapped
+:class:`Delegates` is a base class of :class:`unienv_mp._sampling.sampler.SamplerBase`; the wrapped
 sampler is its ``sampler`` attribute.
 """
 

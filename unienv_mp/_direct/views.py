@@ -1,7 +1,7 @@
 """Direct gather of UniEnv's batch views: frame stacks and action chunks
 (``SliceStackedBatch``, ``FrameStackedBatch``), their column views, combined datasets
 (``CombinedBatch``), field views (``SubItemBatch``) and index views (``SubIndexedBatch``),
-nested as users nest them, over ReplayBuffers that :mod:`unienv_mp.gather` gathers directly.
+nested as users nest them, over ReplayBuffers that :mod:`unienv_mp._direct.gather` gathers directly.
 
 A view's batch is a function of storage rows.  A stack expands each index into its window
 (``idx + fixed_offset``, clipped to the data), reads the episode column at those rows to
@@ -29,7 +29,7 @@ view for one element the generic way and lays the batch out as that answer is la
 refusing the plan (the generic path runs) if any array differs from what the nodes
 computed.  What a node cannot reproduce exactly is refused when it is planned, with a
 reason that names the part of the view: a custom valid mask function or one reading
-metadata, a subclass, transformations, storages outside :mod:`unienv_mp.gather`'s list.
+metadata, a subclass, transformations, storages outside :mod:`unienv_mp._direct.gather`'s list.
 
 Flattened batches of views (``sample_flat*``, ``get_flattened_at*``) are gathered directly
 where the view flattens its own batch of one array (a column stack, a field view: the flat
@@ -37,7 +37,8 @@ row is the window's rows one after the other); elsewhere they take the generic p
 """
 import numpy as np
 
-from . import _codec, _rows, _unienv
+from .._transport import codec as _codec
+from . import rows as _rows, unienv as _unienv
 from .gather import BUFFER_METHODS, NotDirect, PlannedBatch, byte_rows, overridden, qualname
 
 __all__ = ["PLANNERS", "plan", "Spec", "Part", "ViewGatherer", "GETTERS", "FLAT_GETTERS",
@@ -606,9 +607,9 @@ PLANNERS = {}
 
 
 def plan(batch, planner):
-    """The node that plans ``batch`` (raises :class:`~unienv_mp.gather.NotDirect`, naming
+    """The node that plans ``batch`` (raises :class:`~unienv_mp._direct.gather.NotDirect`, naming
     the part of the view, if it cannot be gathered directly).  ``planner`` plans the
-    storages (:class:`unienv_mp.gather.Planner`)."""
+    storages (:class:`unienv_mp._direct.gather.Planner`)."""
     if not PLANNERS:
         PLANNERS.update(_planners())
     cls = PLANNERS.get(type(batch))
@@ -652,7 +653,7 @@ def getter_specs(root, getter):
 
 class ViewGatherer:
     """Lives in a worker: batches of a view, gathered into the slot (see
-    :class:`unienv_mp.gather.Gatherer`, which hands view tasks to it)."""
+    :class:`unienv_mp._direct.gather.Gatherer`, which hands view tasks to it)."""
 
     def __init__(self, root, sampler):
         self.root = root

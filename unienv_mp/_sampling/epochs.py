@@ -2,7 +2,7 @@
 this process, its batches requested ahead from a manager and handed out in order (or as they
 arrive, with ``in_order=False``); which manager an epoch runs on, and which epoch closes it.
 
-:class:`Epochs` is a base class of :class:`unienv_mp.sampler.SamplerBase` and works on that
+:class:`Epochs` is a base class of :class:`unienv_mp._sampling.sampler.SamplerBase` and works on that
 class's state: ``_lock`` (held by each step of an epoch, never across a ``yield``: see
 "Threads" in :class:`~unienv_mp.MultiprocessingSampler`), ``_epoch_users`` (how many epoch
 iterators run on each manager), ``_epoch_managers`` (managers closed by the last epoch on
@@ -11,9 +11,9 @@ them), ``_open_epochs`` (the epochs being iterated) and ``_resume`` (epochs rest
 """
 import collections
 
-from . import _process
-from ._sampling import epoch_order, split_epoch
-from ._streams import EpochProgress
+from .. import _os as _process
+from .target import epoch_order, split_epoch
+from .streams import EpochProgress
 
 __all__ = ["Epochs"]
 

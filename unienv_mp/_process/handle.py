@@ -9,7 +9,7 @@ process and its memory off the handle, to be stopped and released, and the next
 incarnation, since each process creates its own slots.
 
 What to run, in which order, and what to do when a process dies is the manager's
-(:mod:`unienv_mp.manager`).
+(:mod:`unienv_mp._process.manager`).
 """
 import collections
 import errno
@@ -20,12 +20,12 @@ import signal
 import threading
 import time
 
-from . import _process
-from . import _protocol as P
-from . import stats as _stats
-from ._ring import RingBuffer, Segment, segment_from_peer
-from ._transfer import Parcel
-from .errors import CodecError, PeerGoneError, RingClosed
+from .. import _os as _process
+from .._transport import protocol as P
+from .. import stats as _stats
+from .._transport.ring import RingBuffer, Segment, segment_from_peer
+from .transfer import Parcel
+from ..errors import CodecError, PeerGoneError, RingClosed
 from .worker import worker_main
 
 __all__ = ["WorkerHandle", "WorkerDied", "WorkerStalled", "WorkerCorrupt", "Launch",

@@ -1,8 +1,8 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""Row gathering for the direct gather (:mod:`unienv_mp.gather`): the rows a batch samples,
+"""Row gathering for the direct gather (:mod:`unienv_mp._direct.gather`): the rows a batch samples,
 copied from a table of rows into a slot, with the GIL released and streaming stores for
 large rows (see ``csrc/umr_rows.c`` for why); and the row table of a stacked view's batch,
-its window, valid mask and fill (:mod:`unienv_mp._views`, ``csrc/umr_window.c``)."""
+its window, valid mask and fill (:mod:`unienv_mp._direct.views`, ``csrc/umr_window.c``)."""
 from libc.stdint cimport int64_t, uint64_t, uint8_t
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE,
                              PyBUF_WRITABLE)

@@ -46,7 +46,7 @@ import sys as _sys
 
 import numpy as _np
 
-from .errors import CodecError
+from ..errors import CodecError
 
 cnp.import_array()
 

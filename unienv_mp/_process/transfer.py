@@ -8,7 +8,7 @@ torch tensor to torch's reductions, which move its storage into a file under ``/
 (a few MiB in a container by default); numpy arrays it copies into the pickle, once per
 worker.  Here the work function travels as a :class:`Parcel`, whose pickler takes every
 plain CPU tensor and array out of the pickle and copies its bytes into a segment of ours
-(``memfd``, see :class:`~unienv_mp._ring.Segment`) instead:
+(``memfd``, see :class:`~unienv_mp._transport.ring.Segment`) instead:
 
 * **Once.**  Each process start pickles the work function again: locks, shared values and
   tensors already in shared memory can only be pickled while that process is being
@@ -42,8 +42,8 @@ from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 
-from . import _process
-from ._ring import Segment
+from .. import _os as _process
+from .._transport.ring import Segment
 
 __all__ = ["Parcel"]
 

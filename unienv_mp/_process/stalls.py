@@ -11,7 +11,7 @@ being :meth:`Stall.error` (a :class:`~unienv_mp.WorkerStalledError`).
 """
 import warnings
 
-from .errors import WorkerStalledError
+from ..errors import WorkerStalledError
 
 __all__ = ["Stall"]
 

@@ -1,18 +1,18 @@
 """The worker process: take tasks from its ring, run the target, write results into its own
 slots, announce them on its result ring.  Started by the manager, through a
-:class:`~unienv_mp._worker_handle.WorkerHandle`."""
+:class:`~unienv_mp._process.handle.WorkerHandle`."""
 import faulthandler
 import os
 import pickle
 import signal
 import time
 
-from . import _codec
-from . import _process
-from . import _protocol as P
-from . import stats as _stats
-from ._ring import Event, RingBuffer, Segment, segment_from_peer
-from .errors import MAX_TRACEBACK, RingClosed, error_payload
+from .._transport import codec as _codec
+from .. import _os as _process
+from .._transport import protocol as P
+from .. import stats as _stats
+from .._transport.ring import Event, RingBuffer, Segment, segment_from_peer
+from ..errors import MAX_TRACEBACK, RingClosed, error_payload
 
 __all__ = ["worker_main"]
 

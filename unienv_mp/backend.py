@@ -1,8 +1,8 @@
-"""The backend contract: what :class:`~unienv_mp.sampler.SamplerBase` needs from the manager
+"""The backend contract: what :class:`~unienv_mp._sampling.sampler.SamplerBase` needs from the manager
 that runs its workers, and the parts every manager shares.
 
 A manager runs work items on workers and hands their results back by ticket:
-:class:`~unienv_mp.manager.MultiProcessingSampleManager` on processes,
+:class:`~unienv_mp._process.manager.MultiProcessingSampleManager` on processes,
 :class:`~unienv_mp.ray.manager.RayManager` on Ray actors.  :class:`Manager` is the
 interface (a ``typing.Protocol``); a new backend implements it, on the shared parts here:
 
@@ -43,7 +43,7 @@ CLOSED_WHILE_WAITING = "this manager was closed (from another thread) during the
 
 @runtime_checkable
 class Manager(Protocol):
-    """What :class:`~unienv_mp.sampler.SamplerBase` calls on its managers.
+    """What :class:`~unienv_mp._sampling.sampler.SamplerBase` calls on its managers.
 
     ``closed`` is True once :meth:`close` was called.  Every other call raises
     ``RuntimeError`` then."""

@@ -6,7 +6,7 @@ starts the workers left to start later, notices a worker that died or stalled, b
 process (keeping what it published, queueing its unfinished tasks again) and restarts the
 lane.  Its methods work on the manager's state (see ``MultiProcessingSampleManager``'s
 ``__init__``) and keep the rules against a Ctrl-C written at the top of
-:mod:`unienv_mp.manager`.
+:mod:`unienv_mp._process.manager`.
 """
 import collections
 import os
@@ -15,13 +15,13 @@ import signal
 import time
 import warnings
 
-from . import _process
-from . import _protocol as P
-from . import stats as _stats
-from ._backend import CLOSED_WHILE_WAITING, respawn_verdict
-from ._stalls import Stall
-from ._worker_handle import WorkerCorrupt, WorkerDied, WorkerStalled
-from .errors import CodecError, RingClosed, WorkerDiedError
+from .. import _os as _process
+from .._transport import protocol as P
+from .. import stats as _stats
+from ..backend import CLOSED_WHILE_WAITING, respawn_verdict
+from .stalls import Stall
+from .handle import WorkerCorrupt, WorkerDied, WorkerStalled
+from ..errors import CodecError, RingClosed, WorkerDiedError
 
 __all__ = ["Lane", "Resources", "Supervision", "CLOSE_WAIT"]
 

@@ -7,7 +7,7 @@ manager for code written against UniEnv's manager.
 """
 from typing import Generic, Optional
 
-from ._backend import ResultT, TaskInfoT, no_result
+from ..backend import ResultT, TaskInfoT, no_result
 
 __all__ = ["UniEnvQueue"]
 

@@ -7,7 +7,7 @@ it pickles (``torch.save`` and ``pickle`` both work)::
 
     {"format": "unienv_mp.MultiprocessingSampler", "version": 2,
      "configuration": {...},     # see configuration()
-     "base_seed": int,           # of the sample* streams (see unienv_mp._streams)
+     "base_seed": int,           # of the sample* streams (see unienv_mp._sampling.streams)
      "rngs": {"rng": ..., "data_rng": ...},
      "streams": {method: {"k", "low", "done", "partial"}},
      "epochs": [{"getter", "order", "batch_size", "low", "done"}]}
@@ -136,7 +136,7 @@ def restore_rngs(sampler, rngs):
 def check_stream(name, position, methods, k, ahead):
     """Raise Refused unless ``position`` (a stream's, read from a state) is one of a
     ``sample*`` method in ``methods`` that makes ``k`` batches per task: chunk numbers
-    and counts that can be (see :meth:`unienv_mp._streams.Stream.position`), chunks
+    and counts that can be (see :meth:`unienv_mp._sampling.streams.Stream.position`), chunks
     handed out ahead of the first one not handed out at most ``ahead`` chunks on."""
     if name not in methods:
         raise Refused(f"the state has a stream of {name!r}, which the wrapped sampler "
@@ -188,8 +188,15 @@ def check_epoch(progress, getters, length, batch_size, backend):
                       f"out of order, which do not lie between {low} and {n}")
 
 
+#: How a ``torch.Generator`` is saved: ``{TORCH_GENERATOR: device, "state": ByteTensor}``,
+#: plain values that name no class of this package.
+TORCH_GENERATOR = "torch.Generator"
+
+
 class _TorchGenerator:
-    """A ``torch.Generator``'s device and state."""
+    """A ``torch.Generator``'s device and state, as a state of unienv_mp 0.1 pickled it
+    (under the module name ``unienv_mp._state``, which the package's ``__init__`` keeps
+    pointing here); loaded, never made."""
 
     def __init__(self, device, state):
         self.device = device
@@ -201,7 +208,7 @@ def _saved_rng(rng):
         return None
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(rng, torch.Generator):
-        return _TorchGenerator(str(rng.device), rng.get_state())
+        return {TORCH_GENERATOR: str(rng.device), "state": rng.get_state()}
     try:
         return copy.deepcopy(rng)
     except Exception:
@@ -210,8 +217,10 @@ def _saved_rng(rng):
 
 def _restored_rng(saved):
     if isinstance(saved, _TorchGenerator):
+        saved = {TORCH_GENERATOR: saved.device, "state": saved.state}
+    if isinstance(saved, dict) and TORCH_GENERATOR in saved:
         import torch
-        rng = torch.Generator(device=saved.device)
-        rng.set_state(saved.state)
+        rng = torch.Generator(device=saved[TORCH_GENERATOR])
+        rng.set_state(saved["state"])
         return rng
     return _saved_rng(saved)   # (a copy: the state stays as it was for another load)

@@ -14,13 +14,13 @@ says where the bytes of the message are and what kind of message it is::
             task entries:    ENC_PICKLE, ENC_CODEC (how the work info is encoded), OP_STOP
             result entries:  ST_OK, ST_ERROR, ST_FATAL           (how the task ended)
 
-**ShmQueue** (:mod:`unienv_mp.queue`): one segment holds a header (``QUEUE_HEADER``), the
+**ShmQueue** (:mod:`unienv_mp._transport.shm_queue`): one segment holds a header (``QUEUE_HEADER``), the
 message ring, the free ring of slot numbers and the slots.  A message entry is
 ``(tag(enc, where), slot, nbytes, payload)``.  A spill's payload is ``QUEUE_SPILL_DESC``;
 the spill segment holds ``QUEUE_SPILL_ACK``, set by the receiver once it has mapped it,
 and the data from ``QUEUE_SPILL_DATA`` on.
 
-**Manager and workers** (:mod:`unienv_mp.manager`, :mod:`unienv_mp.worker`): each worker
+**Manager and workers** (:mod:`unienv_mp._process.manager`, :mod:`unienv_mp._process.worker`): each worker
 owns one segment, created by the parent::
 
     0          header (WORKER_HEADER)
@@ -42,7 +42,7 @@ a :class:`SlotWriter`, which writes its result into the slot itself.
 """
 import struct
 
-from ._ring import ENTRY_HEADER   # the size of a tagged entry's header is the ring's
+from .ring import ENTRY_HEADER  # the size of a tagged entry's header is the ring's
 
 # where the bytes of a message are (low byte of the tag)
 AT_INLINE = 1
@@ -100,7 +100,7 @@ TASK_SPILL_DESC = struct.Struct("<qiQQQ")
 class SlotWriter:
     """A result that writes itself into the worker's memory, instead of being encoded by
     the codec: what a work function returns to gather a batch straight into a slot (see
-    :mod:`unienv_mp.gather`).
+    :mod:`unienv_mp._direct.gather`).
 
     ``nbytes``: the bytes it needs.  ``write_into(buffer, cache)`` writes a complete slot
     encoding (as :func:`_codec.write` would) at the start of ``buffer``, a writable buffer

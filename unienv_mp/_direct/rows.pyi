@@ -1,7 +1,7 @@
-"""Row gathering for the direct gather (:mod:`unienv_mp.gather`): the rows a batch samples,
+"""Row gathering for the direct gather (:mod:`unienv_mp._direct.gather`): the rows a batch samples,
 copied from a table of rows into a slot, with the GIL released and streaming stores for
 large rows (see ``csrc/umr_rows.c`` for why); and the row table of a stacked view's batch,
-its window, valid mask and fill (:mod:`unienv_mp._views`, ``csrc/umr_window.c``)."""
+its window, valid mask and fill (:mod:`unienv_mp._direct.views`, ``csrc/umr_window.c``)."""
 from typing import Any
 
 import numpy as np

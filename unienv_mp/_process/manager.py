@@ -1,0 +1,562 @@
+"""MultiProcessingSampleManager: tasks dealt to worker processes, their results collected in
+order, and dead workers replaced.
+
+Each worker is a :class:`~unienv_mp._process.handle.WorkerHandle`: its process, a pair of
+single-producer single-consumer rings (tasks in, results out) in a segment the parent
+creates, and its own result slots (segments it creates and grows).  The manager decides
+which worker and which slot each task uses; a result comes back as a small ring entry
+pointing at the slot, and is handed to the caller as zero-copy views of it.  The slot is
+given to a new task only after the last view is garbage collected.
+
+Faults: a worker that raises sends the exception back (the caller gets
+:class:`~unienv_mp.WorkerError`, the worker carries on); a worker that dies is noticed
+within one ``doze_time`` of the caller waiting on it, replaced, and its unfinished tasks are
+given to the replacement (or :class:`~unienv_mp.WorkerDiedError` is raised); so is one that
+wrote a result entry it could not have written, which is killed first (a warning, or
+:class:`~unienv_mp.CodecError` instead).  Workers end with the parent however the parent
+ends (see :mod:`unienv_mp._os`).
+"""
+import collections
+import os
+import queue as _queue
+import threading
+import time
+from multiprocessing import util as _mputil
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from .._transport import codec as _codec
+from .._transport import protocol as P
+from .. import stats as _stats
+from ..backend import CLOSED_WHILE_WAITING, Dealer, ResultT, TaskInfoT, TicketTable, no_result
+from .._transport.ring import DEFAULT_SPIN as _DEFAULT_SPIN
+from .._transport.ring import Event, Segment
+from .slots import SlotAccounting
+from .polling import Polling
+from .pool import CLOSE_WAIT, Lane, Resources, Supervision
+from .unienv_queue import UniEnvQueue
+from .._validate import MAX_LEASES, MAX_RESPAWNS, check_bool, check_context, check_doze_time, check_index, check_int, check_seconds, check_spin, check_workers
+from .encoder import WorkEncoder, spill_entry
+from .handle import RESULT_INLINE, TASK_CAPACITY, TASK_INLINE, Launch, WorkerCorrupt, WorkerDied, WorkerHandle
+from ..errors import RingClosed, WorkerError
+
+__all__ = ["MultiProcessingSampleManager", "TaskInfoT", "ResultT", "TASK_CAPACITY",
+           "TASK_INLINE", "RESULT_INLINE", "CLOSE_WAIT"]
+
+
+# A Ctrl-C (KeyboardInterrupt) can land between any two bytecodes of this module, in
+# particular right after any call returns.  What keeps the manager consistent whatever it
+# cuts short:
+#
+# * The rings record what they did inside the call: a task pushed is appended to its
+#   lane's ``inflight`` by the push itself (RingBuffer.push_tagged's ``record``), and a
+#   result entry popped stays in its handle until its recording ends (next_result /
+#   result_recorded).  So "pushed" is exactly "in inflight", and no popped entry is lost.
+# * Recording a result (_accept) may run again on the same entry, and every step of it
+#   gives the same state when run twice; ``arrived`` is set before the ticket leaves
+#   ``inflight``, so a task is never neither arrived nor in flight (nor re-issued once it
+#   has arrived: _bury skips arrived tasks).
+# * A slot number is given back only through _give_back_slot, which clears ``task.slot``
+#   first: an interruption can at worst leak a slot number (the worker makes another
+#   slot), never give one back twice (two tasks writing into one slot).  A delivered
+#   result's slot goes back once the task has left ``_tasks`` and no lease on it is alive
+#   (``task.leases``): a delivery cut short can be asked for again, from the same slot.
+# * submit() hands its ticket over through ``record`` (the caller's list), appended as
+#   the last step; if it raises before, the task is abandoned (_abandon).
+# * The rare multi-step changes (replacing a worker's process) hold SIGINT back until
+#   they are done (_process.interrupts_deferred).
+#
+# Protocol constants as globals of this module: the per-batch path reads them once per
+# batch, and a global is cheaper to read than a module attribute.
+_ST_OK = P.ST_OK
+_ST_ERROR = P.ST_ERROR
+_ST_FATAL = P.ST_FATAL
+_AT_SLOT = P.AT_SLOT
+_untag = P.untag
+_decode = _codec.decode
+_SlotLease = _codec.SlotLease
+
+# The pid of this process, read by _ensure_open on every call.  os.getpid() is a system
+# call; this is kept current by an at-fork hook instead.  Every way of going on running
+# Python in a forked child runs those hooks (os.fork(), hence multiprocessing's fork and
+# forkserver; C code must call PyOS_AfterFork_Child, which runs them too), so a forked
+# child still sees its own pid here and is refused the manager.
+_this_pid = os.getpid()
+
+
+def _after_fork_in_child():
+    global _this_pid
+    _this_pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _load(lane):
+    """How busy a lane is (tasks in flight or waiting), for a deal that is not in order."""
+    return len(lane.inflight) + len(lane.waiting)
+
+
+def _up(lane):
+    """Whether a lane's worker is taking tasks: its process began serving them, and no
+    task waits for a process to be started (see the Dealer)."""
+    return not lane.waiting and lane.worker.started_ns != 0
+
+
+class _Task:
+    """One submitted work item.  One is made per batch: submit() sets ``ticket`` and
+    ``work``, and every other field starts as the class attribute below until it is set
+    (no __init__ to call, no fields to store up front)."""
+    ticket = None
+    work = None
+    worker = None       # index of the worker it was given to
+    incarnation = None  # of that worker's process: the slot number belongs to it
+    slot = None
+    spill = None        # parent segment carrying large work info
+    cancelled = False
+    leases = 0          # zero-copy results of it alive (see _deliver)
+    # Its result, set by _accept; ``arrived`` is set last.
+    arrived = False
+    status = None       # _ST_OK, or _ST_ERROR: the target raised, the value describes it
+    inline = None       # the encoded value, if it came inside the entry; else it is in
+    seg = None          # the worker's slot segment, mapped here,
+    nbytes = 0          # in its first nbytes bytes
+    error = None        # an exception met here receiving it, raised in place of the value
+
+
+class MultiProcessingSampleManager(Supervision, SlotAccounting, Polling,
+                                   UniEnvQueue[TaskInfoT, ResultT]):
+    """Run ``target_fn(work_info)`` in ``n_workers`` processes.
+
+    Same interface as UniEnv's ``MultiProcessingSampleManager``: :meth:`add_work` queues a
+    work item, :meth:`fetch` returns a result (``None`` if none arrives in time), and
+    :meth:`close` ends the workers.  ``worker_init_fn(seed)`` runs in each worker first,
+    with its entry of ``worker_seeds``.  ``done_event`` (optional, a multiprocessing Event)
+    stops the workers when set.  ``doze_time`` is how often a waiting side re-checks that
+    its peer is alive (nothing polls on the hot path: waits sleep on futexes).
+
+    Tickets, which UniEnv lacks: :meth:`submit` queues a work item and returns its ticket,
+    :meth:`result` waits for that ticket's result, :meth:`ready` says whether it arrived,
+    :meth:`wait_any` returns the first of several tickets to arrive, :meth:`cancel` drops
+    one, and :meth:`reset_order` restarts the round-robin deal.
+
+    Options UniEnv lacks:
+
+    * ``in_order=True``: results come back in the order the work was added, and work is
+      dealt to workers round-robin, so a run is reproducible whatever the workers' timing.
+      ``False``: each task goes to the least busy worker and :meth:`fetch` returns whichever
+      result is ready first.
+    * ``copy=False``: results are zero-copy views of the worker's slot, which is reused
+      only once they are garbage collected (at most ``max_leases`` results are held that
+      way at once; beyond that they are copied).  ``True``: results are always copied.
+    * ``timeout``: seconds to wait for one result before raising :class:`TimeoutError`
+      (default: wait as long as the workers are alive).
+    * ``spin``: seconds a waiting side polls before it sleeps on a futex.  Default: 20 µs
+      where this process may run on more CPUs than there are workers; otherwise 0, since
+      polling would take a CPU from a process that has work to do.
+    * ``respawn=True``: a worker that dies is replaced (with a fresh seed) and its
+      unfinished work re-issued; after ``max_respawns`` replacements of one worker without
+      a result in between, its next death raises :class:`~unienv_mp.WorkerDiedError`.
+      ``False``: raise it at the first death.
+    * ``stall_timeout``: seconds a worker may spend on one task, or go without taking
+      the tasks waiting for it (default: no limit); beyond, it is killed and replaced,
+      with a warning carrying its stacks (see :class:`~unienv_mp._process.pool.Supervision`
+      for what becomes of its tasks).
+    * ``start_later``: None (default): all start now.  A function: worker 0 starts now, the
+      others one at a time when the caller would wait (after the first result) while
+      ``start_later()`` is True, and tasks skip one still starting while another is up
+      (:class:`~unienv_mp._process.pool.Supervision`); :meth:`start_all` starts them now.
+
+    :meth:`stats` says where the time goes (see :class:`~unienv_mp.SamplerStats`).
+
+    Threads: every method may be called from any thread.  Calls are serialised (a lock,
+    held for the whole call: a second thread waits while the first waits for a result),
+    and :meth:`close` is safe at any moment, from any thread: a call it cuts short raises
+    ``RuntimeError``.  A forked child cannot use its parent's manager (``RuntimeError``).
+
+    The work function must be picklable under spawn and forkserver.  With a ``batches_in(work)``
+    method, :meth:`stats` counts that many batches per task (the sampler's chunks).
+    """
+
+    def __init__(
+        self,
+        target_fn: Callable[[TaskInfoT], ResultT],
+        n_workers: int = 4,
+        ctx=None,
+        done_event=None,
+        doze_time: float = 0.001,
+        daemon: Optional[bool] = None,
+        worker_init_fn: Optional[Callable[[int], None]] = None,
+        worker_seeds: Optional[Sequence[int]] = None,
+        *,
+        in_order: bool = True,
+        copy: bool = False,
+        timeout: Optional[float] = None,
+        respawn: bool = True,
+        max_respawns: int = 3,
+        max_leases: Optional[int] = None,
+        spin: Optional[float] = None,
+        stall_timeout: Optional[float] = None,
+        start_later: Optional[Callable[[], bool]] = None,
+    ):
+        # First, so that close() (also run at garbage collection) works on a half-built one.
+        self._resources = Resources()
+        self.closed = True
+        # Held by every call (see "Threads" in the class docstring); re-entrant, for a
+        # call made from a signal handler or a garbage collection in the middle of one.
+        self._lock = threading.RLock()
+        public, n_workers, ctx, daemon, worker_seeds = _checked_options(
+            target_fn, n_workers, ctx, daemon, worker_seeds, doze_time, in_order, copy,
+            timeout, respawn, max_respawns, max_leases, spin, stall_timeout, start_later)
+        vars(self).update(public)   # target_fn, doze_time, in_order, copy, timeout, ...
+        self.done_event = done_event
+        self._start_method = ctx.get_start_method()
+        self._seeds = worker_seeds
+        self._seed_rng = np.random.default_rng(
+            None if worker_seeds is None else [int(s) for s in worker_seeds])
+        self._dealer = Dealer(None if start_later is None else _up)   # (see start_later)
+        self._tasks = TicketTable()              # ticket -> _Task (not yet delivered)
+        self._order = collections.deque()        # tickets of add_work, for fetch()
+        self._released = collections.deque()     # lease tokens given back by the GC
+        self._leases = 0
+        self._encoder = WorkEncoder(TASK_INLINE)
+        self._owner_pid = os.getpid()
+        self._lanes = []          # of the workers started, in index order
+        self._deferred = collections.deque()   # (handle, seed) of those to start later
+        self._start_later = start_later
+        self._n_workers = n_workers
+        resources = self._resources
+        resources.done_event = done_event
+        resources.doorbell_seg = Segment.create(64, "doorbell")
+        self._doorbell = Event(resources.doorbell_seg, 0, True)
+        self._finalizer = _mputil.Finalize(self, resources.close, exitpriority=100)
+        self._batches_in = getattr(target_fn, "batches_in", None)
+        self._caller = _stats.CallerRecord()   # batches handed out, time waited (see stats)
+        launch = Launch(target_fn, worker_init_fn, ctx, daemon, resources.doorbell_seg,
+                        done_event, self.doze_time, self.spin, self.stall_timeout)
+        self.closed = False
+        try:
+            for i in range(n_workers):
+                w = WorkerHandle(i, launch)
+                resources.workers.append(w)
+                seed = None if worker_seeds is None else worker_seeds[i]
+                if i > 0 and start_later is not None:
+                    self._deferred.append((w, seed))
+                    continue
+                self._lanes.append(Lane(w))
+                w.start(seed)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- submitting -----------------------------------------------------------------------
+
+    def _ensure_open(self):
+        if self.closed:
+            raise RuntimeError(f"this {type(self).__name__} is closed")
+        if _this_pid != self._owner_pid:
+            raise RuntimeError(
+                f"this {type(self).__name__} belongs to process {self._owner_pid} and cannot "
+                f"be used in process {os.getpid()} (a forked child): its workers answer "
+                f"only their parent")
+
+    def submit(self, work_info, worker: Optional[int] = None, *, record=None) -> int:
+        """Queue ``work_info`` and return its ticket (see :meth:`result`).  ``worker``
+        picks the worker; by default the next one round-robin (``in_order``, see
+        :meth:`reset_order`) or the least busy one.
+
+        ``record``: a list or deque to which the ticket is appended as the last step.  A
+        caller that keeps its tickets there loses none to a ``KeyboardInterrupt``: either
+        the ticket is appended, or the work was not submitted (or is dropped when its
+        result arrives)."""
+        with self._lock:
+            if self.closed or _this_pid != self._owner_pid:
+                self._ensure_open()   # raises
+            if self._released:
+                self._give_back_released_slots()
+            if self._caller.since_ns is None:
+                self._caller.begin()
+            lanes = self._lanes
+            if worker is not None:
+                worker = check_index(worker, "worker", self._n_workers)
+                while worker >= len(lanes) and self._start_deferred():
+                    pass
+                lane = lanes[check_index(worker, "worker", len(lanes))]
+            else:
+                lane = self._dealer.pick(lanes, self.in_order, _load)
+            task = _Task()
+            task.work = work_info
+            try:
+                ticket = self._tasks.issue(task)
+                # Give the task to the worker, replacing its process first if it died.
+                if lane.waiting or not lane.worker.has_process:
+                    lane.waiting.append(task)
+                    self._restart(lane)
+                else:
+                    try:
+                        if len(lane.inflight) >= TASK_CAPACITY:
+                            self._make_room(lane)
+                        self._push_task(task, lane)
+                    except WorkerDied as e:
+                        self._bury(lane, e)
+                        lane.waiting.append(task)
+                        self._restart(lane)
+                    except RingClosed:   # (close() shut the ring, from another thread)
+                        raise RuntimeError(CLOSED_WHILE_WAITING) from None
+                if record is not None:
+                    record.append(ticket)
+            except BaseException:
+                if record is None or not record or record[-1] != task.ticket:
+                    self._abandon(task, lane)
+                # (else the caller has the ticket: interrupted after handing it over)
+                raise
+            return ticket
+
+    def _abandon(self, task, lane):
+        """``submit`` of ``task`` raised: its caller has no ticket.  Drop the task, or, if
+        it reached the worker, let it be dropped when its result arrives."""
+        task.cancelled = True
+        while task in lane.waiting:
+            lane.waiting.remove(task)
+        if task.arrived or task.ticket not in lane.inflight:
+            self._drop(task)
+
+    def reset_order(self) -> None:
+        """Deal the next task (submitted without ``worker``) to worker 0, and the ones
+        after it round-robin from there, as in a new manager (``in_order``)."""
+        with self._lock:
+            self._dealer.reset()
+
+    def _make_room(self, lane):
+        """Keep at most TASK_CAPACITY tasks in flight on ``lane``'s worker: collect (not
+        hand out) results until there is room.  A worker whose rings were both full would
+        wait for the parent while the parent waits for it."""
+        w = lane.worker
+        while len(lane.inflight) >= TASK_CAPACITY:
+            try:
+                self._take(lane, w.next_result(self.timeout))
+            except _queue.Empty:
+                raise no_result(self.timeout, w.index) from None
+            except RingClosed:
+                raise RuntimeError(CLOSED_WHILE_WAITING) from None
+
+    def _push_task(self, task, lane):
+        """Push ``task`` onto the task ring of ``lane``'s worker; it is in
+        ``lane.inflight`` once pushed.  Raises WorkerCorrupt, a WorkerDied (not pushed),
+        if the process wrote into its task ring.  Whether it was pushed or not, the task
+        keeps the slot number it was given, for the next try (or for _drop)."""
+        seg = task.spill
+        if seg is None:
+            tag, payload, seg = self._encoder.encode(task.work)
+            if seg is not None:
+                task.spill = seg
+                self._resources.spills.append(seg)
+        else:
+            tag, payload = spill_entry(seg)   # (work given again, to a new process)
+        w = lane.worker
+        task.worker = w.index
+        task.incarnation = w.incarnation
+        if task.slot is None:
+            task.slot = w.take_slot()
+        # (the ticket goes into inflight if and only if the push happens)
+        w.push_task(tag, task.slot, task.ticket, payload, lane.inflight)
+
+    # -- collecting -----------------------------------------------------------------------
+
+    def _accept(self, lane, entry):
+        """Record a result entry that ``lane``'s worker published (hand nothing out
+        yet).  The caller then tells the worker handle it is recorded (see _take); an
+        entry whose recording was cut short is recorded again, so every step below gives
+        the same state when it runs twice."""
+        t, slot, ticket, payload = entry
+        status, where = _untag(t)
+        w = lane.worker
+        if status == _ST_FATAL:
+            w.result_recorded()   # (the worker exits; a replacement starts afresh)
+            info = _codec.decode(payload, copy=True)
+            raise WorkerError.from_payload(info, w.index, "could not start: ")
+        tasks = self._tasks
+        task = tasks.get(ticket)
+        if task is None:
+            # no longer wanted (dropped, or delivered by a recording cut short)
+            try:
+                lane.inflight.remove(ticket)
+            except ValueError:
+                if not w.repeated:   # (a recording cut short removed it already)
+                    raise WorkerCorrupt(w, f"ticket {ticket} was not given to it") from None
+            return
+        if task.arrived:
+            if task.worker != w.index or not w.repeated:
+                raise WorkerCorrupt(w, f"ticket {ticket}: its result came already")
+            self._arrived(lane, task)   # (finish a recording cut short)
+            return
+        # (pushed to this process is exactly: in its lane's inflight, see the top)
+        if task.worker != w.index or ticket not in lane.inflight or (
+                where == _AT_SLOT and slot != task.slot):
+            raise WorkerCorrupt(w, f"ticket {ticket}, slot {slot}: no such task was given "
+                                   f"to it")
+        if where == _AT_SLOT:
+            try:
+                task.seg, task.nbytes = w.map_slot(slot, payload)
+            except OSError as e:
+                # e.g. out of descriptors: this result is lost; its caller hears why.
+                # (WorkerDied: the task stays in flight, and is redone by the replacement.)
+                task.error = e
+                self._arrived(lane, task)
+                return
+        else:
+            task.inline = payload
+        if lane.deaths_in_a_row:
+            lane.deaths_in_a_row = 0
+        if task.spill is not None:
+            self._release_spill(task)
+        task.status = status
+        self._arrived(lane, task)
+
+    def _arrived(self, lane, task):
+        """The result of ``task`` is recorded: it is no longer in flight.  (``arrived``
+        first: a task whose ticket is still in flight meanwhile is not re-issued.)"""
+        task.arrived = True
+        try:
+            lane.inflight.remove(task.ticket)
+        except ValueError:
+            pass   # (removed already, by a recording cut short)
+        if task.cancelled:
+            self._drop(task)
+
+    def _take(self, lane, entry):
+        """Record ``entry``, the oldest result entry of ``lane``'s worker not recorded yet
+        (WorkerHandle.next_result), then let the handle drop it.  Interrupted anywhere,
+        the entry stays with the handle and is recorded again next time."""
+        self._accept(lane, entry)
+        lane.worker.result_recorded()
+
+    def _wait(self, task, timeout):
+        """Block until ``task`` has a result (or raise); the time is counted (see stats)."""
+        t0 = time.monotonic_ns()
+        try:
+            self._wait_for(task, timeout)
+        finally:
+            self._caller.waited(t0, time.monotonic_ns(),
+                                self._lanes[task.worker].worker.started_ns)
+
+    def _wait_for(self, task, timeout):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        lane = self._lanes[task.worker]
+        w = lane.worker
+        while not task.arrived:
+            if lane.waiting or not w.has_process:
+                self._restart(lane)   # a replacement that could not be finished earlier
+                continue
+            if self._deferred and self._caller.batches and not w.results_published:
+                self._start_deferred(quiet=True)   # (while this worker makes the result)
+            try:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                entry = w.next_result(left)
+                self._accept(lane, entry)   # (_take, inlined: this runs once per batch)
+                w.result_recorded()
+            except _queue.Empty:
+                raise no_result(timeout, w.index) from None
+            except RingClosed:
+                raise RuntimeError(CLOSED_WHILE_WAITING) from None
+            except WorkerDied as e:
+                self._bury(lane, e)
+                self._restart(lane)
+
+    def _deliver(self, task):
+        """Turn an arrived result into the value returned to the caller.  The task leaves
+        ``_tasks`` once the value is made: cut short before, it can be delivered again
+        (from the slot, which it still holds) or cancelled.  Its slot goes back then, or
+        once the last lease on it is garbage collected (see _give_back_released_slots)."""
+        status = task.status
+        seg = task.seg
+        try:
+            if task.error is not None:
+                raise task.error
+            if seg is None:
+                value = _decode(task.inline, True)   # (copy)
+            elif self.copy or self._leases >= self.max_leases or status != _ST_OK:
+                with memoryview(seg) as mv:
+                    value = _decode(mv[:task.nbytes], True)   # (copy)
+            else:
+                task.leases += 1
+                self._leases += 1
+                lease = _SlotLease(seg, 0, task.nbytes, self._released.append, task)
+                value = _decode(lease)
+                del lease
+        except Exception:
+            self._tasks.pop(task.ticket, None)   # (the caller hears why instead)
+            self._release_spill(task)
+            if not task.leases:
+                self._give_back_slot(task)
+            raise
+        self._tasks.pop(task.ticket, None)
+        if not task.leases:
+            self._give_back_slot(task)
+        if status == _ST_ERROR:
+            raise WorkerError.from_payload(value, task.worker)
+        self._caller.batches += 1 if self._batches_in is None else self._batches_in(task.work)
+        return value
+
+    def result(self, ticket: int, timeout: Optional[float] = None):
+        """The result of a :meth:`submit` ticket, waiting for it if needed.  Raises
+        :class:`~unienv_mp.WorkerError` if the work raised, ``TimeoutError`` after
+        ``timeout`` (default: the manager's ``timeout``) seconds."""
+        with self._lock:
+            if self.closed or _this_pid != self._owner_pid:
+                self._ensure_open()   # raises
+            task = self._tasks.pending(ticket)
+            if not task.arrived:
+                self._wait(task, self.timeout if timeout is None else timeout)
+            return self._deliver(task)
+
+    def cancel(self, ticket: int) -> None:
+        """Forget a ticket: its result is dropped when it arrives."""
+        with self._lock:
+            task = self._tasks.get(ticket)
+            if task is None:
+                return
+            task.cancelled = True
+            if task.arrived:
+                self._drop(task)
+
+
+    def __repr__(self):
+        state = "closed" if self.closed else f"{self.n_workers} workers"
+        return f"<{type(self).__name__} {state}, {len(self._order)} pending>"
+
+
+def _checked_options(target_fn, n_workers, ctx, daemon, worker_seeds, doze_time, in_order,
+                     copy, timeout, respawn, max_respawns, max_leases, spin, stall_timeout,
+                     start_later):
+    """The arguments of MultiProcessingSampleManager checked and normalised: ``(public,
+    n_workers, ctx, daemon, worker_seeds)``, ``public`` the dict of the attributes they
+    set."""
+    if not callable(target_fn):
+        raise TypeError(f"target_fn must be callable, got {type(target_fn).__name__}")
+    n_workers = check_workers(n_workers)
+    if worker_seeds is not None:
+        worker_seeds = list(worker_seeds)
+        if len(worker_seeds) != n_workers:
+            raise ValueError(f"worker_seeds must have n_workers={n_workers} entries, "
+                             f"got {len(worker_seeds)}")
+    if start_later is not None and not callable(start_later):
+        raise TypeError(f"start_later must be None or callable, got "
+                        f"{type(start_later).__name__}")
+    if spin is None:
+        spin = _DEFAULT_SPIN if len(os.sched_getaffinity(0)) > n_workers else 0.0
+    public = dict(
+        target_fn=target_fn,
+        doze_time=check_doze_time(doze_time),
+        in_order=check_bool(in_order, "in_order"),
+        copy=check_bool(copy, "copy"),
+        timeout=check_seconds(timeout, "timeout"),
+        stall_timeout=check_seconds(stall_timeout, "stall_timeout"),
+        respawn=check_bool(respawn, "respawn"),
+        max_respawns=check_int(max_respawns, "max_respawns", 0, MAX_RESPAWNS),
+        spin=check_spin(spin),
+        max_leases=2 * n_workers + 8 if max_leases is None else check_int(
+            max_leases, "max_leases", 0, MAX_LEASES))
+    return (public, n_workers, check_context(ctx),
+            check_bool(daemon, "daemon", allow_none=True), worker_seeds)

@@ -1,0 +1,882 @@
+"""MultiprocessingSampler: the drop-in for ``unienv_data.samplers.MultiprocessingSampler``.
+
+    from unienv_mp import MultiprocessingSampler   # was: from unienv_data.samplers import ...
+
+With :mod:`unienv_mp._sampling.target` and :mod:`unienv_mp._direct.gather`, the only modules of the
+package that know UniEnv (with :mod:`unienv_mp._sampling.fingerprint`).  One manager of worker
+processes serves every ``sample*`` method of the wrapped sampler (UniEnv starts one per
+method), and epochs too when the data is shared between processes, or when its copy of
+the data is still the data as it is now; otherwise an epoch runs on a manager started
+when the epoch starts, so that it sees the data as it is then (as UniEnv's epochs do),
+and kept for the next epochs while the data does not change (``persistent_workers``).  Batches come
+back through shared-memory slots as zero-copy views (see
+:class:`~unienv_mp._process.manager.MultiProcessingSampleManager`).
+"""
+import collections
+import dataclasses
+import multiprocessing as _mp
+import os
+import threading
+import time
+import weakref
+from typing import Any, Optional
+
+from unienv_data.base import BatchSampler
+
+from . import fingerprint as _fingerprint
+from .. import _os as _process
+from .._direct import gather as _gather
+from .. import stats as _stats
+from .checkpoints import Checkpoints
+from .delegates import Delegates
+from .._device.feed import make_feed
+from .._device.handout import DeviceHandOut
+from .._device.placement import device_type, place
+from .._device.resident import InProcessManager, ResidentTarget, own_target
+from .epochs import Epochs
+from .target import SamplerTarget
+from .streams import Stream, base_seed, forget_requests
+from .._validate import MAX_BATCHES_PER_TASK, MAX_BUFFERS, check_bool, check_context, check_doze_time, check_int, check_seconds, check_workers, physical_memory
+from ..errors import WorkerError
+from .._process.manager import CLOSE_WAIT, MultiProcessingSampleManager
+
+__all__ = ["SamplerBase", "MultiprocessingSampler"]
+
+# The pid of this process, kept current by an at-fork hook (as the manager's is): a forked
+# child is refused the parent's sampler before it hands out a batch ready in the parent.
+_this_pid = os.getpid()
+
+
+def _after_fork_in_child():
+    global _this_pid
+    _this_pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+#: Batches smaller than this are made several to a task (see ``batches_per_task``) ...
+_CHUNK_BYTES = 1 << 20
+#: ... at most this many.
+_CHUNK_MAX = 8
+
+
+def _data_is_shared(sampler):
+    """True if worker processes see changes the parent makes to the sampler's data (e.g. a
+    ReplayBuffer made with ``multiprocessing=True``)."""
+    try:
+        return bool(getattr(sampler.data, "is_multiprocessing_safe", False))
+    except Exception:
+        return False
+
+
+def check_batch_sampler(sampler):
+    """Raise TypeError unless ``sampler`` is a UniEnv BatchSampler."""
+    if not isinstance(sampler, BatchSampler):
+        raise TypeError(f"sampler must be a unienv_data BatchSampler (e.g. StepSampler), "
+                        f"got {type(sampler).__module__}.{type(sampler).__qualname__}")
+
+
+def _check_cpu(sampler, who):
+    """Raise ValueError unless ``sampler``'s batches and data are on the CPU."""
+    data_device = getattr(getattr(sampler, "data", None), "device", None)
+    for what, dev in (("sampler.device", sampler.device),
+                      ("sampler.data.device", data_device)):
+        if device_type(dev) != "cpu":
+            raise ValueError(
+                f"{who} returns CPU batches from its workers, but {what} is {dev!r}: wrap "
+                f"a sampler whose data and batches are on the CPU and move batches to "
+                f"{dev!r} in the training loop")
+
+
+class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
+    """The training process's side of a sampler whose batches are made by workers: the
+    ``sample*`` streams and their chunks, :meth:`stats` and the lifecycle here; epochs
+    (:class:`~unienv_mp._sampling.epochs.Epochs`), seeds and checkpoints
+    (:class:`~unienv_mp._sampling.checkpoints.Checkpoints`) and the wrapped sampler's properties
+    (:class:`~unienv_mp._sampling.delegates.Delegates`) in base classes of their own, which work on
+    this class's state.  What runs the
+    workers is a manager (a :class:`~unienv_mp._process.manager.MultiProcessingSampleManager`, or
+    one with its ticket interface: ``submit(work, record=)``, ``result``, ``wait_any``,
+    ``cancel``, ``stats``, ``close`` and ``closed``) that a subclass makes in
+    :meth:`_new_manager`.  :class:`MultiprocessingSampler` runs them as processes,
+    :class:`unienv_mp.ray.RaySampler` as Ray actors; both give the same stream of batches
+    for the same seed.
+
+    Subclasses call ``SamplerBase.__init__`` with the options every backend has (see
+    :class:`MultiprocessingSampler` for what they mean) and ``not_direct``: None if the
+    workers gather batches directly (see :mod:`unienv_mp._direct.gather`), else why not;
+    ``manager``: the manager of the ``sample*`` workers, if the subclass made it already
+    (any :class:`~unienv_mp.backend.Manager`).
+    """
+
+    def __init__(self, sampler, n_workers, n_buffers, *, in_order, copy, timeout, respawn,
+                 batches_per_task, not_direct, manager=None, placement=None,
+                 pin_memory=False):
+        self._closed = True   # first: __del__ -> close() must work on a half-built sampler
+        self._manager = manager   # (made on first use by _new_sample_manager, if None)
+        self._kept = None
+        self._feed = None   # (see _set_up_device)
+        self._owner_pid = os.getpid()
+        # Held by every call but close() (see "Threads" in MultiprocessingSampler's
+        # docstring); re-entrant, for a call from a signal handler in the middle of one.
+        self._lock = threading.RLock()
+        check_batch_sampler(sampler)
+        n_workers = check_int(n_workers, "n_workers")
+        n_buffers = check_int(n_buffers, "n_buffers", 1, MAX_BUFFERS,
+                              "batches requested ahead, each holding shared memory")
+        timeout = check_seconds(timeout, "timeout")
+        in_order = check_bool(in_order, "in_order")
+        copy = check_bool(copy, "copy")
+        respawn = check_bool(respawn, "respawn")
+        pin_memory = check_bool(pin_memory, "pin_memory")
+        if batches_per_task is not None:
+            batches_per_task = check_int(
+                batches_per_task, "batches_per_task", 1, MAX_BATCHES_PER_TASK,
+                "a worker holds a task's batches together, in one slot")
+        super().__init__(sampler.single_space, sampler.single_metadata_space,
+                         sampler.batch_size)
+        self._direct = not_direct is None
+        self._not_direct = not_direct
+        self._epoch_workers = (None, None)   # (see epoch_workers)
+        self.sampler = sampler
+        self._placement, self.pin_memory = placement, pin_memory
+        self.n_workers = n_workers
+        self.n_buffers = n_buffers
+        self.in_order = in_order
+        self.copy = copy
+        self.timeout = timeout
+        self.respawn = respawn
+        self.batches_per_task = batches_per_task
+        self._check_memory()
+        self._set_up_device()
+        self._caller = _stats.CallerRecord()   # batches handed out (see stats)
+        self._ended_wait_ns = 0     # the waits of epoch managers closed since
+        self._ended_startup_ns = 0  # (and their start-up part)
+        self._base = base_seed(sampler)
+        self._streams = {}          # method -> Stream
+        self._open_epochs = []      # the epochs being handed out, as they started
+        self._resume = {}           # getter -> deque of EpochProgress: restored, to finish
+        # Managers that epochs run on besides the sample* manager: an epoch's own, and
+        # managers no longer kept (see _retire), each closed when no epoch runs on it.
+        self._epoch_managers = set()
+        # A manager kept for the next epochs (see MultiprocessingSampler's
+        # persistent_workers), and how many epoch iterators run on each manager.
+        self._kept = None
+        self._epoch_users = collections.Counter()
+        # Every other sample* / get*_at method of the wrapped sampler runs in the workers
+        # too (as UniEnv does): sample_x() directly, get_at_x as epoch_iter_x(), and
+        # get_flattened_at_x as epoch_flat_iter_x().  Made on access (see __getattr__), so
+        # that the sampler holds no reference to itself.
+        self._extra = {}
+        for name in self._sampler_methods():
+            if name.startswith("sample"):
+                new, kind = name, _StreamMethod
+            elif name.startswith("get_at"):
+                new, kind = "epoch_iter" + name[len("get_at"):], _EpochMethod
+            else:
+                new, kind = "epoch_flat_iter" + name[len("get_flattened_at"):], _EpochMethod
+            if not hasattr(type(self), new):
+                self._extra[new] = (kind, name)
+        self._closed = False
+
+    def _set_up_device(self):
+        """The device feed, where batches are handed out on a device or page-locked (then
+        the instance's ``_sample``, and the epochs' hand-out, are a DeviceHandOut's: see
+        :mod:`unienv_mp._device.handout`); a sampler with no placement (Ray's) takes CPU
+        batches only."""
+        if self._placement is None:
+            _check_cpu(self.sampler, type(self).__name__)
+        if self.pin_memory and self.copy:
+            raise ValueError("pin_memory=True hands out batches in their page-locked slots, "
+                             "and copy=True copies them out of their slots: choose one")
+        # (both see the sampler through a weak proxy: a sampler that refers to itself
+        # would outlive its last user until a garbage collection, and its workers with it)
+        me = weakref.proxy(self)
+        self._feed = make_feed(self._placement, self.pin_memory, lambda: me._slot_segments())
+        if self._feed is not None:
+            self._hand_out = DeviceHandOut(me, SamplerBase._sample)
+            self._sample = self._hand_out.sample
+
+    def _check_memory(self):
+        """Refuse ``n_buffers`` and ``batches_per_task`` whose batches in flight would need
+        more than half of this machine's memory, where their size is known before any is
+        made (batches gathered directly)."""
+        row = self._row_nbytes("sample")
+        memory = physical_memory()
+        if row is None or memory is None:
+            return
+        k = self._chunk_size("sample")
+        batch = row * self.batch_size
+        need = (self.n_buffers + k) * batch
+        if need > memory // 2:
+            raise ValueError(
+                f"n_buffers={self.n_buffers} batches requested ahead (and tasks of {k}) of "
+                f"{batch / 1e6:.3g} MB each would need {need / 1e9:.3g} GB of shared "
+                f"memory, more than half of this machine's {memory / 1e9:.3g} GB")
+
+    def __getattr__(self, attr):
+        # only reached for attributes not found the normal way
+        extra = self.__dict__.get("_extra")
+        if extra is not None and attr in extra:
+            kind, name = extra[attr]
+            return kind(self, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}")
+
+    def __dir__(self):
+        return sorted(set(super().__dir__()) | set(self.__dict__.get("_extra", ())))
+
+    # -- what a backend gives ---------------------------------------------------------------
+
+    def _new_manager(self):
+        """A new manager of workers running ``SamplerTarget(self.sampler)`` (see the class
+        docstring)."""
+        raise NotImplementedError
+
+    def _new_sample_manager(self):
+        """The manager of the ``sample*`` methods, made at their first call: a new one
+        (a subclass may hand over one kept for epochs instead)."""
+        return self._new_manager()
+
+    def _sampler_methods(self):
+        """The wrapped sampler's ``sample*``, ``get_at*`` and ``get_flattened_at*``
+        methods, by name."""
+        sampler = self.sampler
+        return [name for name in dir(sampler)
+                if name.startswith(("sample", "get_at", "get_flattened_at"))
+                and callable(getattr(sampler, name, None))]
+
+    def _row_nbytes(self, name):
+        """Bytes per batch row of ``name``'s batches if they can be gathered directly,
+        else None (see :func:`unienv_mp._direct.gather.row_nbytes`): what the default chunk size
+        is made from."""
+        return _gather.row_nbytes(self.sampler, name)
+
+    # -- the manager ------------------------------------------------------------------------
+
+    def _ensure_open(self):
+        if self._closed:
+            raise RuntimeError(f"this {type(self).__name__} is closed")
+        if _this_pid != self._owner_pid:
+            # (its batches ready here are the parent's too: none is handed out)
+            raise RuntimeError(
+                f"this {type(self).__name__} belongs to process {self._owner_pid} and cannot "
+                f"be used in process {os.getpid()} (a forked child): its workers answer "
+                f"only their parent, and its batches ready are the parent's.  Make a new "
+                f"sampler in the child")
+
+    def _ensure_manager(self):
+        self._ensure_open()
+        self._start_clock()
+        if self._manager is None:
+            # (no worker seeds: every task carries the seed of its chunk)
+            self._manager = self._new_sample_manager()
+        return self._manager
+
+    def _start_clock(self):
+        """stats() counts from the first request."""
+        if self._caller.since_ns is None:
+            self._caller.begin()
+
+    def _sample(self, name):
+        # Runs once per batch.  Every attribute read on this class goes through
+        # __getattribute__ and then its __getattr__ hook: each is read once here.
+        with self._lock:
+            manager = self._manager
+            if manager is None or self._closed or _this_pid != self._owner_pid:
+                manager = self._ensure_manager()
+            stream = self._streams.get(name)
+            if stream is None:
+                stream = self._streams[name] = Stream(name, self._chunk_size(name), self._base)
+            ready = stream.ready
+            tickets = stream.tickets
+            k = stream.k
+            # keep n_buffers batches requested ahead (k per task), as UniEnv keeps n_buffers:
+            # the rest of the chunk being handed out counts, and the next task goes out as
+            # soon as fewer are left, so between n_buffers and n_buffers + k - 1 after a call
+            n_buffers = self.n_buffers
+            if ready and len(ready) + k * len(tickets) > n_buffers:
+                self._caller.batches += 1
+                return ready.popleft()
+            if self._caller.since_ns is None:
+                self._start_clock()   # (a manager made before the first request)
+            try:
+                # Nothing requested yet (the first call, or the first after manual_seed): one
+                # task alone, so that the batch waited for has a worker, and the CPUs, to
+                # itself; the rest once it is here.
+                cold = not (ready or tickets)
+                stream.top_up(manager.submit, 0 if cold else n_buffers)
+                if ready:
+                    self._caller.batches += 1
+                    return ready.popleft()
+                ticket = tickets[0] if self.in_order else manager.wait_any(tickets)
+                try:
+                    value = manager.result(ticket)
+                except WorkerError:
+                    # the chunk's batches are skipped; the other requests stand
+                    tickets.remove(ticket)
+                    stream.failed(ticket)
+                    raise
+                tickets.remove(ticket)
+                stream.arrived(ticket, value)
+                if cold:
+                    stream.top_up(manager.submit, n_buffers)
+                self._caller.batches += 1
+                return ready.popleft()
+            except WorkerError:
+                raise
+            except BaseException:
+                forget_requests(manager, stream)
+                raise
+
+    def _slot_segments(self):
+        """The slot segments of every live manager (what the device feed page-locks)."""
+        out = []
+        for manager in (self._manager, self._kept, *self._epoch_managers):
+            segments = getattr(manager, "slot_segments", None)
+            if segments is not None and not manager.closed:
+                out.extend(segments())
+        return out
+
+    def _chunk_size(self, name):
+        """Batches per task of ``name``'s stream: ``batches_per_task``, or for methods
+        that can be gathered directly as many as fit in 1 MiB (at most 8), else 1.  A
+        function of the wrapped sampler and the options alone (not of ``n_workers`` or
+        ``n_buffers``): the stream of batches depends on it."""
+        k = self.batches_per_task
+        if k is not None:
+            return k
+        row = self._row_nbytes(name)
+        if row is None:
+            return 1
+        return max(1, min(_CHUNK_MAX, _CHUNK_BYTES // max(1, row * self.batch_size)))
+
+    def stats(self, reset: bool = False):
+        """Where the time went since the first request (or the last ``stats(reset=True)``),
+        as a :class:`~unienv_mp.SamplerStats`: batches handed out, the time spent waiting
+        for them, the batches ready, each worker's counters, and the bottleneck.  The
+        workers are the ``sample*`` workers (or, before there are any, those kept for
+        epochs, or those of the epoch being iterated).  ``reset=True``: the counters start
+        again from zero once this is read."""
+        with self._lock:
+            now = time.monotonic_ns()
+            wait_ns = self._ended_wait_ns
+            startup_ns = self._ended_startup_ns
+            ready = sum(len(st.ready) for st in self._streams.values())
+            workers = None
+            for manager in (self._manager, self._kept, *self._epoch_managers):
+                if manager is None or manager.closed:
+                    continue
+                part = manager.stats(reset=reset)
+                wait_ns += int(part.wait_seconds * 1e9)
+                startup_ns += int(part.startup_seconds * 1e9)
+                ready += part.ready
+                if workers is None:
+                    workers = part.workers
+            caller = self._caller
+            caller.wait_ns = wait_ns
+            caller.startup_ns = startup_ns
+            out = caller.report(ready, workers or [], now, reset)
+            if reset:
+                self._ended_wait_ns = 0
+                self._ended_startup_ns = 0
+            feed = self._feed
+            device = None if feed is None else feed.stats(reset=reset)
+            return dataclasses.replace(out, gather_path=self.gather_path, device=device,
+                                       epoch_workers=self.epoch_workers,
+                                       epoch_workers_reason=self.epoch_workers_reason)
+
+    @property
+    def gather_path(self):
+        """``"direct"``: workers gather ``sample()`` and epoch batches straight into the
+        shared slots (see ``direct_gather``); ``"generic"``: they call the wrapped
+        sampler's methods (:attr:`gather_path_reason` says why); ``"in_process"``: the
+        data is on a GPU, and batches are made in this process (no workers)."""
+        placement = self._placement
+        if placement is not None and placement.kind == "in_process":
+            return "in_process"
+        return "direct" if self._direct else "generic"
+
+    @property
+    def gather_path_reason(self):
+        """Why :attr:`gather_path` is ``"generic"`` (None when it is ``"direct"``)."""
+        return self._not_direct
+
+    # -- sampling -------------------------------------------------------------------------
+
+    def sample(self):
+        """A batch from the wrapped sampler's ``sample()``, produced by a worker."""
+        return self._sample("sample")
+
+    def sample_flat(self):
+        """A batch from the wrapped sampler's ``sample_flat()``, produced by a worker."""
+        return self._sample("sample_flat")
+
+    def sample_with_metadata(self):
+        """``(batch, metadata)`` from the wrapped sampler, produced by a worker."""
+        return self._sample("sample_with_metadata")
+
+    def sample_flat_with_metadata(self):
+        """``(flat batch, metadata)`` from the wrapped sampler, produced by a worker."""
+        return self._sample("sample_flat_with_metadata")
+
+    def sample_index(self):
+        """Indices from the wrapped sampler's ``sample_index()``, drawn by a worker."""
+        return self._sample("sample_index")
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    @property
+    def closed(self):
+        """True once :meth:`close` was called."""
+        return self._closed
+
+    def close(self):
+        """End the workers and release the shared memory; batches already returned stay
+        valid.  Idempotent, and safe from any thread at any moment: a call running in
+        another thread meanwhile raises ``RuntimeError``, and no worker starts after this
+        returns."""
+        feed = getattr(self, "_feed", None)
+        if (getattr(self, "_closed", True) and getattr(self, "_manager", None) is None
+                and getattr(self, "_kept", None) is None
+                and not getattr(self, "_epoch_managers", None)
+                and (feed is None or feed.closed)):
+            return
+        self._closed = True
+        # First without the lock, which a call in another thread may hold while it waits
+        # on a manager: closing the managers wakes it.  Then again with it, for a manager
+        # that such a call made meanwhile.
+        self._close_managers()
+        lock = getattr(self, "_lock", None)
+        got = lock is not None and lock.acquire(timeout=CLOSE_WAIT)
+        try:
+            if feed is not None and got:
+                # (its pins keep the slots mapped until now: rule 8 of the feed; without the
+                # lock, a call in another thread may be using it: closed at the next close)
+                feed.close()
+            self._close_managers()
+            # (positions kept, for a state_dict() after close(); requests dropped)
+            self._streams = {name: Stream.from_position(name, self._base, st.position())
+                             for name, st in getattr(self, "_streams", {}).items()}
+        finally:
+            if got:
+                lock.release()
+
+    def _close_managers(self):
+        # (each manager is dropped once closed: a close() cut short is finished by the next)
+        manager = self._manager
+        if manager is not None:
+            manager.close()
+            if self._manager is manager:
+                self._manager = None
+        kept = getattr(self, "_kept", None)
+        if kept is not None:
+            kept.close()
+            if self._kept is kept:
+                self._kept = None
+        for epoch_manager in list(getattr(self, "_epoch_managers", ())):
+            epoch_manager.close()
+            self._epoch_managers.discard(epoch_manager)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class MultiprocessingSampler(SamplerBase):
+    """Run ``sampler``'s ``sample*`` methods, and epochs over its ``get*_at`` methods, in
+    ``n_workers`` processes, keeping ``n_buffers`` batches in flight per method.
+
+    A drop-in for ``unienv_data.samplers.MultiprocessingSampler`` (same constructor, same
+    methods and properties), with batches moved through shared memory instead of pickles.
+    As in UniEnv, the ``sample*`` workers start at the first call and see the data as it
+    was then (the first of them starts then, the others later with the same copy: see
+    the manager's ``start_later``) (unless it is shared between processes, e.g. a
+    ReplayBuffer made with
+    ``multiprocessing=True``), and an epoch over unshared data covers it as it is when
+    the epoch starts: on workers that exist if their copy is still current, else on new
+    ones (see ``persistent_workers``).
+
+    Args:
+        sampler: the ``BatchSampler`` to run in the workers: UniEnv's
+            ``StepSampler(data, batch_size)``, where ``data`` is a ``ReplayBuffer`` or one
+            of UniEnv's views of one (``unienv_data.batches``), which workers gather
+            directly too.  With ``mask =
+            SliceStackedBatch.get_valid_mask_function_with_episodeid_key("episode_id")``
+            (frames of other episodes are invalid; ``..._with_episode_end_key("done")``
+            reads episode ends instead), a frame stack of the step and the one before it
+            is ``FrameStackedBatch(rb, prefetch_horizon=1, get_valid_mask_function=mask)``
+            (``prefetch_horizon=k`` frames before the step and ``postfetch_horizon=j``
+            after it: ``k + 1 + j`` frames), and an action chunk of the next 16 actions
+            is ``SliceStackedBatch(rb, torch.arange(16),
+            get_valid_mask_function=mask).get_column(["action"])``.  The valid mask (one
+            bool per frame, ``False`` where a frame is outside the step's episode and was
+            filled with the nearest valid one) comes back in the metadata: ``batch, meta
+            = sample_with_metadata()``, ``meta["slice_valid_mask"]`` of shape ``(B,
+            frames)``; ``CombinedBatch(parts)`` adds ``meta["batch_index"]``, the part
+            each element came from.  Batches on a GPU: ``StepSampler(rb, B,
+            device="cuda")`` over CPU data; the
+            workers make each batch on the CPU, in a slot that is page-locked, and this
+            process copies it to the GPU on a stream of its own, ahead of the call that
+            hands it out.  The batch handed out is on the device, ordered on the caller's
+            current CUDA stream (which waits for the copy; the caller does not), and its
+            slot goes back to its worker once the copy has completed.  Its values are
+            those of the same sampler without ``device=``, moved to the device, bit for
+            bit; ``sample_index()`` stays on the data's device, as UniEnv's does.  Data
+            already on a GPU (a ReplayBuffer over CUDA storages): no workers; batches are
+            made in this process, with one ``index_select`` per array where the data is
+            a ReplayBuffer of tensors (:attr:`gather_path` ``"in_process"``).  Other
+            samplers whose ``device`` is a GPU are refused with ``ValueError``, and
+            ``device="cuda"`` without CUDA here with a ``RuntimeError`` that says why.
+            A device error (out of memory) in ``sample*`` puts the batch back for the
+            next call; in an epoch it ends the epoch, as a worker's error does.
+            ``copy`` has no effect on device batches (they are copies).
+        n_workers: worker processes.
+        n_buffers: batches requested ahead of the caller, per method.
+        ctx: multiprocessing context or start method name (``"fork"``, ``"spawn"``,
+            ``"forkserver"``); default: the current default context.  Under spawn and
+            forkserver the sampler (and its data) must be picklable.
+        doze_time: how often, in seconds, a waiting side checks that the other is alive.
+            Nothing sleeps for it on the hot path: waits are woken by the other side.
+        daemon: passed to ``Process``.
+        shared_memory: accepted for compatibility with UniEnv and ignored: batches always
+            travel through shared memory here.
+        in_order: ``True`` (default): batches come back in the order of the stream (the
+            ``j``-th batch of a ``sample*`` method depends only on the seed and ``j``:
+            not on ``n_workers``, ``n_buffers``, the start method, ``direct_gather`` or
+            workers dying; see :mod:`unienv_mp._sampling.streams`).  ``False``: each call returns
+            the first batch ready; the same batches come, possibly in another order.
+        copy: ``False`` (default): arrays of a batch are zero-copy views of a shared slot.
+            They are safe to keep: the slot is reused only after every array of the batch
+            (of every batch of its task, see ``batches_per_task``) is garbage collected
+            (when many slots are held at once, later ones are copied instead).  ``True``:
+            every batch is copied out of its slot.
+        timeout: seconds to wait for one batch before raising ``TimeoutError`` (default:
+            wait as long as the workers are alive).
+        respawn: ``True`` (default): a worker that dies is replaced and its unfinished
+            batches are requested again, so the caller sees no gap; ``False``: raise
+            :class:`~unienv_mp.WorkerDiedError`.
+        direct_gather: ``None`` (default): where the wrapped sampler's batches are rows of
+            tensors held in memory (a ``StepSampler`` over a ``ReplayBuffer`` of
+            ``PytorchTensorStorage``, ``DictStorage`` or ``FlattenedStorage``; see
+            :mod:`unienv_mp._direct.gather`), workers draw the indices with the wrapped sampler's
+            own RNG and gather the rows straight into the shared slot, with no
+            intermediate batch; everything else runs the wrapped sampler's methods.
+            ``True``: require that, raising ``ValueError`` (saying why) if it does not
+            apply.  ``False``: always run the wrapped sampler's methods.  Both paths give
+            the same batches, bit for bit, for the same seed; :attr:`gather_path` says
+            which one ``sample()`` and ``epoch_iter()`` take.
+        batches_per_task: how many batches of a ``sample*`` method one task makes: a
+            chunk of the method's stream, which the worker draws one batch after the
+            other after seeding the wrapped sampler for that chunk.  ``None`` (default):
+            for methods that can be gathered directly, as many as fit in 1 MiB, at most
+            8; one for every other method.  Small batches cost little to gather but a
+            lot to hand over one by one (a worker's wake-up, two ring operations and a
+            decode each): several to a task make that cost theirs together.  The stream
+            of batches for a seed depends on it (the default depends only on the wrapped
+            sampler), and the direct and generic paths use the same number, so they give
+            the same stream.
+            If the wrapped sampler raises while making a task, the call that needed the
+            task's first batch raises, and the rest of that task's batches are skipped.
+            On the generic path a worker keeps the ``k`` results of the wrapped sampler
+            until the task is written: a sampler that reuses its output memory from one
+            call to the next needs ``batches_per_task=1``.  Batches of one task share one
+            slot (see ``copy``), and ``timeout`` is the wait for a whole task.
+        stall_timeout: seconds a worker may spend on one task (default: no limit).  A
+            worker found on one task for longer is killed and replaced, after its Python
+            stacks are taken; with ``respawn`` a ``RuntimeWarning`` carries them and the
+            task is made again (given up, with :class:`~unienv_mp.WorkerStalledError`,
+            after ``max_respawns + 1`` stalls in a row), without, the call raises
+            ``WorkerStalledError``.  One that takes none of the tasks waiting for it for
+            longer (stopped, say) is replaced, with the warning (see the manager's
+            ``stall_timeout``).
+        persistent_workers: whether epochs over data not shared between processes run on
+            workers that already exist (DataLoader's name).  Workers hold a copy of such
+            data as it was when they started, and an epoch covers the data as it is when
+            it starts.  ``None`` (default): an epoch runs on existing workers (the
+            ``sample*`` workers, or those of an earlier epoch, which are kept for the
+            next) exactly when their copy is still the data as it is now, which is told
+            by an exact fingerprint of the data (see :mod:`unienv_mp._sampling.fingerprint`:
+            torch tensors' identities, data pointers and version counters, the
+            ReplayBuffer's count and offset); where it cannot be told (a custom sampler
+            or storage, memory-mapped or file-backed data), each epoch starts workers of
+            its own; :attr:`epoch_workers_reason` says which.  UniEnv's views of such
+            buffers are told too.  Writes that bypass a tensor's version counter
+            (through ``tensor.numpy()``, ``tensor.data``, ``tensor.untyped_storage()``)
+            are not seen: pass ``False`` if the data is written that way.  ``True``: the caller
+            promises that the data does not change: epochs run on the existing workers
+            whatever the storage, unless the data's length changed (then on new ones).
+            ``False``: each epoch over unshared data starts workers of its own, and they
+            end with it (UniEnv's behaviour).  The
+            batches are the same in every case, bit for bit, as long as the promise of
+            ``True`` holds.  The ``sample*`` workers started at the first ``sample*``
+            call are those kept for epochs, if their copy is current then.
+        pin_memory: ``True``: CPU batches are handed out from page-locked slots (each
+            slot registered with CUDA once), as torch's ``DataLoader(pin_memory=True)``
+            hands out pinned batches, so that the caller's own ``.to("cuda",
+            non_blocking=True)`` runs asynchronously.  Keep the CPU batch (any of its
+            arrays) alive until that copy has completed (e.g. until a later
+            ``torch.cuda.current_stream().synchronize()``, or an event recorded after the
+            copy): once the last array is garbage collected the slot goes back to its
+            worker, which may write the next batch into it while a copy still reads it.
+            Without CUDA here: one ``RuntimeWarning``, and plain slots.  Not with a
+            sampler whose batches go to a device already, nor with ``copy=True``
+            (``ValueError``).  A batch that is not in a slot is not page-locked: a small
+            one (4 KiB or less travels inside its ring entry), or one copied out because
+            the caller holds more than ``2 * n_workers + 8`` slots' batches at once
+            (``stats().device.pageable_leaves`` counts them).  :meth:`close` waits for
+            the work queued on the GPU, then unregisters the slots: batches held after
+            it are ordinary memory.
+
+    Limits (each refused with a ``ValueError`` that names the bound and its number here):
+    ``n_workers`` at most ``max(64, 8 * CPUs)``, the CPUs this process may run on;
+    ``n_buffers`` at most 4096 and ``batches_per_task`` at most 1024 (far more than ever
+    helps); the batches in flight, ``(n_buffers + batches_per_task) * batch bytes``, at
+    most half of the machine's memory, where the batch size is known before any batch is
+    made; ``doze_time`` at most 10 s; ``timeout`` and ``stall_timeout`` at most
+    10,000,000 s (about 116 days; ``None``: no limit).  The manager takes the same
+    ``n_workers``, ``doze_time``, ``timeout`` and ``stall_timeout``, and ``max_respawns``
+    up to 1e9, ``max_leases`` up to 1,000,000.
+
+    :meth:`stats` says where the time goes.  :meth:`state_dict` and
+    :meth:`load_state_dict` save and restore the position of every
+    stream and of an epoch in progress.  A call cut short (Ctrl-C, ``timeout``) does not
+    move the position.  A worker that raises does not end the sampler: the call that
+    needed that batch raises :class:`~unienv_mp.WorkerError` (with the worker's
+    traceback) and later calls work.
+    After :meth:`close` every method raises ``RuntimeError``.
+
+    Threads: the ``sample*`` methods, :meth:`stats`, :meth:`state_dict`,
+    :meth:`load_state_dict` and :meth:`manual_seed` may be called from any thread; calls
+    are serialised (a lock: a second thread waits while the first waits for its batch),
+    and every batch goes to exactly one caller.  An epoch iterator is a generator: one
+    thread at a time may advance it (Python raises ``ValueError`` otherwise), while other
+    threads sample or run epochs of their own.  :meth:`close` is safe from any thread at
+    any moment: a call running meanwhile raises ``RuntimeError``, and no worker starts
+    after it returns.  A forked child cannot use its parent's sampler: its first call
+    raises ``RuntimeError``, before any batch (see the README on batches held across a
+    fork).
+    """
+
+    def __init__(
+        self,
+        sampler: BatchSampler,
+        n_workers: int = 4,
+        n_buffers: int = 8,
+        ctx: Optional[Any] = None,
+        doze_time: float = 0.005,
+        daemon: Optional[bool] = None,
+        shared_memory: bool = False,
+        *,
+        in_order: bool = True,
+        copy: bool = False,
+        timeout: Optional[float] = None,
+        respawn: bool = True,
+        direct_gather: Optional[bool] = None,
+        batches_per_task: Optional[int] = None,
+        stall_timeout: Optional[float] = None,
+        persistent_workers: Optional[bool] = None,
+        pin_memory: bool = False,
+    ):
+        self._closed = True   # first: __del__ -> close() must work on a half-built sampler
+        self._manager = None
+        n_workers = check_workers(n_workers)
+        doze_time = check_doze_time(doze_time)
+        stall_timeout = check_seconds(stall_timeout, "stall_timeout")
+        daemon = check_bool(daemon, "daemon", allow_none=True)
+        shared_memory = check_bool(shared_memory, "shared_memory")
+        if ctx is not None:
+            ctx = check_context(ctx)
+        if direct_gather is not None and type(direct_gather) is not bool:
+            raise TypeError(f"direct_gather must be None, True or False, got {direct_gather!r}")
+        if persistent_workers is not None and type(persistent_workers) is not bool:
+            raise TypeError(f"persistent_workers must be None, True or False, got "
+                            f"{persistent_workers!r}")
+        check_batch_sampler(sampler)   # (before place() reads its device)
+        placement = place(sampler, type(self).__name__)
+        self._worker_sampler = placement.worker_sampler
+        not_direct = "direct_gather=False" if direct_gather is False else None
+        if placement.kind == "in_process":
+            if direct_gather:
+                raise ValueError(f"direct_gather=True, but {placement.reason}")
+            not_direct = placement.reason
+        if not_direct is None:
+            try:
+                _gather.check(self._worker_sampler)
+            except _gather.NotDirect as e:
+                not_direct = str(e)
+                if direct_gather:
+                    raise ValueError(f"direct_gather=True, but batches of this sampler cannot "
+                                     f"be gathered directly: {e}") from None
+        self.mp_ctx = ctx
+        self.doze_time = doze_time
+        self.daemon = daemon
+        self.shared_memory = shared_memory
+        self.stall_timeout = stall_timeout
+        self.persistent_workers = persistent_workers
+        self._manager_fp = None   # the data the sample* workers hold (see _fingerprint)
+        self._kept_fp = None      # the data the workers kept for epochs hold
+        super().__init__(sampler, n_workers, n_buffers, in_order=in_order, copy=copy,
+                         timeout=timeout, respawn=respawn, batches_per_task=batches_per_task,
+                         not_direct=not_direct, placement=placement, pin_memory=pin_memory)
+
+    def _chunk_size(self, name):
+        if self._placement.kind == "in_process" and self.batches_per_task is None:
+            return _CHUNK_MAX   # (no slot to fill: chunks only save reseeding the RNGs)
+        return super()._chunk_size(name)
+
+    def _row_nbytes(self, name):
+        worker_sampler = self._worker_sampler
+        if worker_sampler is None:
+            return None   # (in this process: nothing gathered into slots)
+        return _gather.row_nbytes(worker_sampler, name)
+
+    def _new_manager(self):
+        if self._placement.kind == "in_process":
+            return InProcessManager(ResidentTarget(own_target(SamplerTarget(self.sampler))),
+                                    in_order=self.in_order)
+        return MultiProcessingSampleManager(
+            SamplerTarget(self._worker_sampler, direct=self._direct), n_workers=self.n_workers,
+            ctx=self.mp_ctx, doze_time=self.doze_time, daemon=self.daemon,
+            # (a device batch is a copy already: its CPU batch stays in the slot)
+            in_order=self.in_order, copy=self.copy and self._placement.kind != "copy",
+            timeout=self.timeout,
+            respawn=self.respawn, stall_timeout=self.stall_timeout,
+            start_later=self._start_later())
+
+    def _start_later(self):
+        """The manager's ``start_later``: whether its workers after the first may start
+        later, when they would copy the same data as the first (a first batch then costs
+        one process start, not ``n_workers``).  Under spawn and forkserver they map the
+        snapshot the first one's start made, and shared data is the same for all; under
+        fork they copy the data as it is when they start, so only while its fingerprint
+        is the one taken now (``persistent_workers=True``: the caller's promise).  None
+        (all start now) where that cannot be told."""
+        sampler = self.sampler
+        ctx = self.mp_ctx if self.mp_ctx is not None else _mp.get_context()
+        if ctx.get_start_method() != "fork" or _data_is_shared(sampler):
+            return _always
+        if self.persistent_workers is False:
+            return None
+        then = _fingerprint.take(sampler)
+        if then is None:
+            if self.persistent_workers is not True:
+                return None
+            length = len(sampler.data)   # (the promise, but for a change of length)
+            return lambda: len(sampler.data) == length
+
+        def unchanged():
+            return _fingerprint.same(then, _fingerprint.take(sampler))
+        return unchanged
+
+    def _data_now(self):
+        """``(now, why)``: the fingerprint of the data as it is now (see
+        :mod:`unienv_mp._sampling.fingerprint`), or None where it cannot be told (``why`` says
+        why) or ``persistent_workers=False``; with ``persistent_workers=True``, the data's
+        length (the caller promises the rest)."""
+        if self.persistent_workers is None:
+            return _fingerprint.check(self.sampler)
+        if self.persistent_workers is True:
+            return len(self.sampler.data), None
+        return None, None
+
+    def _holds_data_now(self, held, now):
+        """Whether workers started when the data's fingerprint was ``held`` hold the data
+        as it is now (``now``): ``persistent_workers=True`` promises it, as long as its
+        length is the same."""
+        if self.persistent_workers is True:
+            return held == now
+        return _fingerprint.same(held, now)
+
+    def _new_sample_manager(self):
+        # The workers kept for epochs become the sample* workers if their copy of the data
+        # is the data as it is now (what new workers would copy): one pool.
+        kept = self._kept
+        if kept is not None and not _data_is_shared(self.sampler):
+            now = self._data_now()[0]
+            self._kept = None
+            if not kept.closed and self._holds_data_now(self._kept_fp, now):
+                self._manager_fp = self._kept_fp
+                return kept
+            self._retire(kept)   # (older data: no use to anything)
+        now = None if self.persistent_workers is False else self._data_now()[0]
+        manager = self._new_manager()
+        self._manager_fp = now
+        return manager
+
+    def _epoch_manager(self):
+        if self._placement.kind == "in_process":
+            self._epoch_workers = ("in_process", "the data is on a GPU: batches are made "
+                                                 "in this process, by no workers")
+            return self._ensure_manager(), False
+        if _data_is_shared(self.sampler):
+            running = self._manager is not None
+            self._epoch_workers = (("kept", "the data is shared between processes") if running
+                                   else ("new", "no workers were running yet (they are kept "
+                                                "for later epochs: the data is shared "
+                                                "between processes)"))
+            return self._ensure_manager(), False
+        # Workers hold a copy of unshared data as it was when they started: this epoch
+        # runs on workers that exist only if that copy is the data as it is now, and
+        # otherwise needs workers started now.
+        keep = self.persistent_workers is not False
+        now, why = self._data_now()
+        if not keep:
+            why = "persistent_workers=False"
+        elif now is None:
+            keep = False   # (cannot be told: new workers, as without persistent_workers)
+            why = (f"whether the data changed cannot be told: {why} (persistent_workers="
+                   f"True promises that it does not)")
+        if keep:
+            for pool, held in ((self._manager, self._manager_fp),
+                               (self._kept, self._kept_fp)):
+                if pool is not None and not pool.closed and self._holds_data_now(held, now):
+                    self._epoch_workers = ("kept", "persistent_workers=True"
+                                           if self.persistent_workers else
+                                           "the data is unchanged since they started")
+                    return pool, False
+            running = any(pool is not None and not pool.closed
+                          for pool in (self._manager, self._kept))
+            why = ("no workers were running yet" if not running else
+                   "the data's length changed since the workers started"
+                   if self.persistent_workers else
+                   "the data changed since the workers started")
+            # (the workers kept so far hold older data: they go)
+            kept, self._kept = self._kept, None
+            self._retire(kept)
+        manager = self._new_manager()
+        self._epoch_workers = ("new", why)
+        if keep:
+            self._kept, self._kept_fp = manager, now
+            return manager, False
+        self._epoch_managers.add(manager)
+        return manager, True
+
+
+def _always():
+    return True
+
+
+class _StreamMethod:
+    """An extra ``sample*`` method of the wrapped sampler, run in the workers (made on
+    each attribute access, like a bound method: it keeps its sampler alive)."""
+    __slots__ = ("__self__", "__name__")
+
+    def __init__(self, owner, name):
+        self.__self__ = owner
+        self.__name__ = name
+
+    def __call__(self):
+        return self.__self__._sample(self.__name__)
+
+    def __repr__(self):
+        return f"<worker method {self.__name__} of {self.__self__!r}>"
+
+
+class _EpochMethod(_StreamMethod):
+    """An extra ``get*_at`` method of the wrapped sampler, as an epoch iterator."""
+    __slots__ = ()
+
+    def __call__(self):
+        return self.__self__._epoch(self.__name__)
