@@ -10,7 +10,7 @@ delivers one: the NOP where a ``try`` block begins, the first bytecode of an exc
 handler (where the exception table sends an exception) and the POP_EXCEPT that leaves an
 ``except`` block (raised there from a trace function, an exception would leave the one
 being handled in place for good).  A step that holds SIGINT back
-(``_process.interrupts_deferred``) holds these back too.
+(``_os.interrupts_deferred``) holds these back too.
 """
 import collections
 import dis
@@ -32,7 +32,7 @@ import _data
 from unienv_data.samplers import StepSampler
 
 from unienv_mp import MultiprocessingSampler
-from unienv_mp import backend as _backend, _os as _process
+from unienv_mp import backend as _backend, _os
 from unienv_mp._sampling import epochs as _epochs
 from unienv_mp._process import polling as _polling, slots as _slots, stalls as _stalls, pool as _supervision, unienv_queue as _unienv_queue, encoder as _work_encoder, handle as _worker_handle, manager as M
 from unienv_mp._sampling.streams import Stream
@@ -52,7 +52,7 @@ def never_interrupted(code, offset):
     return offset in targets
 PACKAGE_FILES = {M.__file__, _supervision.__file__, _slots.__file__, _polling.__file__,
                  _unienv_queue.__file__, _worker_handle.__file__, _work_encoder.__file__,
-                 _process.__file__, _backend.__file__, _stalls.__file__}
+                 _os.__file__, _backend.__file__, _stalls.__file__}
 
 
 class Interrupter:
@@ -242,10 +242,10 @@ def test_a_ctrl_c_anywhere_while_a_dead_worker_is_replaced_loses_nothing():
             caller.submit()
             caller.submit()
             proc = mgr.workers[0]
-            if proc is not None and not _process.has_exited(proc):
+            if proc is not None and not _os.has_exited(proc):
                 # (not yet replaced after the last run's, whose replacement was cut short)
-                _process.send_signal(proc, signal.SIGKILL)
-                assert wait_until(lambda: _process.has_exited(proc), interval=0.0005)
+                _os.send_signal(proc, signal.SIGKILL)
+                assert wait_until(lambda: _os.has_exited(proc), interval=0.0005)
             caller.round()
 
         def recover():
@@ -570,8 +570,8 @@ def test_close_cut_short_still_ends_the_workers():
     try:
         mgr.submit(3.0)        # the worker is busy for 3 s: close() waits for it
         time.sleep(0.3)
-        joining = line_of(_process.stop_processes, '_call(p, "join", max(0.0,')
-        with interrupt_at(_process.stop_processes, joining) as i:
+        joining = line_of(_os.stop_processes, '_call(p, "join", max(0.0,')
+        with interrupt_at(_os.stop_processes, joining) as i:
             assert interrupted(mgr.close)
         assert i.fired
         assert not [p for p in procs if p.is_alive()], "workers left running"
@@ -596,8 +596,8 @@ def pidfds():
 
 def test_a_ctrl_c_as_a_worker_starts_leaves_no_descriptor():
     before = pidfds()
-    kept = line_of(_process.open_pidfd, "setattr(proc, _PIDFD, fd)")
-    with interrupt_at(_process.open_pidfd, kept) as i:
+    kept = line_of(_os.open_pidfd, "setattr(proc, _PIDFD, fd)")
+    with interrupt_at(_os.open_pidfd, kept) as i:
         assert interrupted(Manager, Fill(), n_workers=1, ctx="fork")
     assert i.fired
     gc.collect()

@@ -593,3 +593,22 @@ def test_a_sampler_whose_seeding_raises_gives_worker_errors_and_goes_on():
                 m.sample()
             assert info.value.exc_type == "builtins.ValueError"
             assert "this sampler cannot be seeded" in info.value.exc_message
+
+
+def test_a_state_saved_by_an_older_layout_of_the_package_loads_and_goes_on_the_same():
+    """tests/fixtures/saved_state.pkl was written by unienv_mp 0.1, whose modules sat at the
+    package's root (its torch.Generator pickled as ``unienv_mp._state._TorchGenerator``),
+    with the batches that followed it then."""
+    path = os.path.join(os.path.dirname(__file__), "fixtures", "saved_state.pkl")
+    with open(path, "rb") as f:
+        saved = pickle.load(f)
+    assert "unienv_mp._state" in open(path, "rb").read().decode("latin-1")
+    with MultiprocessingSampler(StepSampler(replay_buffer(300), 6, seed=21), n_workers=2,
+                                ctx="fork") as m:
+        m.load_state_dict(saved["state"])
+        assert [indices_of(b) for b in m.epoch_iter()] == saved["rest"]
+        assert [indices_of(m.sample()) for _ in range(10)] == saved["sample"]
+        assert [indices_of(m.sample_flat()) for _ in range(3)] == saved["sample_flat"]
+        # and a state saved now names no class of the package
+        again = pickle.dumps(m.state_dict())
+    assert b"unienv_mp._" not in again

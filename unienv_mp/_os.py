@@ -27,11 +27,39 @@ from multiprocessing.connection import wait as _wait_ready
 
 __all__ = ["open_pidfd", "has_exited", "exit_code", "describe_exit", "send_signal",
            "stop_processes", "stop_half_started", "exit_with_parent", "interrupts_deferred",
-           "PipeEnd", "read_available", "cpu_seconds", "is_stopped", "machine_cpu_ticks",
+           "PipeEnd", "read_available", "pid", "refuse_child", "cpu_seconds", "is_stopped", "machine_cpu_ticks",
            "sigint_held_from_children", "ignore_sigint", "limit_threads"]
 
 # The pidfd of a started process, kept on its Process object: an int >= 0, -1 once it is
 # closed or when the process was already gone when started, None where there are none.
+#: The pid of this process, read on every call of a manager or a sampler: an object
+#: made in one process refuses to be used in a forked child of it (its workers answer only
+#: their parent), by comparing this with the pid it was made in (see :func:`refuse_child`).
+#: ``os.getpid()`` is a system call; this is kept current by an at-fork hook instead.
+#: Every way of going on running Python in a forked child runs those hooks (``os.fork()``,
+#: hence multiprocessing's fork and forkserver; C code must call
+#: ``PyOS_AfterFork_Child``, which runs them too), so a forked child sees its own pid here.
+pid = os.getpid()
+
+
+def _after_fork_in_child():
+    global pid
+    pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def refuse_child(obj, owner_pid, more=""):
+    """Raise the ``RuntimeError`` of an ``obj`` made in process ``owner_pid`` and used in
+    a forked child of it (the caller has compared :data:`pid`); ``more``: what else the
+    user should hear."""
+    raise RuntimeError(
+        f"this {type(obj).__name__} belongs to process {owner_pid} and cannot be used in "
+        f"process {os.getpid()} (a forked child): its workers answer only their parent"
+        f"{more}")
+
+
 _PIDFD = "_unienv_mp_pidfd"
 
 

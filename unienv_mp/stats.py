@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from . import _os as _process
+from . import _os
 
 __all__ = ["SamplerStats", "WorkerStats", "DeviceStats"]
 
@@ -187,7 +187,7 @@ class WorkerRecord:
         """:meth:`report`, with the CPU time of process ``pid`` (None: it has none now)
         read from ``/proc``; ``reset=True``: then :meth:`reset`, so that the counters
         start again from zero."""
-        cpu = None if pid is None else _process.cpu_seconds(pid)
+        cpu = None if pid is None else _os.cpu_seconds(pid)
         out = self.report(index, pid, counters, now_ns, cpu, launched_ns)
         if reset:
             self.reset(counters, now_ns, cpu)
@@ -246,7 +246,7 @@ class CallerRecord:
     def begin(self):
         """The first request is made now (call it once, while ``since_ns`` is None)."""
         self.since_ns = time.monotonic_ns()
-        self.machine_since = _process.machine_cpu_ticks()
+        self.machine_since = _os.machine_cpu_ticks()
 
     def waited(self, t0_ns, t1_ns, started_ns):
         """The caller waited from ``t0_ns`` to ``t1_ns`` for a worker whose process began
@@ -269,7 +269,7 @@ class CallerRecord:
         running = wall - startup
         wait_fraction = min(1.0, wait / running) if running > 0 else 0.0
         busy = sum(x.busy_fraction for x in workers) / len(workers) if workers else 0.0
-        machine = _process.machine_cpu_ticks()
+        machine = _os.machine_cpu_ticks()
         out = SamplerStats(
             batches=self.batches, wait_seconds=wait, wall_seconds=wall,
             wait_fraction=wait_fraction, ready=ready, workers=workers,

@@ -10,7 +10,7 @@ it.  So the position between calls is what the caller was handed, a ``state_dict
 taken then is exact, and a Ctrl-C anywhere in the look-ahead puts the batch being handed
 out back (nothing else moved): the next call hands it out again.
 """
-from .. import _os as _process
+from .. import _os
 from ..errors import WorkerError
 
 __all__ = ["DeviceHandOut"]
@@ -49,7 +49,7 @@ class DeviceHandOut:
         with s._lock:
             if name in self._early:
                 # (one step: the task collected ahead joins its stream, or is dropped)
-                with _process.interrupts_deferred():
+                with _os.interrupts_deferred():
                     _arrive(s._streams.get(name), self._early.pop(name))
             cpu = self._cpu_sample(s, name)
             # The batch is off the stream now, and nothing below changes the stream: a
@@ -82,7 +82,7 @@ class DeviceHandOut:
                 return
             ticket = tickets[0]
             # (one step: a result collected is a result kept)
-            with _process.interrupts_deferred():
+            with _os.interrupts_deferred():
                 try:
                     value = manager.result(ticket)
                 except WorkerError as e:

@@ -25,7 +25,7 @@ attempts: the batches copy from pageable memory, correctly but synchronously.
 import bisect
 import warnings
 
-from .. import _os as _process
+from .. import _os
 from .ops import RegistrationRefused
 
 __all__ = ["HostPins", "Pin"]
@@ -108,7 +108,7 @@ class HostPins:
 
     def _pin(self, seg):
         # (one step a Ctrl-C cannot cut: registered exactly when recorded)
-        with _process.interrupts_deferred():
+        with _os.interrupts_deferred():
             self._pin_now(seg)
 
     def _pin_now(self, seg):
@@ -132,7 +132,7 @@ class HostPins:
 
     def _unpin(self, pin):
         # (one step a Ctrl-C cannot cut: the view goes only after the unregistration)
-        with _process.interrupts_deferred():
+        with _os.interrupts_deferred():
             self._unpin_now(pin)
 
     def _unpin_now(self, pin):

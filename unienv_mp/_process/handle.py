@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 
-from .. import _os as _process
+from .. import _os
 from .._transport import protocol as P
 from .. import stats as _stats
 from .._transport.ring import RingBuffer, Segment, segment_from_peer
@@ -138,7 +138,7 @@ class _LivenessCheck:
     def __call__(self):
         handle = self.handle
         proc = handle.proc
-        if proc is not None and _process.has_exited(proc):
+        if proc is not None and _os.has_exited(proc):
             raise WorkerDied(handle)
         if handle.shut_down:
             raise RuntimeError("this manager was closed (from another thread) during the call")
@@ -158,7 +158,7 @@ class _Detached:
         try:
             for ring in self.memory[0]:
                 ring.shutdown()   # should the process not be dead after all: it stops
-            _process.stop_processes([self.proc] if self.proc is not None else [],
+            _os.stop_processes([self.proc] if self.proc is not None else [],
                                     join_timeout)
         finally:
             _close_memory(*self.memory)
@@ -246,20 +246,20 @@ class WorkerHandle:
     def has_exited(self):
         """True if it has a process and that process ended."""
         proc = self.proc
-        return proc is not None and _process.has_exited(proc)
+        return proc is not None and _os.has_exited(proc)
 
     def kill(self):
         """Send the process SIGKILL, if it has one that has not exited (through its pidfd:
-        see :func:`_process.send_signal`).  Its rings and slots stay with the handle until
+        see :func:`_os.send_signal`).  Its rings and slots stay with the handle until
         :meth:`detach`."""
         if self.proc is not None:
-            _process.send_signal(self.proc, signal.SIGKILL)
+            _os.send_signal(self.proc, signal.SIGKILL)
 
     def exit_code(self, wait=0.0):
         """The exit code of the process, waiting up to ``wait`` seconds for its exit status;
-        None without a process, or if it is unknown (see :func:`_process.exit_code`)."""
+        None without a process, or if it is unknown (see :func:`_os.exit_code`)."""
         proc = self.proc
-        return None if proc is None else _process.exit_code(proc, wait)
+        return None if proc is None else _os.exit_code(proc, wait)
 
     # -- process --------------------------------------------------------------------------
 
@@ -269,7 +269,7 @@ class WorkerHandle:
         work function cannot be sent to the process.  Either the handle has the new
         process when this returns or raises (a ``KeyboardInterrupt`` arriving meanwhile
         is raised once the handle has it), or no process is left running."""
-        _process.exit_if_reimporting_main()
+        _os.exit_if_reimporting_main()
         if self.shut_down:
             raise RuntimeError("this worker's manager was closed: no process starts now")
         launch = self._launch
@@ -294,7 +294,7 @@ class WorkerHandle:
                        # PR_SET_PDEATHSIG fires when the *thread* that started the worker
                        # ends: only worth it from the main thread (a watchdog covers the rest)
                        "pdeathsig": threading.current_thread() is threading.main_thread(),
-                       "spin": launch.spin, "stack_pipe": _process.PipeEnd(stack_w)}
+                       "spin": launch.spin, "stack_pipe": _os.PipeEnd(stack_w)}
             proc = launch.ctx.Process(
                 target=worker_main,
                 args=(self.index, launch.process_target(), seg, launch.doorbell_seg,
@@ -303,7 +303,7 @@ class WorkerHandle:
             try:
                 # (started with SIGINT blocked, or ignored, the process never takes a
                 # Ctrl-C; one arriving here meanwhile is raised after the start)
-                with _process.sigint_held_from_children(
+                with _os.sigint_held_from_children(
                         launch.ctx.get_start_method() != "fork"):
                     launched = time.monotonic_ns()
                     proc.start()
@@ -311,7 +311,7 @@ class WorkerHandle:
                 raise _not_picklable(launch.ctx.get_start_method(), e) from e
             # The handle takes the process (and a pidfd of it) in one step that a Ctrl-C
             # cannot cut in two.
-            with _process.interrupts_deferred():
+            with _os.interrupts_deferred():
                 os.close(stack_w)   # (the process has its own now)
                 stack_w = None
                 self._adopt(proc, launched, seg, tasks, results, counters, stack_r)
@@ -319,7 +319,7 @@ class WorkerHandle:
         except BaseException:
             if not adopted:
                 if proc is not None:
-                    _process.stop_half_started(proc)   # e.g. Ctrl-C after the fork
+                    _os.stop_half_started(proc)   # e.g. Ctrl-C after the fork
                 # (a worker started despite all is told to stop by its rings, then unmapped)
                 for ring in (tasks, results):
                     if ring is not None:
@@ -332,7 +332,7 @@ class WorkerHandle:
     def _adopt(self, proc, launched, seg, tasks, results, counters, stack_r):
         """The handle takes a process just started and its memory, with fresh per-process
         bookkeeping (called with interrupts deferred)."""
-        _process.open_pidfd(proc)
+        _os.open_pidfd(proc)
         self.incarnation += 1
         self._seg, self._tasks, self._results = seg, tasks, results
         self._rings = (tasks, results)
@@ -430,7 +430,7 @@ class WorkerHandle:
             self._owing_since = (ended, now)
             return
         elapsed = now - mark[1]
-        if elapsed > stall_ns and (ended or _process.is_stopped(self.pid)):
+        if elapsed > stall_ns and (ended or _os.is_stopped(self.pid)):
             raise WorkerStalled(self, None, elapsed / 1e9)
 
     def stacks(self, timeout=2.0):
@@ -440,11 +440,11 @@ class WorkerHandle:
         fd, proc = self._stack_fd, self.proc
         if fd is None or proc is None:
             return "(no process)"
-        if _process.is_stopped(proc.pid):
+        if _os.is_stopped(proc.pid):
             return "(none: the process is stopped, e.g. by SIGSTOP, and cannot write them)"
-        _process.read_available(fd, 0)   # (anything left from an earlier request)
-        _process.send_signal(proc, signal.SIGUSR1)
-        text = _process.read_available(fd, timeout).decode("utf-8", "replace")
+        _os.read_available(fd, 0)   # (anything left from an earlier request)
+        _os.send_signal(proc, signal.SIGUSR1)
+        text = _os.read_available(fd, timeout).decode("utf-8", "replace")
         return text or f"(no stack came within {timeout} s)"
 
     # -- rings ----------------------------------------------------------------------------
@@ -573,7 +573,7 @@ class WorkerHandle:
             seg = segment_from_peer(self.pid, fd, ino, size, f"slot{self.index}")
         except PeerGoneError:
             # (a process exiting closes its descriptors a moment before it is seen ended)
-            if _process.has_exited(self.proc, 0.2):
+            if _os.has_exited(self.proc, 0.2):
                 raise WorkerDied(self) from None
             raise WorkerCorrupt(self, f"slot {slot}: it has no shared-memory segment of "
                                       f"inode {ino} and at least {size} bytes as its "

@@ -28,6 +28,7 @@ import numpy as np
 
 from .._transport import codec as _codec
 from .._transport import protocol as P
+from .. import _os
 from .. import stats as _stats
 from ..backend import CLOSED_WHILE_WAITING, Dealer, ResultT, TaskInfoT, TicketTable, no_result
 from .._transport.ring import DEFAULT_SPIN as _DEFAULT_SPIN
@@ -76,22 +77,6 @@ _AT_SLOT = P.AT_SLOT
 _untag = P.untag
 _decode = _codec.decode
 _SlotLease = _codec.SlotLease
-
-# The pid of this process, read by _ensure_open on every call.  os.getpid() is a system
-# call; this is kept current by an at-fork hook instead.  Every way of going on running
-# Python in a forked child runs those hooks (os.fork(), hence multiprocessing's fork and
-# forkserver; C code must call PyOS_AfterFork_Child, which runs them too), so a forked
-# child still sees its own pid here and is refused the manager.
-_this_pid = os.getpid()
-
-
-def _after_fork_in_child():
-    global _this_pid
-    _this_pid = os.getpid()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
 
 def _load(lane):
     """How busy a lane is (tasks in flight or waiting), for a deal that is not in order."""
@@ -255,11 +240,8 @@ class MultiProcessingSampleManager(Supervision, SlotAccounting, Polling,
     def _ensure_open(self):
         if self.closed:
             raise RuntimeError(f"this {type(self).__name__} is closed")
-        if _this_pid != self._owner_pid:
-            raise RuntimeError(
-                f"this {type(self).__name__} belongs to process {self._owner_pid} and cannot "
-                f"be used in process {os.getpid()} (a forked child): its workers answer "
-                f"only their parent")
+        if _os.pid != self._owner_pid:
+            _os.refuse_child(self, self._owner_pid)
 
     def submit(self, work_info, worker: Optional[int] = None, *, record=None) -> int:
         """Queue ``work_info`` and return its ticket (see :meth:`result`).  ``worker``
@@ -271,7 +253,7 @@ class MultiProcessingSampleManager(Supervision, SlotAccounting, Polling,
         the ticket is appended, or the work was not submitted (or is dropped when its
         result arrives)."""
         with self._lock:
-            if self.closed or _this_pid != self._owner_pid:
+            if self.closed or _os.pid != self._owner_pid:
                 self._ensure_open()   # raises
             if self._released:
                 self._give_back_released_slots()
@@ -504,7 +486,7 @@ class MultiProcessingSampleManager(Supervision, SlotAccounting, Polling,
         :class:`~unienv_mp.WorkerError` if the work raised, ``TimeoutError`` after
         ``timeout`` (default: the manager's ``timeout``) seconds."""
         with self._lock:
-            if self.closed or _this_pid != self._owner_pid:
+            if self.closed or _os.pid != self._owner_pid:
                 self._ensure_open()   # raises
             task = self._tasks.pending(ticket)
             if not task.arrived:

@@ -15,7 +15,7 @@ import signal
 import time
 import warnings
 
-from .. import _os as _process
+from .. import _os
 from .._transport import protocol as P
 from .. import stats as _stats
 from ..backend import CLOSED_WHILE_WAITING, respawn_verdict
@@ -75,7 +75,7 @@ class Resources:
         try:
             self.shut_down()   # (again: a process started since, by a call ending now)
             # (cut short, this kills the workers: a second close() does nothing)
-            _process.stop_processes([w.proc for w in self.workers if w.proc is not None],
+            _os.stop_processes([w.proc for w in self.workers if w.proc is not None],
                                     join_timeout)
         finally:
             for w in self.workers:
@@ -132,7 +132,7 @@ class Supervision:
         if not self._deferred:
             return False
         # (one step: either the worker has its lane and its process, or neither)
-        with _process.interrupts_deferred():
+        with _os.interrupts_deferred():
             try:
                 if not self._start_later():
                     self._deferred.clear()
@@ -195,7 +195,7 @@ class Supervision:
         # the Ctrl-C held back is raised as the step ends.
         detached = None
         try:
-            with _process.interrupts_deferred():
+            with _os.interrupts_deferred():
                 detached = self._requeue(lane, deaths, failed)
         finally:
             if detached is not None:
@@ -210,11 +210,11 @@ class Supervision:
         None: it is replaced), and the task whose result is its stall, as ``(task,
         error)`` (or None).  Warns of a replacement the caller should hear of."""
         w, stall = lane.worker, lane.stall
-        how = _process.describe_exit(code)
+        how = _os.describe_exit(code)
         # (a SIGINT is a terminal's Ctrl-C that reached the worker too, not a crash)
         deaths = lane.deaths_in_a_row + (code != -signal.SIGINT)
         give_up = failed = None
-        if code == _process.EXIT_MAIN_REIMPORTED and stall is None:
+        if code == _os.EXIT_MAIN_REIMPORTED and stall is None:
             # a replacement would make the same mistake: one error, with the fix
             give_up = WorkerDiedError(
                 f"worker {w.index} {how}: started with {self._start_method!r}, it "
@@ -388,7 +388,7 @@ class Supervision:
                               f"thread did not end within {CLOSE_WAIT} s of close(); its "
                               f"workers are stopped, its shared memory is released at "
                               f"exit", RuntimeWarning, stacklevel=2)
-                _process.stop_processes(
+                _os.stop_processes(
                     [w.proc for w in resources.workers if w.proc is not None], 2.0)
                 return
             finalizer = getattr(self, "_finalizer", None)

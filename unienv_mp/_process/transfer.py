@@ -42,7 +42,7 @@ from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 
-from .. import _os as _process
+from .. import _os
 from .._transport.ring import Segment
 
 __all__ = ["Parcel"]
@@ -111,7 +111,7 @@ class Parcel:
             raise
         # (recorded in one step that a Ctrl-C cannot cut in two: the record numbers that
         # the pickling gave out are the positions the records are appended at)
-        with _process.interrupts_deferred():
+        with _os.interrupts_deferred():
             index = len(self._segments)
             self._segments.append(seg)
             for item, off in zip(pending, offsets):

@@ -8,7 +8,7 @@ import signal
 import time
 
 from .._transport import codec as _codec
-from .. import _os as _process
+from .. import _os
 from .._transport import protocol as P
 from .. import stats as _stats
 from .._transport.ring import Event, RingBuffer, Segment, segment_from_peer
@@ -140,9 +140,9 @@ class _Results:
 
 def worker_main(index, target_fn, seg, doorbell_seg, parent_pid, init_fn, seed, options):
     """Entry point of a worker process (see MultiProcessingSampleManager)."""
-    _process.ignore_sigint()   # Ctrl-C is the parent's to handle
-    _process.exit_with_parent(parent_pid, options.get("pdeathsig", False))
-    _process.limit_threads()
+    _os.ignore_sigint()   # Ctrl-C is the parent's to handle
+    _os.exit_with_parent(parent_pid, options.get("pdeathsig", False))
+    _os.limit_threads()
     poll = options.get("poll_interval", 0.005)
     spin = options.get("spin", 20e-6)
     done_event = options.get("done_event")

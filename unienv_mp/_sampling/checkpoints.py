@@ -9,7 +9,7 @@ state is one step that a Ctrl-C cannot cut in two.
 """
 import collections
 
-from .. import _os as _process
+from .. import _os
 from . import state as _state
 from .streams import EpochProgress, Stream, base_seed
 from .._validate import MAX_BUFFERS
@@ -26,7 +26,7 @@ class Checkpoints:
         streams start again from their first batch, and the next epoch draws its
         permutation from the new seed."""
         with self._lock:
-            with _process.interrupts_deferred():   # (one step: a Ctrl-C cannot cut it in two)
+            with _os.interrupts_deferred():   # (one step: a Ctrl-C cannot cut it in two)
                 self.sampler.manual_seed(seed)
                 self._drop_streams()
                 self._base = base_seed(self.sampler)
@@ -78,7 +78,7 @@ class Checkpoints:
                 raise
             except Exception as e:
                 raise ValueError(f"not a whole state_dict(): {type(e).__name__}: {e}") from e
-            with _process.interrupts_deferred():   # (one step: a Ctrl-C cannot cut it in two)
+            with _os.interrupts_deferred():   # (one step: a Ctrl-C cannot cut it in two)
                 self._drop_streams()
                 self._base = base
                 _state.give_rngs(self.sampler, rngs)

@@ -11,7 +11,7 @@ them), ``_open_epochs`` (the epochs being iterated) and ``_resume`` (epochs rest
 """
 import collections
 
-from .. import _os as _process
+from .. import _os
 from .target import epoch_order, split_epoch
 from .streams import EpochProgress
 
@@ -172,7 +172,7 @@ class Epochs:
             manager, _ = self._epoch_manager()   # (an own manager: in _epoch_managers)
             # (one step: the epoch holds its manager, is open, and has taken its restored
             # state, or none of these)
-            with _process.interrupts_deferred():
+            with _os.interrupts_deferred():
                 if restored:
                     restored.popleft()
                     if not restored:
@@ -194,7 +194,7 @@ class Epochs:
         if not run.ended:
             users = self._epoch_users
             # (one step: a Ctrl-C cannot leave tickets behind on a manager that lives on)
-            with _process.interrupts_deferred():
+            with _os.interrupts_deferred():
                 open_epochs = self._open_epochs
                 for i, p in enumerate(open_epochs):
                     if p is run.progress:
@@ -213,7 +213,7 @@ class Epochs:
         if run.closes:
             if not manager.closed and not run.counted:
                 part = manager.stats()
-                with _process.interrupts_deferred():
+                with _os.interrupts_deferred():
                     self._ended_wait_ns += int(part.wait_seconds * 1e9)
                     self._ended_startup_ns += int(part.startup_seconds * 1e9)
                     run.counted = True

@@ -24,7 +24,7 @@ from typing import Any, Optional
 from unienv_data.base import BatchSampler
 
 from . import fingerprint as _fingerprint
-from .. import _os as _process
+from .. import _os
 from .._direct import gather as _gather
 from .. import stats as _stats
 from .checkpoints import Checkpoints
@@ -41,18 +41,6 @@ from ..errors import WorkerError
 from .._process.manager import CLOSE_WAIT, MultiProcessingSampleManager
 
 __all__ = ["SamplerBase", "MultiprocessingSampler"]
-
-# The pid of this process, kept current by an at-fork hook (as the manager's is): a forked
-# child is refused the parent's sampler before it hands out a batch ready in the parent.
-_this_pid = os.getpid()
-
-
-def _after_fork_in_child():
-    global _this_pid
-    _this_pid = os.getpid()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 #: Batches smaller than this are made several to a task (see ``batches_per_task``) ...
 _CHUNK_BYTES = 1 << 20
@@ -256,13 +244,10 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
     def _ensure_open(self):
         if self._closed:
             raise RuntimeError(f"this {type(self).__name__} is closed")
-        if _this_pid != self._owner_pid:
+        if _os.pid != self._owner_pid:
             # (its batches ready here are the parent's too: none is handed out)
-            raise RuntimeError(
-                f"this {type(self).__name__} belongs to process {self._owner_pid} and cannot "
-                f"be used in process {os.getpid()} (a forked child): its workers answer "
-                f"only their parent, and its batches ready are the parent's.  Make a new "
-                f"sampler in the child")
+            _os.refuse_child(self, self._owner_pid, ", and its batches ready are the "
+                                  "parent's.  Make a new sampler in the child")
 
     def _ensure_manager(self):
         self._ensure_open()
@@ -282,7 +267,7 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
         # __getattribute__ and then its __getattr__ hook: each is read once here.
         with self._lock:
             manager = self._manager
-            if manager is None or self._closed or _this_pid != self._owner_pid:
+            if manager is None or self._closed or _os.pid != self._owner_pid:
                 manager = self._ensure_manager()
             stream = self._streams.get(name)
             if stream is None:

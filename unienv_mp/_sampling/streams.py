@@ -40,7 +40,7 @@ import pickle
 import sys
 import zlib
 
-from .. import _os as _process
+from .. import _os
 
 __all__ = ["Stream", "EpochProgress", "base_seed", "stream_key", "chunk_seed",
            "forget_requests"]
@@ -244,7 +244,7 @@ def forget_requests(manager, stream):
     """A call on ``stream`` was cut short (Ctrl-C, a timeout, a worker that died for good):
     its requests are cancelled on ``manager`` and asked for again next time, and the
     position stays where it is."""
-    with _process.interrupts_deferred():
+    with _os.interrupts_deferred():
         for t in stream.tickets:
             manager.cancel(t)
         stream.reset()

@@ -23,7 +23,7 @@ import warnings
 import ray
 import ray.exceptions as _rx
 
-from .. import _os as _process
+from .. import _os
 from .. import stats as _stats
 from ..backend import Dealer, TicketTable, no_result, none_pending, respawn_verdict
 from .._sampling.target import SamplerTarget
@@ -184,7 +184,7 @@ class RayManager:
         verdict = respawn_verdict(self.respawn, deaths, self.max_respawns)
         # One step that a Ctrl-C must not cut in two: every task in flight goes to the
         # new actor (one left with the old one would count as a death again).
-        with _process.interrupts_deferred():
+        with _os.interrupts_deferred():
             lane.deaths_in_a_row = 0 if verdict is not None else deaths
             lane.record.process_ended(lane.counters.view, time.monotonic_ns())
             lane.record.respawns += 1
