@@ -1,7 +1,7 @@
 """``unienv_mp.gather``, kept for code that imports the direct gather from here; it lives
 in :mod:`unienv_mp._direct` (an internal subpackage: its names may change)."""
-from ._direct.gather import (DIRECT_METHODS, Gatherer, NotDirect, PlannedBatch, check,
-                             row_nbytes, sampled_rows)
+from ._direct.base import DIRECT_METHODS, NotDirect, PlannedBatch, sampled_rows
+from ._direct.gather import Gatherer, check, row_nbytes
 
 __all__ = ["NotDirect", "check", "row_nbytes", "sampled_rows", "Gatherer", "DIRECT_METHODS",
            "PlannedBatch"]

@@ -16,9 +16,11 @@ as one index draw and one ``index_select`` per array.
 import time
 from typing import Optional
 
-from .._direct import unienv as _unienv
-from .._direct import gather as _gather
 from .. import stats as _stats
+from .._direct import base as _base
+from .._direct import gather as _gather
+from .._direct import storages as _storages
+from .._direct import unienv as _unienv
 from ..backend import TicketTable, none_pending
 from ..errors import WorkerError, error_payload
 
@@ -69,10 +71,10 @@ class ResidentTarget:
                 target.reseed(seed)
                 sample_index = target.sampler.sample_index
                 buffer = target.sampler.data
-                return tuple([_gather_rows(tree, _gather.sampled_rows(buffer,
-                                                                       sample_index()))
+                return tuple([_gather_rows(tree, _base.sampled_rows(buffer,
+                                                                     sample_index()))
                               for _ in range(k)])
-        elif name == "get_at" and len(work) == 2 and _gather.is_index_tensor(work[1]):
+        elif name == "get_at" and len(work) == 2 and _base.is_index_tensor(work[1]):
             tree = self._tree("get_at")
             if tree is not None:
                 rows = _unienv.logical_to_physical(self.target.sampler.data, work[1])
@@ -85,9 +87,9 @@ def _sources(tree):
     is one whole source of its own row shape and dtype."""
     if isinstance(tree, dict):
         return {k: _sources(v) for k, v in tree.items()}
-    if isinstance(tree, _gather.Leaf) and tree.direct and tree.columns is None:
+    if isinstance(tree, _storages.Leaf) and tree.direct and tree.columns is None:
         return tree.parts[0][0]
-    raise _gather.NotDirect("a leaf that is not one whole tensor")
+    raise _base.NotDirect("a leaf that is not one whole tensor")
 
 
 def _gather_rows(tree, rows):

@@ -7,11 +7,15 @@ bit, with UniEnv's own methods).
 * :mod:`.storages`: the planner of a ReplayBuffer's storages, and the layout of flat rows.
 * :mod:`.views`: the planners of UniEnv's views (frame stacks, columns, combined datasets,
   sub-items), built on the storage planner they are handed.
-* :mod:`.gather`: the entry points: whether a sampler qualifies, its bytes per row, and
-  the worker's ``Gatherer``, which picks the storage or the view plan.
+* :mod:`.gather`: the entry points: whether a sampler qualifies, its bytes per row, the
+  sampler's ``Planner`` and the worker's ``Gatherer``, which pick the storage or the view
+  plan.
 * :mod:`.rows`: the compiled row gather and stacked-view windows (``csrc/umr_rows.c``,
   ``csrc/umr_window.c``).
 * :mod:`.unienv`: every use of UniEnv's private names, in one place.
+
+Imports go one way: :mod:`.base` below :mod:`.storages` and :mod:`.views` (which never
+import each other), and those below :mod:`.gather`, which nothing here imports.
 
 May import: :mod:`unienv_mp._transport`, :mod:`unienv_mp.errors`, UniEnv and torch; not
 the process backend or the sampler.

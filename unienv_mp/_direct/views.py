@@ -1,7 +1,8 @@
 """Direct gather of UniEnv's batch views: frame stacks and action chunks
 (``SliceStackedBatch``, ``FrameStackedBatch``), their column views, combined datasets
 (``CombinedBatch``), field views (``SubItemBatch``) and index views (``SubIndexedBatch``),
-nested as users nest them, over ReplayBuffers that :mod:`unienv_mp._direct.gather` gathers directly.
+nested as users nest them, over ReplayBuffers, whose storages are read by the storage
+planner that :func:`plan` is handed (:mod:`unienv_mp._direct.storages`).
 
 A view's batch is a function of storage rows.  A stack expands each index into its window
 (``idx + fixed_offset``, clipped to the data), reads the episode column at those rows to
@@ -29,7 +30,8 @@ view for one element the generic way and lays the batch out as that answer is la
 refusing the plan (the generic path runs) if any array differs from what the nodes
 computed.  What a node cannot reproduce exactly is refused when it is planned, with a
 reason that names the part of the view: a custom valid mask function or one reading
-metadata, a subclass, transformations, storages outside :mod:`unienv_mp._direct.gather`'s list.
+metadata, a subclass, transformations, storages outside the list of
+:mod:`unienv_mp._direct.gather`.
 
 Flattened batches of views (``sample_flat*``, ``get_flattened_at*``) are gathered directly
 where the view flattens its own batch of one array (a column stack, a field view: the flat
@@ -38,8 +40,9 @@ row is the window's rows one after the other); elsewhere they take the generic p
 import numpy as np
 
 from .._transport import codec as _codec
-from . import rows as _rows, unienv as _unienv
-from .gather import BUFFER_METHODS, NotDirect, PlannedBatch, byte_rows, overridden, qualname
+from . import rows as _rows
+from . import unienv as _unienv
+from .base import BUFFER_METHODS, NotDirect, PlannedBatch, byte_rows, overridden, qualname
 
 __all__ = ["PLANNERS", "plan", "Spec", "Part", "ViewGatherer", "GETTERS", "FLAT_GETTERS",
            "getter_specs"]
@@ -607,9 +610,9 @@ PLANNERS = {}
 
 
 def plan(batch, planner):
-    """The node that plans ``batch`` (raises :class:`~unienv_mp._direct.gather.NotDirect`, naming
-    the part of the view, if it cannot be gathered directly).  ``planner`` plans the
-    storages (:class:`unienv_mp._direct.gather.Planner`)."""
+    """The node that plans ``batch`` (raises :class:`~unienv_mp._direct.base.NotDirect`,
+    naming the part of the view, if it cannot be gathered directly).  ``planner`` plans
+    the storages (:class:`unienv_mp._direct.storages.StoragePlanner`)."""
     if not PLANNERS:
         PLANNERS.update(_planners())
     cls = PLANNERS.get(type(batch))
@@ -658,7 +661,7 @@ class ViewGatherer:
     def __init__(self, root, sampler):
         self.root = root
         self.sampler = sampler
-        self._plans = {}   # (getter, batch size, k) -> _Plan, or None: refused
+        self._plans = {}   # (getter, batch size, k) -> ViewLayout, or None: refused
 
     def __call__(self, getter, indices, k):
         """The batch of ``getter`` at each index tensor of ``indices`` (a tuple of them if
@@ -689,7 +692,7 @@ class ViewGatherer:
         # getter returns for a CPU sampler): the layout to follow
         reference = getattr(self.sampler.data, getter)(idx[:1].clone())
         try:
-            plan = _Plan(reference, getter_specs(self.root, getter), key[1], k)
+            plan = ViewLayout(reference, getter_specs(self.root, getter), key[1], k)
         except NotDirect:
             self._plans[key] = None
             raise
@@ -716,10 +719,10 @@ def layout_check(root, sampler):
             # say): not for this check to decide; the workers plan from a batch UniEnv
             # gives, and a batch it cannot give raises UniEnv's error there
             return
-        _Plan(reference, specs, 1, None)
+        ViewLayout(reference, specs, 1, None)
 
 
-class _Plan:
+class ViewLayout:
     """The slot layout of a view's batch of ``n`` (or of a tuple of ``k``): the codec
     frame, laid out as UniEnv's ``reference`` answer is, and for every array, where it
     goes and which of the nodes' arrays fills it."""
@@ -770,7 +773,8 @@ class _Plan:
 
     def views(self, buffer):
         """Each array's rows over ``buffer`` (a slot), after a memoryview of it that keeps
-        the memory mapped while the views are kept (see gather's plan)."""
+        the memory mapped while the views are kept (see
+        :meth:`unienv_mp._direct.storages.FlatLayout.views`)."""
         torch = _torch()
         buffer = memoryview(buffer)
         out = [buffer]

@@ -1,14 +1,15 @@
 """The speed limit of in-process sampling (the ``index_select`` row): a StepSampler's own
 indices mapped to storage rows as the core's workers map them, every array gathered by
 ``torch.index_select`` into output tensors allocated once and returned for every batch."""
-from .._direct import gather
+from .._direct.base import sampled_rows
+from .._direct.gather import Planner
 from .config import Config
 from .data import dict_storage_tensors
 
 
 def index_select_sampler(base, rb, cfg: Config):
     """The speed limit of in-process sampling: ``base``'s own indices, mapped to storage
-    rows as the core's direct gather maps them (``gather.sampled_rows``: the ReplayBuffer's
+    rows as the core's direct gather maps them (``sampled_rows``: the ReplayBuffer's
     arithmetic on one snapshot of its ring state, without the bounds check of its own
     mapping, which costs more than the gather of a small batch; ``sample_index()`` draws
     in ``[0, len)`` by construction), gathered by ``torch.index_select`` into output
@@ -19,7 +20,7 @@ def index_select_sampler(base, rb, cfg: Config):
            for k, d in data.items()}
 
     def next_batch():
-        rows = gather.sampled_rows(rb, base.sample_index())
+        rows = sampled_rows(rb, base.sample_index())
         for k, d in data.items():
             torch.index_select(d, 0, rows, out=out[k])
         return out
@@ -32,7 +33,7 @@ def view_limit_sampler(base, cfg: Config):
     (``unienv_mp._direct.views``, the same table of rows), and every array gathered by
     ``torch.index_select`` into output tensors allocated once here and returned (the same
     ones) for every batch."""
-    root = gather.Planner(base).view
+    root = Planner(base).view
     if root is None:
         raise TypeError("not a view")
     n = cfg.batch_size

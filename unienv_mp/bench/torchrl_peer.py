@@ -1,7 +1,7 @@
 """The ``torchrl`` row: a TorchRL ``ReplayBuffer(prefetch=TORCHRL_PREFETCH)`` over the same
 rows as UniEnv's buffer (uniform, or slices of an episode for the views case).  torchrl is
 optional: it is imported when a sampler is made."""
-from .._direct import gather
+from .._direct.base import sampled_rows
 from .config import TORCHRL_PREFETCH, Config
 from .data import dict_storage_tensors
 
@@ -20,7 +20,7 @@ def torchrl_sampler(rb, cfg: Config, seed: int = 0):
     from torchrl.data.replay_buffers.samplers import RandomSampler
     data = dict_storage_tensors(rb)
     n = len(rb)
-    rows = gather.sampled_rows(rb, torch.arange(n))   # (the core's mapping)
+    rows = sampled_rows(rb, torch.arange(n))   # (the core's mapping)
     in_place = bool(torch.equal(torch.as_tensor(rows), torch.arange(n)))
     td = TensorDict({k: d[:n] if in_place else d.index_select(0, torch.as_tensor(rows))
                      for k, d in data.items()}, batch_size=[n])
