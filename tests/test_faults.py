@@ -46,9 +46,9 @@ def test_worker_dying_mid_batch_is_replaced_without_a_gap(tmp_path, how):
 def _epoch_pool(m):
     """The manager running ``m``'s current epoch: its own over unshared data, else the
     one kept for epochs, else the sampler's."""
-    if m._epoch_managers:
-        return next(iter(m._epoch_managers))
-    return m._kept if m._kept is not None else m._manager
+    if m._pools.own:
+        return next(iter(m._pools.own))
+    return m._pools.kept if m._pools.kept is not None else m._pools.sample
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -61,7 +61,7 @@ def test_worker_killed_from_outside_during_an_epoch(shared):
             seen += indices_of(b)
             if i in (2, 7):
                 pool = _epoch_pool(m)
-                assert (pool is m._manager) == shared
+                assert (pool is m._pools.sample) == shared
                 os.kill(pool.workers[i % 3].pid, signal.SIGKILL)
         assert sorted(seen) == list(range(150))
         if shared:
@@ -69,7 +69,7 @@ def test_worker_killed_from_outside_during_an_epoch(shared):
             # waited on: after a round of work for every worker, all are alive again.
             for _ in range(6):
                 m.sample()
-            assert all(w.is_alive() for w in m._manager.workers)
+            assert all(w.is_alive() for w in m._pools.sample.workers)
 
 
 def test_respawn_false_raises_worker_died_error(tmp_path):
@@ -109,7 +109,7 @@ PARENT = """
     m = MultiprocessingSampler(sampler, n_workers=2, n_buffers=2, ctx={method!r})
     m.sample() if {delay} < 1 else None
     m._ensure_manager().start_all()
-    print(" ".join(str(p.pid) for p in m._manager.workers), flush=True)
+    print(" ".join(str(p.pid) for p in m._pools.sample.workers), flush=True)
     {then}
 """
 
@@ -170,7 +170,7 @@ def test_an_interrupted_wait_does_not_leak_its_task():
         with pytest.raises(TimeoutError):
             m.sample()
         assert pool._tasks[first].cancelled  # given up on, not left behind
-        assert wait_until(lambda: pool._poll_all() or first not in pool._tasks, timeout=30)
+        assert wait_until(lambda: pool._poller.poll_all() or first not in pool._tasks, timeout=30)
 
 
 def test_close_while_work_is_in_flight():

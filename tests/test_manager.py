@@ -206,23 +206,25 @@ def test_interrupts_deferred_holds_ctrl_c_until_the_block_ends():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_ctrl_c_while_a_result_is_recorded_keeps_the_result():
+def test_ctrl_c_while_a_result_is_recorded_keeps_the_result(monkeypatch):
+    import unienv_mp._process.manager as manager_module
     with MultiProcessingSampleManager(_identity, n_workers=1, ctx="fork",
                                       timeout=30) as mgr:
-        real = mgr._accept
+        real = manager_module._accept
         armed = [True]
 
-        def interrupted(w, entry):
+        def interrupted(tasks, slots, lane, entry):
             if armed[0]:
                 armed[0] = False
                 raise KeyboardInterrupt
-            return real(w, entry)
+            return real(tasks, slots, lane, entry)
 
-        mgr._accept = interrupted
+        monkeypatch.setattr(manager_module, "_accept", interrupted)
         mgr.add_work("a")
         mgr.add_work("b")
         with pytest.raises(KeyboardInterrupt):
             mgr.fetch()
+        assert not armed[0]
         assert [mgr.fetch(), mgr.fetch()] == ["a", "b"]
         assert not mgr._lanes[0].inflight
 

@@ -399,18 +399,18 @@ def test_a_ctrl_c_while_a_stalled_worker_is_killed_leaves_the_sampler_working():
     never recovers from."""
     from test_stats import StuckOnFifth
     from unienv_mp import WorkerDiedError
-    from unienv_mp._process.manager import MultiProcessingSampleManager as Manager
+    from unienv_mp._process.pool import WorkerPool
     rb = replay_buffer(100)
     with MultiprocessingSampler(StuckOnFifth(rb, 4, seed=0), n_workers=1, n_buffers=2,
                                 ctx="fork", batches_per_task=1, stall_timeout=0.5,
                                 respawn=False) as m:
         for _ in range(4):
             m.sample()
-        killed = line_of(Manager._bury, "code = w.exit_code(1.0)")
-        with interrupt_at(Manager._bury, killed) as i:
+        killed = line_of(WorkerPool.bury, "code = w.exit_code(1.0)")
+        with interrupt_at(WorkerPool.bury, killed) as i:
             assert interrupted(m.sample)
         assert i.fired
-        worker = m._manager._lanes[0].worker
+        worker = m._pools.sample._lanes[0].worker
         assert wait_until(worker.has_exited)       # (SIGKILL takes a moment)
         outcomes = []
         for _ in range(3):

@@ -4,9 +4,9 @@ imported them from ``unienv_data.samplers.multiprocessing_sampler`` keeps workin
 import queue as _queue
 
 from ._os import limit_threads
+from ._process.manager import MultiProcessingSampleManager
 from ._sampling.target import NO_ARG, SamplerTarget, draw_worker_seeds, epoch_batches
 from .errors import CodecError, RingClosed, WorkerError, error_payload
-from ._process.manager import MultiProcessingSampleManager
 
 __all__ = ["worker_loop", "wrap_sample_function", "wrap_epoch_iter_function"]
 

@@ -21,11 +21,11 @@ import threading
 import time
 
 from .. import _os
-from .._transport import protocol as P
 from .. import stats as _stats
+from .._transport import protocol as P
 from .._transport.ring import RingBuffer, Segment, segment_from_peer
-from .transfer import Parcel
 from ..errors import CodecError, PeerGoneError, RingClosed
+from .transfer import Parcel
 from .worker import worker_main
 
 __all__ = ["WorkerHandle", "WorkerDied", "WorkerStalled", "WorkerCorrupt", "Launch",

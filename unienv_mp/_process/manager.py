@@ -16,31 +16,33 @@ wrote a result entry it could not have written, which is killed first (a warning
 :class:`~unienv_mp.CodecError` instead).  Workers end with the parent however the parent
 ends (see :mod:`unienv_mp._os`).
 """
-import collections
 import os
 import queue as _queue
 import threading
 import time
+import warnings
 from multiprocessing import util as _mputil
-from typing import Callable, Optional, Sequence
+from typing import Callable, Generic, Optional, Sequence
 
-import numpy as np
-
-from .._transport import codec as _codec
-from .._transport import protocol as P
 from .. import _os
 from .. import stats as _stats
-from ..backend import CLOSED_WHILE_WAITING, Dealer, ResultT, TaskInfoT, TicketTable, no_result
+from .._transport import codec as _codec
+from .._transport import protocol as P
 from .._transport.ring import DEFAULT_SPIN as _DEFAULT_SPIN
 from .._transport.ring import Event, Segment
-from .slots import SlotAccounting
-from .polling import Polling
-from .pool import CLOSE_WAIT, Lane, Resources, Supervision
-from .unienv_queue import UniEnvQueue
-from .._validate import MAX_LEASES, MAX_RESPAWNS, check_bool, check_context, check_doze_time, check_index, check_int, check_seconds, check_spin, check_workers
-from .encoder import WorkEncoder, spill_entry
-from .handle import RESULT_INLINE, TASK_CAPACITY, TASK_INLINE, Launch, WorkerCorrupt, WorkerDied, WorkerHandle
+from .._validate import (MAX_LEASES, MAX_RESPAWNS, check_bool, check_context,
+                         check_doze_time, check_index, check_int, check_seconds, check_spin,
+                         check_workers)
+from ..backend import (CLOSED_WHILE_WAITING, Dealer, ResultT, TaskInfoT, TicketTable,
+                       no_result, none_pending)
 from ..errors import RingClosed, WorkerError
+from .encoder import WorkEncoder
+from .handle import (RESULT_INLINE, TASK_CAPACITY, TASK_INLINE, Launch, WorkerCorrupt,
+                     WorkerDied)
+from .polling import Poller
+from .pool import CLOSE_WAIT, WorkerPool
+from .slots import SlotLedger
+from .unienv_queue import UniEnvQueue
 
 __all__ = ["MultiProcessingSampleManager", "TaskInfoT", "ResultT", "TASK_CAPACITY",
            "TASK_INLINE", "RESULT_INLINE", "CLOSE_WAIT"]
@@ -76,7 +78,6 @@ _ST_FATAL = P.ST_FATAL
 _AT_SLOT = P.AT_SLOT
 _untag = P.untag
 _decode = _codec.decode
-_SlotLease = _codec.SlotLease
 
 def _load(lane):
     """How busy a lane is (tasks in flight or waiting), for a deal that is not in order."""
@@ -110,8 +111,7 @@ class _Task:
     error = None        # an exception met here receiving it, raised in place of the value
 
 
-class MultiProcessingSampleManager(Supervision, SlotAccounting, Polling,
-                                   UniEnvQueue[TaskInfoT, ResultT]):
+class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
     """Run ``target_fn(work_info)`` in ``n_workers`` processes.
 
     Same interface as UniEnv's ``MultiProcessingSampleManager``: :meth:`add_work` queues a
@@ -146,12 +146,12 @@ class MultiProcessingSampleManager(Supervision, SlotAccounting, Polling,
       ``False``: raise it at the first death.
     * ``stall_timeout``: seconds a worker may spend on one task, or go without taking
       the tasks waiting for it (default: no limit); beyond, it is killed and replaced,
-      with a warning carrying its stacks (see :class:`~unienv_mp._process.pool.Supervision`
+      with a warning carrying its stacks (see :class:`~unienv_mp._process.pool.WorkerPool`
       for what becomes of its tasks).
     * ``start_later``: None (default): all start now.  A function: worker 0 starts now, the
       others one at a time when the caller would wait (after the first result) while
       ``start_later()`` is True, and tasks skip one still starting while another is up
-      (:class:`~unienv_mp._process.pool.Supervision`); :meth:`start_all` starts them now.
+      (:class:`~unienv_mp._process.pool.WorkerPool`); :meth:`start_all` starts them now.
 
     :meth:`stats` says where the time goes (see :class:`~unienv_mp.SamplerStats`).
 
@@ -186,8 +186,8 @@ class MultiProcessingSampleManager(Supervision, SlotAccounting, Polling,
         start_later: Optional[Callable[[], bool]] = None,
     ):
         # First, so that close() (also run at garbage collection) works on a half-built one.
-        self._resources = Resources()
         self.closed = True
+        self._pool = None
         # Held by every call (see "Threads" in the class docstring); re-entrant, for a
         # call made from a signal handler or a garbage collection in the middle of one.
         self._lock = threading.RLock()
@@ -196,41 +196,30 @@ class MultiProcessingSampleManager(Supervision, SlotAccounting, Polling,
             timeout, respawn, max_respawns, max_leases, spin, stall_timeout, start_later)
         vars(self).update(public)   # target_fn, doze_time, in_order, copy, timeout, ...
         self.done_event = done_event
-        self._start_method = ctx.get_start_method()
-        self._seeds = worker_seeds
-        self._seed_rng = np.random.default_rng(
-            None if worker_seeds is None else [int(s) for s in worker_seeds])
-        self._dealer = Dealer(None if start_later is None else _up)   # (see start_later)
-        self._tasks = TicketTable()              # ticket -> _Task (not yet delivered)
-        self._order = collections.deque()        # tickets of add_work, for fetch()
-        self._released = collections.deque()     # lease tokens given back by the GC
-        self._leases = 0
-        self._encoder = WorkEncoder(TASK_INLINE)
         self._owner_pid = os.getpid()
-        self._lanes = []          # of the workers started, in index order
-        self._deferred = collections.deque()   # (handle, seed) of those to start later
-        self._start_later = start_later
-        self._n_workers = n_workers
-        resources = self._resources
+        self._dealer = Dealer(None if start_later is None else _up)   # (see start_later)
+        self._tasks = tasks = TicketTable()      # ticket -> _Task (not yet delivered)
+        self._pool = pool = WorkerPool(n_workers, dict(
+            respawn=self.respawn, max_respawns=self.max_respawns, timeout=self.timeout,
+            stall_timeout=self.stall_timeout, start_later=start_later, seeds=worker_seeds,
+            start_method=ctx.get_start_method()), tasks, WorkEncoder(TASK_INLINE),
+            self._take)
+        self._lanes = pool.lanes                 # (the pool's: the per-batch path reads it)
+        self._resources = resources = pool.resources
+        self._slots = pool.slots = SlotLedger(tasks, pool.lanes, resources.spills)
+        self._caller = _stats.CallerRecord()   # batches handed out, time waited (see stats)
         resources.done_event = done_event
         resources.doorbell_seg = Segment.create(64, "doorbell")
-        self._doorbell = Event(resources.doorbell_seg, 0, True)
+        self._poller = Poller(pool, self._take, Event(resources.doorbell_seg, 0, True),
+                              self.doze_time, self._caller)
+        self._unienv = UniEnvQueue(self, tasks, self._slots, self._poller)
         self._finalizer = _mputil.Finalize(self, resources.close, exitpriority=100)
         self._batches_in = getattr(target_fn, "batches_in", None)
-        self._caller = _stats.CallerRecord()   # batches handed out, time waited (see stats)
         launch = Launch(target_fn, worker_init_fn, ctx, daemon, resources.doorbell_seg,
                         done_event, self.doze_time, self.spin, self.stall_timeout)
         self.closed = False
         try:
-            for i in range(n_workers):
-                w = WorkerHandle(i, launch)
-                resources.workers.append(w)
-                seed = None if worker_seeds is None else worker_seeds[i]
-                if i > 0 and start_later is not None:
-                    self._deferred.append((w, seed))
-                    continue
-                self._lanes.append(Lane(w))
-                w.start(seed)
+            pool.start(launch)
         except BaseException:
             self.close()
             raise
@@ -255,14 +244,15 @@ class MultiProcessingSampleManager(Supervision, SlotAccounting, Polling,
         with self._lock:
             if self.closed or _os.pid != self._owner_pid:
                 self._ensure_open()   # raises
-            if self._released:
-                self._give_back_released_slots()
+            slots = self._slots
+            if slots.released:
+                slots.give_back_released()
             if self._caller.since_ns is None:
                 self._caller.begin()
             lanes = self._lanes
             if worker is not None:
-                worker = check_index(worker, "worker", self._n_workers)
-                while worker >= len(lanes) and self._start_deferred():
+                worker = check_index(worker, "worker", self._pool.n_workers)
+                while worker >= len(lanes) and self._pool.start_deferred():
                     pass
                 lane = lanes[check_index(worker, "worker", len(lanes))]
             else:
@@ -274,35 +264,26 @@ class MultiProcessingSampleManager(Supervision, SlotAccounting, Polling,
                 # Give the task to the worker, replacing its process first if it died.
                 if lane.waiting or not lane.worker.has_process:
                     lane.waiting.append(task)
-                    self._restart(lane)
+                    self._pool.restart(lane)
                 else:
                     try:
                         if len(lane.inflight) >= TASK_CAPACITY:
-                            self._make_room(lane)
-                        self._push_task(task, lane)
+                            self._pool.make_room(lane)
+                        self._pool.push(task, lane)
                     except WorkerDied as e:
-                        self._bury(lane, e)
+                        self._pool.bury(lane, e)
                         lane.waiting.append(task)
-                        self._restart(lane)
+                        self._pool.restart(lane)
                     except RingClosed:   # (close() shut the ring, from another thread)
                         raise RuntimeError(CLOSED_WHILE_WAITING) from None
                 if record is not None:
                     record.append(ticket)
             except BaseException:
                 if record is None or not record or record[-1] != task.ticket:
-                    self._abandon(task, lane)
+                    self._slots.abandon(task, lane)
                 # (else the caller has the ticket: interrupted after handing it over)
                 raise
             return ticket
-
-    def _abandon(self, task, lane):
-        """``submit`` of ``task`` raised: its caller has no ticket.  Drop the task, or, if
-        it reached the worker, let it be dropped when its result arrives."""
-        task.cancelled = True
-        while task in lane.waiting:
-            lane.waiting.remove(task)
-        if task.arrived or task.ticket not in lane.inflight:
-            self._drop(task)
 
     def reset_order(self) -> None:
         """Deal the next task (submitted without ``worker``) to worker 0, and the ones
@@ -310,108 +291,13 @@ class MultiProcessingSampleManager(Supervision, SlotAccounting, Polling,
         with self._lock:
             self._dealer.reset()
 
-    def _make_room(self, lane):
-        """Keep at most TASK_CAPACITY tasks in flight on ``lane``'s worker: collect (not
-        hand out) results until there is room.  A worker whose rings were both full would
-        wait for the parent while the parent waits for it."""
-        w = lane.worker
-        while len(lane.inflight) >= TASK_CAPACITY:
-            try:
-                self._take(lane, w.next_result(self.timeout))
-            except _queue.Empty:
-                raise no_result(self.timeout, w.index) from None
-            except RingClosed:
-                raise RuntimeError(CLOSED_WHILE_WAITING) from None
-
-    def _push_task(self, task, lane):
-        """Push ``task`` onto the task ring of ``lane``'s worker; it is in
-        ``lane.inflight`` once pushed.  Raises WorkerCorrupt, a WorkerDied (not pushed),
-        if the process wrote into its task ring.  Whether it was pushed or not, the task
-        keeps the slot number it was given, for the next try (or for _drop)."""
-        seg = task.spill
-        if seg is None:
-            tag, payload, seg = self._encoder.encode(task.work)
-            if seg is not None:
-                task.spill = seg
-                self._resources.spills.append(seg)
-        else:
-            tag, payload = spill_entry(seg)   # (work given again, to a new process)
-        w = lane.worker
-        task.worker = w.index
-        task.incarnation = w.incarnation
-        if task.slot is None:
-            task.slot = w.take_slot()
-        # (the ticket goes into inflight if and only if the push happens)
-        w.push_task(tag, task.slot, task.ticket, payload, lane.inflight)
-
     # -- collecting -----------------------------------------------------------------------
-
-    def _accept(self, lane, entry):
-        """Record a result entry that ``lane``'s worker published (hand nothing out
-        yet).  The caller then tells the worker handle it is recorded (see _take); an
-        entry whose recording was cut short is recorded again, so every step below gives
-        the same state when it runs twice."""
-        t, slot, ticket, payload = entry
-        status, where = _untag(t)
-        w = lane.worker
-        if status == _ST_FATAL:
-            w.result_recorded()   # (the worker exits; a replacement starts afresh)
-            info = _codec.decode(payload, copy=True)
-            raise WorkerError.from_payload(info, w.index, "could not start: ")
-        tasks = self._tasks
-        task = tasks.get(ticket)
-        if task is None:
-            # no longer wanted (dropped, or delivered by a recording cut short)
-            try:
-                lane.inflight.remove(ticket)
-            except ValueError:
-                if not w.repeated:   # (a recording cut short removed it already)
-                    raise WorkerCorrupt(w, f"ticket {ticket} was not given to it") from None
-            return
-        if task.arrived:
-            if task.worker != w.index or not w.repeated:
-                raise WorkerCorrupt(w, f"ticket {ticket}: its result came already")
-            self._arrived(lane, task)   # (finish a recording cut short)
-            return
-        # (pushed to this process is exactly: in its lane's inflight, see the top)
-        if task.worker != w.index or ticket not in lane.inflight or (
-                where == _AT_SLOT and slot != task.slot):
-            raise WorkerCorrupt(w, f"ticket {ticket}, slot {slot}: no such task was given "
-                                   f"to it")
-        if where == _AT_SLOT:
-            try:
-                task.seg, task.nbytes = w.map_slot(slot, payload)
-            except OSError as e:
-                # e.g. out of descriptors: this result is lost; its caller hears why.
-                # (WorkerDied: the task stays in flight, and is redone by the replacement.)
-                task.error = e
-                self._arrived(lane, task)
-                return
-        else:
-            task.inline = payload
-        if lane.deaths_in_a_row:
-            lane.deaths_in_a_row = 0
-        if task.spill is not None:
-            self._release_spill(task)
-        task.status = status
-        self._arrived(lane, task)
-
-    def _arrived(self, lane, task):
-        """The result of ``task`` is recorded: it is no longer in flight.  (``arrived``
-        first: a task whose ticket is still in flight meanwhile is not re-issued.)"""
-        task.arrived = True
-        try:
-            lane.inflight.remove(task.ticket)
-        except ValueError:
-            pass   # (removed already, by a recording cut short)
-        if task.cancelled:
-            self._drop(task)
 
     def _take(self, lane, entry):
         """Record ``entry``, the oldest result entry of ``lane``'s worker not recorded yet
         (WorkerHandle.next_result), then let the handle drop it.  Interrupted anywhere,
         the entry stays with the handle and is recorded again next time."""
-        self._accept(lane, entry)
+        _accept(self._tasks, self._slots, lane, entry)
         lane.worker.result_recorded()
 
     def _wait(self, task, timeout):
@@ -427,24 +313,25 @@ class MultiProcessingSampleManager(Supervision, SlotAccounting, Polling,
         deadline = None if timeout is None else time.monotonic() + timeout
         lane = self._lanes[task.worker]
         w = lane.worker
+        pool = self._pool
         while not task.arrived:
             if lane.waiting or not w.has_process:
-                self._restart(lane)   # a replacement that could not be finished earlier
+                pool.restart(lane)   # a replacement that could not be finished earlier
                 continue
-            if self._deferred and self._caller.batches and not w.results_published:
-                self._start_deferred(quiet=True)   # (while this worker makes the result)
+            if pool.deferred and self._caller.batches and not w.results_published:
+                pool.start_deferred(quiet=True)   # (while this worker makes the result)
             try:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 entry = w.next_result(left)
-                self._accept(lane, entry)   # (_take, inlined: this runs once per batch)
+                _accept(self._tasks, self._slots, lane, entry)   # (_take, inlined)
                 w.result_recorded()
             except _queue.Empty:
                 raise no_result(timeout, w.index) from None
             except RingClosed:
                 raise RuntimeError(CLOSED_WHILE_WAITING) from None
             except WorkerDied as e:
-                self._bury(lane, e)
-                self._restart(lane)
+                pool.bury(lane, e)
+                pool.restart(lane)
 
     def _deliver(self, task):
         """Turn an arrived result into the value returned to the caller.  The task leaves
@@ -458,24 +345,22 @@ class MultiProcessingSampleManager(Supervision, SlotAccounting, Polling,
                 raise task.error
             if seg is None:
                 value = _decode(task.inline, True)   # (copy)
-            elif self.copy or self._leases >= self.max_leases or status != _ST_OK:
+            elif self.copy or self._slots.leases >= self.max_leases or status != _ST_OK:
                 with memoryview(seg) as mv:
                     value = _decode(mv[:task.nbytes], True)   # (copy)
             else:
-                task.leases += 1
-                self._leases += 1
-                lease = _SlotLease(seg, 0, task.nbytes, self._released.append, task)
+                lease = self._slots.lease(task, seg)
                 value = _decode(lease)
                 del lease
         except Exception:
             self._tasks.pop(task.ticket, None)   # (the caller hears why instead)
-            self._release_spill(task)
+            self._slots.release_spill(task)
             if not task.leases:
-                self._give_back_slot(task)
+                self._slots.give_back_slot(task)
             raise
         self._tasks.pop(task.ticket, None)
         if not task.leases:
-            self._give_back_slot(task)
+            self._slots.give_back_slot(task)
         if status == _ST_ERROR:
             raise WorkerError.from_payload(value, task.worker)
         self._caller.batches += 1 if self._batches_in is None else self._batches_in(task.work)
@@ -501,12 +386,131 @@ class MultiProcessingSampleManager(Supervision, SlotAccounting, Polling,
                 return
             task.cancelled = True
             if task.arrived:
-                self._drop(task)
+                self._slots.drop(task)
 
+    def ready(self, ticket: int) -> bool:
+        """True if the result of ``ticket`` has arrived (collects what has arrived)."""
+        with self._lock:
+            self._ensure_open()
+            task = self._tasks.pending(ticket)
+            if not task.arrived:
+                self._poller.poll_all(check_alive=True)
+            return task.arrived
+
+    def wait_any(self, tickets, timeout: Optional[float] = None) -> int:
+        """One of ``tickets`` whose result has arrived (collect it with :meth:`result`),
+        waiting for one if none has.  Raises ``TimeoutError`` after ``timeout`` (default:
+        the manager's ``timeout``) seconds, ``KeyError`` if no ticket is pending."""
+        with self._lock:
+            self._ensure_open()
+            if not self._poller.any_pending(tickets):
+                raise none_pending(tickets)
+            limit = self.timeout if timeout is None else timeout
+            ticket = self._poller.first_ready(tickets, True, limit)
+            if ticket is None:
+                raise no_result(limit)
+            return ticket
+
+    # -- UniEnv's interface (see unienv_queue.py) --------------------------------------------
+
+    def add_work(self, work_info: TaskInfoT) -> None:
+        """Queue ``work_info``; its result is returned by a later :meth:`fetch`."""
+        self._unienv.add_work(work_info)
+
+    def fetch(self, block: bool = True, timeout: Optional[float] = None) -> Optional[ResultT]:
+        """Return the result of work added with :meth:`add_work`: the oldest one
+        (``in_order``) or the first to finish.  Returns ``None`` if ``block`` is false or
+        ``timeout`` expires before it arrives, as UniEnv's manager does."""
+        with self._lock:
+            self._ensure_open()
+            return self._unienv.fetch(block, timeout)
+
+    @property
+    def remaining_work(self) -> int:
+        """Work added with :meth:`add_work` and not fetched yet."""
+        return self._unienv.remaining_work
+
+    # -- the workers, and the end ------------------------------------------------------------
+
+    def start_all(self) -> None:
+        """Start now every worker left to start later (see ``start_later``), as far as
+        ``start_later()`` allows."""
+        with self._lock:
+            self._ensure_open()
+            while self._pool.start_deferred():
+                pass
+
+    @property
+    def n_workers(self) -> int:
+        """Number of worker processes (those not started yet included, see
+        ``start_later``)."""
+        return self._pool.n_workers
+
+    @property
+    def workers(self):
+        """The worker ``Process`` objects (replacements included, after a respawn) of the
+        workers started (see ``start_later``)."""
+        return [lane.worker.proc for lane in self._lanes]
+
+    def slot_segments(self):
+        """The result slots of the workers now, as mapped here (none once closed): what a
+        device feed page-locks (see :mod:`unienv_mp._device.pins`)."""
+        return [] if self.closed else self._slots.slot_segments()
+
+    def stats(self, reset: bool = False) -> _stats.SamplerStats:
+        """Where the time went since the first request (or the last ``stats(reset=True)``):
+        see :class:`~unienv_mp.SamplerStats`.  ``reset=True``: the counters start again
+        from zero once this is read.  A result counts as ``batches_in(work)`` batches if
+        the work function has that method, else one."""
+        with self._lock:
+            now = time.monotonic_ns()
+            count = (lambda work: 1) if self._batches_in is None else self._batches_in
+            ready, workers = self._pool.worker_stats(count, now, reset)
+            return self._caller.report(ready, workers, now, reset)
+
+    def close(self) -> None:
+        """Stop the workers (asking first, then terminating any still running after ~2 s)
+        and release the shared memory.  Results already handed out stay valid.
+        Idempotent, and safe from any thread at any moment: a call running in another
+        thread is woken and raises ``RuntimeError``, no process starts after this
+        returns, and the memory is released once that call has left (if it has not
+        within ``CLOSE_WAIT`` seconds, the processes are stopped and the memory is
+        released at the manager's garbage collection or at exit, with a
+        ``RuntimeWarning``).  In a forked child it only marks this copy closed: the
+        workers, their rings and their slots are the parent's."""
+        self.closed = True
+        pool = getattr(self, "_pool", None)
+        if pool is None or os.getpid() != self._owner_pid:
+            return
+        pool.shut_down()   # first, without the lock: wakes a call waiting meanwhile
+        if not self._lock.acquire(timeout=CLOSE_WAIT):
+            warnings.warn(f"unienv_mp: a call on this {type(self).__name__} in another "
+                          f"thread did not end within {CLOSE_WAIT} s of close(); its "
+                          f"workers are stopped, its shared memory is released at exit",
+                          RuntimeWarning, stacklevel=2)
+            pool.stop_now()
+            return
+        try:
+            finalizer = getattr(self, "_finalizer", None)
+            if finalizer is not None:
+                finalizer()
+            else:
+                pool.resources.close()
+            self._tasks.clear()
+            if getattr(self, "_unienv", None) is not None:   # (not in a half-built one)
+                self._unienv.order.clear()
+        finally:
+            self._lock.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def __repr__(self):
         state = "closed" if self.closed else f"{self.n_workers} workers"
-        return f"<{type(self).__name__} {state}, {len(self._order)} pending>"
+        return f"<{type(self).__name__} {state}, {self.remaining_work} pending>"
 
 
 def _checked_options(target_fn, n_workers, ctx, daemon, worker_seeds, doze_time, in_order,
@@ -542,3 +546,53 @@ def _checked_options(target_fn, n_workers, ctx, daemon, worker_seeds, doze_time,
             max_leases, "max_leases", 0, MAX_LEASES))
     return (public, n_workers, check_context(ctx),
             check_bool(daemon, "daemon", allow_none=True), worker_seeds)
+
+
+def _accept(tasks, slots, lane, entry):
+    """Record a result entry that ``lane``'s worker published (hand nothing out
+    yet), in the ticket table ``tasks`` and the slot ledger ``slots``.  The caller then tells the worker handle it is recorded (see _take); an
+    entry whose recording was cut short is recorded again, so every step below gives
+    the same state when it runs twice."""
+    t, slot, ticket, payload = entry
+    status, where = _untag(t)
+    w = lane.worker
+    if status == _ST_FATAL:
+        w.result_recorded()   # (the worker exits; a replacement starts afresh)
+        info = _codec.decode(payload, copy=True)
+        raise WorkerError.from_payload(info, w.index, "could not start: ")
+    task = tasks.get(ticket)
+    if task is None:
+        # no longer wanted (dropped, or delivered by a recording cut short)
+        try:
+            lane.inflight.remove(ticket)
+        except ValueError:
+            if not w.repeated:   # (a recording cut short removed it already)
+                raise WorkerCorrupt(w, f"ticket {ticket} was not given to it") from None
+        return
+    if task.arrived:
+        if task.worker != w.index or not w.repeated:
+            raise WorkerCorrupt(w, f"ticket {ticket}: its result came already")
+        slots.arrived(lane, task)   # (finish a recording cut short)
+        return
+    # (pushed to this process is exactly: in its lane's inflight, see the top)
+    if task.worker != w.index or ticket not in lane.inflight or (
+            where == _AT_SLOT and slot != task.slot):
+        raise WorkerCorrupt(w, f"ticket {ticket}, slot {slot}: no such task was given "
+                               f"to it")
+    if where == _AT_SLOT:
+        try:
+            task.seg, task.nbytes = w.map_slot(slot, payload)
+        except OSError as e:
+            # e.g. out of descriptors: this result is lost; its caller hears why.
+            # (WorkerDied: the task stays in flight, and is redone by the replacement.)
+            task.error = e
+            slots.arrived(lane, task)
+            return
+    else:
+        task.inline = payload
+    if lane.deaths_in_a_row:
+        lane.deaths_in_a_row = 0
+    if task.spill is not None:
+        slots.release_spill(task)
+    task.status = status
+    slots.arrived(lane, task)

@@ -1,29 +1,34 @@
-"""The worker processes of a MultiProcessingSampleManager, and their supervision.
+"""The worker pool a MultiProcessingSampleManager owns: its worker processes, started,
+checked, replaced, and at last stopped.
 
-:class:`Lane` is what the manager keeps for one worker, :class:`Resources` what must be
-released however the manager ends.  :class:`Supervision`, a base class of the manager,
-starts the workers left to start later, notices a worker that died or stalled, buries its
-process (keeping what it published, queueing its unfinished tasks again) and restarts the
-lane.  Its methods work on the manager's state (see ``MultiProcessingSampleManager``'s
-``__init__``) and keep the rules against a Ctrl-C written at the top of
-:mod:`unienv_mp._process.manager`.
+A *lane* (:class:`Lane`) is the pool's record of one worker: its handle, the tickets in
+flight on its process, the tasks waiting for a new process, and its counters.
+:class:`Resources` is what must be released however the manager ends.
+:class:`WorkerPool` starts the workers left to start later, notices a worker that died or
+stalled, buries it (keeps what it published, stops and releases its process, and queues
+its unfinished tasks again) and restarts the lane with a new process.  It works on the
+manager's ticket table and slot ledger, which it is handed, and collects a worker's
+published results through the manager's ``take``; it keeps the rules against a Ctrl-C
+written at the top of :mod:`unienv_mp._process.manager`.
 """
 import collections
-import os
 import queue as _queue
 import signal
 import time
 import warnings
 
-from .. import _os
-from .._transport import protocol as P
-from .. import stats as _stats
-from ..backend import CLOSED_WHILE_WAITING, respawn_verdict
-from .stalls import Stall
-from .handle import WorkerCorrupt, WorkerDied, WorkerStalled
-from ..errors import CodecError, RingClosed, WorkerDiedError
+import numpy as np
 
-__all__ = ["Lane", "Resources", "Supervision", "CLOSE_WAIT"]
+from .. import _os
+from .. import stats as _stats
+from .._transport import protocol as P
+from ..backend import CLOSED_WHILE_WAITING, no_result, respawn_refusal
+from ..errors import CodecError, RingClosed, WorkerDiedError
+from .encoder import spill_entry
+from .handle import TASK_CAPACITY, WorkerCorrupt, WorkerDied, WorkerHandle, WorkerStalled
+from .stalls import Stall
+
+__all__ = ["Lane", "Resources", "WorkerPool", "CLOSE_WAIT"]
 
 #: Seconds close() waits for a call running in another thread to leave (it is woken at
 #: once; this bounds a call stuck in a work function's ``start_later`` or the like).
@@ -87,9 +92,15 @@ class Resources:
                 self.doorbell_seg.close()
 
 
-class Supervision:
-    """The manager's methods that start, check, bury, restart, account for (``stats``) and
-    at last stop its worker processes.
+class WorkerPool:
+    """The workers of one manager: ``lanes`` of those started, in index order, and those
+    left to start later.
+
+    ``tasks`` is the manager's ticket table, ``slots`` its slot ledger
+    (:class:`~unienv_mp._process.slots.SlotLedger`), ``encoder`` puts tasks on a ring;
+    ``take(lane, entry)`` records a result entry a worker published (the manager's, on
+    its per-batch path).
+    ``closed`` is set by :meth:`shut_down`: no process starts after it.
 
     ``stall_timeout``: when a caller waiting on a worker finds it on one task for longer,
     the worker's Python stacks are taken (faulthandler, from a signal handler: a worker
@@ -115,45 +126,66 @@ class Supervision:
     ``workers`` and ``stats`` list the started ones.
     """
 
-    def start_all(self) -> None:
-        """Start now every worker left to start later (see ``start_later``), as far as
-        ``start_later()`` allows."""
-        with self._lock:
-            self._ensure_open()
-            while self._start_deferred():
-                pass
+    def __init__(self, n_workers, options, tasks, encoder, take):
+        self.closed = False
+        self.resources = Resources()
+        self.lanes = []              # of the workers started, in index order
+        self.deferred = collections.deque()   # (handle, seed) of those to start later
+        self.n_workers = n_workers
+        self.slots = None            # the manager's SlotLedger, given once it is made
+        # respawn, max_respawns, stall_timeout, timeout, start_later, seeds, start_method
+        vars(self).update(options)
+        self.seed_rng = np.random.default_rng(
+            None if self.seeds is None else [int(s) for s in self.seeds])
+        self.tasks = tasks
+        self.encoder = encoder
+        self.take = take
 
-    def _start_deferred(self, quiet=False):
+    def start(self, launch):
+        """Make every worker's handle (``launch``: what starts its process) and start
+        the processes: all of them, or worker 0 alone with ``start_later`` (the others
+        wait in ``deferred``)."""
+        for i in range(self.n_workers):
+            w = WorkerHandle(i, launch)
+            self.resources.workers.append(w)
+            seed = None if self.seeds is None else self.seeds[i]
+            if i > 0 and self.start_later is not None:
+                self.deferred.append((w, seed))
+                continue
+            self.lanes.append(Lane(w))
+            w.start(seed)
+
+    def start_deferred(self, quiet=False):
         """Start the next worker left to start later, if ``start_later()`` allows (else
         none of them will start); True if one started.  ``quiet``: a worker that cannot
         be started (or a ``start_later`` that raises) is not the caller's error, since
         the workers started can do the work: none of the rest will start, with a
         ``RuntimeWarning`` saying why."""
-        if not self._deferred:
+        if not self.deferred:
             return False
         # (one step: either the worker has its lane and its process, or neither)
         with _os.interrupts_deferred():
             try:
-                if not self._start_later():
-                    self._deferred.clear()
+                if not self.start_later():
+                    self.deferred.clear()
                     return False
-                w, seed = self._deferred[0]
+                w, seed = self.deferred[0]
                 w.start(seed)
             except Exception as e:
                 if not quiet or self.closed:
                     raise
-                left = len(self._deferred)
-                self._deferred.clear()
+                left = len(self.deferred)
+                self.deferred.clear()
                 warnings.warn(f"unienv_mp: could not start a worker after the first "
                               f"({type(e).__name__}: {e}); going on with "
-                              f"{len(self._lanes)} worker(s), {left} not started",
+                              f"{len(self.lanes)} worker(s), {left} not started",
                               RuntimeWarning, stacklevel=3)
                 return False
-            self._deferred.popleft()
-            self._lanes.append(Lane(w))
+            self.deferred.popleft()
+            self.lanes.append(Lane(w))
         return True
 
-    def _bury(self, lane, cause=None):
+    def bury(self, lane, cause=None):
         """The process of ``lane``'s worker died (``cause``: the WorkerDied noticed), or
         stalled (a WorkerStalled: it is killed here): keep what it published, stop and
         release it, and queue its unfinished work for the next process (see _restart).
@@ -179,10 +211,10 @@ class Supervision:
         if w.has_process and corrupt is None:
             try:
                 while True:
-                    self._take(lane, w.next_result(0))
+                    self.take(lane, w.next_result(0))
             except (_queue.Empty, RingClosed, WorkerDied):
                 pass
-        deaths, give_up, failed = self._verdict(lane, code, corrupt)
+        deaths, give_up, failed = self._death_outcome(lane, code, corrupt)
         if give_up is not None:
             # The next call starts a fresh process, with the whole budget; the unfinished
             # work waits for it (nothing is lost: its caller may ask again).
@@ -203,7 +235,7 @@ class Supervision:
         if give_up is not None:
             raise give_up from None
 
-    def _verdict(self, lane, code, corrupt):
+    def _death_outcome(self, lane, code, corrupt):
         """What the death of ``lane``'s process (exit ``code``; ``corrupt``: the
         CodecError of a WorkerCorrupt, or None) means: ``(deaths, give_up, failed)``,
         its deaths in a row counting this one, the error to raise once it is buried (or
@@ -217,14 +249,14 @@ class Supervision:
         if code == _os.EXIT_MAIN_REIMPORTED and stall is None:
             # a replacement would make the same mistake: one error, with the fix
             give_up = WorkerDiedError(
-                f"worker {w.index} {how}: started with {self._start_method!r}, it "
+                f"worker {w.index} {how}: started with {self.start_method!r}, it "
                 f"imported the main module, whose top level starts a sampler's workers "
                 f"again (the script has no `if __name__ == \"__main__\":` guard around "
                 f"its work).  Put the work under such a guard (see the README's quick "
                 f"start); workers started with spawn or forkserver import the main module",
                 worker=w.index, exitcode=code)
         elif corrupt is not None:
-            verdict = respawn_verdict(self.respawn, deaths, self.max_respawns)
+            verdict = respawn_refusal(self.respawn, deaths, self.max_respawns)
             if verdict is not None:
                 give_up = CodecError(f"{corrupt}; the worker was killed; {verdict}")
             else:
@@ -236,15 +268,15 @@ class Supervision:
             deaths = lane.deaths_in_a_row
             stall.warn(True, stacklevel=5)
         elif stall is not None:
-            task = self._tasks.get(stall.ticket)
-            if respawn_verdict(self.respawn, deaths, self.max_respawns) is not None:
+            task = self.tasks.get(stall.ticket)
+            if respawn_refusal(self.respawn, deaths, self.max_respawns) is not None:
                 if task is not None and not task.arrived and task.worker == w.index:
                     failed = (task, stall.error())
                 deaths = 0   # (the task that kept stalling is given up)
             else:
                 stall.warn(task is not None and not task.cancelled, stacklevel=5)
         else:
-            verdict = respawn_verdict(self.respawn, deaths, self.max_respawns)
+            verdict = respawn_refusal(self.respawn, deaths, self.max_respawns)
             if verdict is not None:
                 give_up = WorkerDiedError(f"worker {w.index} (pid {w.pid}) {how}; {verdict}",
                                           worker=w.index, exitcode=code)
@@ -262,23 +294,23 @@ class Supervision:
         if failed is not None:
             task, error = failed
             task.error = error
-            self._arrived(lane, task)
+            self.slots.arrived(lane, task)
         unfinished = []
-        tasks = self._tasks
+        tasks = self.tasks
         for t in lane.inflight:
             task = tasks.get(t)
             if task is None or task.arrived:
                 continue
             task.slot = None   # (the slot numbers of the dead process are void)
             if task.cancelled:
-                self._drop(task)
+                self.slots.drop(task)
             elif task not in lane.waiting:
                 unfinished.append(task)
         lane.inflight.clear()
         lane.waiting[0:0] = unfinished    # before anything queued for it meanwhile
         return w.detach()
 
-    def _restart(self, lane):
+    def restart(self, lane):
         """Start a process for ``lane``'s worker if it has none, and hand it the tasks
         waiting for it, in order.  Survives the new process dying too (up to the limit)."""
         w = lane.worker
@@ -287,8 +319,8 @@ class Supervision:
                 if not w.has_process:
                     if self.closed:
                         raise RuntimeError(CLOSED_WHILE_WAITING)
-                    seed = (None if self._seeds is None
-                            else int(self._seed_rng.integers(2 ** 31)))
+                    seed = (None if self.seeds is None
+                            else int(self.seed_rng.integers(2 ** 31)))
                     w.start(seed)
                     if w.incarnation > 1:
                         lane.record.respawns += 1
@@ -296,114 +328,101 @@ class Supervision:
                 while waiting:
                     task = waiting[0]
                     if task.cancelled and not task.arrived:
-                        self._drop(task)   # (nobody waits for it any more)
+                        self.slots.drop(task)   # (nobody waits for it any more)
                     # (pushed already, by a step that a Ctrl-C cut short: in flight)
                     elif not task.arrived and task.ticket not in lane.inflight:
-                        self._make_room(lane)
-                        self._push_task(task, lane)
+                        self.make_room(lane)
+                        self.push(task, lane)
                     del waiting[0]
                 return
             except WorkerDied as e:
-                self._bury(lane, e)
+                self.bury(lane, e)
 
-    def _check_all_alive(self):
+    def check_all_alive(self):
         if self.closed:
             raise RuntimeError(CLOSED_WHILE_WAITING)
         stall_ns = None if self.stall_timeout is None else int(self.stall_timeout * 1e9)
-        for lane in self._lanes:
+        for lane in self.lanes:
             w = lane.worker
             if w.proc is None:          # replaced, but its replacement could not start yet
-                self._restart(lane)
+                self.restart(lane)
             elif w.has_exited():
-                self._bury(lane)
-                self._restart(lane)
+                self.bury(lane)
+                self.restart(lane)
             elif stall_ns is not None:
                 try:
                     w.check_stall(stall_ns)
                 except WorkerStalled as e:
-                    self._bury(lane, e)
-                    self._restart(lane)
+                    self.bury(lane, e)
+                    self.restart(lane)
 
-    # -- what the workers are and did ------------------------------------------------------
+    # -- tasks onto a worker's ring ---------------------------------------------------------
 
-    @property
-    def n_workers(self):
-        """Number of worker processes (those not started yet included, see
-        ``start_later``)."""
-        return self._n_workers
+    def push(self, task, lane):
+        """Push ``task`` onto the task ring of ``lane``'s worker; it is in
+        ``lane.inflight`` once pushed.  Raises WorkerCorrupt, a WorkerDied (not pushed),
+        if the process wrote into its task ring.  Whether it was pushed or not, the task
+        keeps the slot number it was given, for the next try (or for the ledger's drop)."""
+        seg = task.spill
+        if seg is None:
+            tag, payload, seg = self.encoder.encode(task.work)
+            if seg is not None:
+                task.spill = seg
+                self.resources.spills.append(seg)
+        else:
+            tag, payload = spill_entry(seg)   # (work given again, to a new process)
+        w = lane.worker
+        task.worker = w.index
+        task.incarnation = w.incarnation
+        if task.slot is None:
+            task.slot = w.take_slot()
+        # (the ticket goes into inflight if and only if the push happens)
+        w.push_task(tag, task.slot, task.ticket, payload, lane.inflight)
 
-    @property
-    def workers(self):
-        """The worker ``Process`` objects (replacements included, after a respawn) of the
-        workers started (see ``start_later``)."""
-        return [lane.worker.proc for lane in self._lanes]
+    def make_room(self, lane):
+        """Keep at most TASK_CAPACITY tasks in flight on ``lane``'s worker: collect (not
+        hand out) results until there is room.  A worker whose rings were both full would
+        wait for the parent while the parent waits for it."""
+        w = lane.worker
+        while len(lane.inflight) >= TASK_CAPACITY:
+            try:
+                self.take(lane, w.next_result(self.timeout))
+            except _queue.Empty:
+                raise no_result(self.timeout, w.index) from None
+            except RingClosed:
+                raise RuntimeError(CLOSED_WHILE_WAITING) from None
 
-    def stats(self, reset: bool = False) -> _stats.SamplerStats:
-        """Where the time went since the first request (or the last ``stats(reset=True)``):
-        see :class:`~unienv_mp.SamplerStats`.  ``reset=True``: the counters start again
-        from zero once this is read.  A result counts as ``batches_in(work)`` batches if
-        the work function has that method, else one."""
-        with self._lock:
-            now = time.monotonic_ns()
-            count = (lambda work: 1) if self._batches_in is None else self._batches_in
-            tasks = self._tasks
-            ready = sum(count(task.work) for task in tasks.values()
-                        if task.arrived and not task.cancelled and task.status == P.ST_OK
-                        and task.error is None)
-            workers = []
-            for lane in self._lanes:
-                w = lane.worker
-                counters = w.counters()
-                if w.has_process:   # published, not yet taken off the ring: in flight order
-                    for ticket in list(lane.inflight)[:w.results_published]:
-                        task = tasks.get(ticket)
-                        if task is not None and not task.arrived and not task.cancelled:
-                            ready += count(task.work)
-                workers.append(lane.record.read(w.index, w.pid, counters, now, reset,
-                                                w.launched_ns if w.has_process else None))
-            return self._caller.report(ready, workers, now, reset)
+    # -- what the workers did, and the end ---------------------------------------------------
 
-    # -- the end ------------------------------------------------------------------------
+    def worker_stats(self, count, now, reset):
+        """``(ready, workers)``: how many batches are ready to hand out, collected or
+        still on the workers' rings (``count(work)`` batches a task), and a
+        :class:`~unienv_mp.WorkerStats` of each worker started."""
+        tasks = self.tasks
+        ready = sum(count(task.work) for task in tasks.values()
+                    if task.arrived and not task.cancelled and task.status == P.ST_OK
+                    and task.error is None)
+        workers = []
+        for lane in self.lanes:
+            w = lane.worker
+            counters = w.counters()
+            if w.has_process:   # published, not yet taken off the ring: in flight order
+                for ticket in list(lane.inflight)[:w.results_published]:
+                    task = tasks.get(ticket)
+                    if task is not None and not task.arrived and not task.cancelled:
+                        ready += count(task.work)
+            workers.append(lane.record.read(w.index, w.pid, counters, now, reset,
+                                            w.launched_ns if w.has_process else None))
+        return ready, workers
 
-    def close(self):
-        """Stop the workers (asking first, then terminating any still running after ~2 s)
-        and release the shared memory.  Results already handed out stay valid.
-        Idempotent, and safe from any thread at any moment: a call running in another
-        thread is woken and raises ``RuntimeError``, no process starts after this
-        returns, and the memory is released once that call has left (if it has not
-        within ``CLOSE_WAIT`` seconds, the processes are stopped and the memory is
-        released at the manager's garbage collection or at exit, with a
-        ``RuntimeWarning``).  In a forked child it only marks this copy closed: the
-        workers, their rings and their slots are the parent's."""
+    def shut_down(self):
+        """No process starts after this; every worker is told to stop, and every wait
+        on them raises (a call waiting in another thread returns)."""
         self.closed = True
-        if os.getpid() != getattr(self, "_owner_pid", os.getpid()):
-            return
-        resources = self._resources
-        resources.shut_down()   # first, without the lock: wakes a call waiting meanwhile
-        lock = getattr(self, "_lock", None)
-        got = lock is None or lock.acquire(timeout=CLOSE_WAIT)
-        try:
-            if not got:
-                warnings.warn(f"unienv_mp: a call on this {type(self).__name__} in another "
-                              f"thread did not end within {CLOSE_WAIT} s of close(); its "
-                              f"workers are stopped, its shared memory is released at "
-                              f"exit", RuntimeWarning, stacklevel=2)
-                _os.stop_processes(
-                    [w.proc for w in resources.workers if w.proc is not None], 2.0)
-                return
-            finalizer = getattr(self, "_finalizer", None)
-            if finalizer is not None:
-                finalizer()
-            else:
-                resources.close()
-            self._tasks.clear()
-            self._order.clear()
-        finally:
-            if got and lock is not None:
-                lock.release()
+        self.resources.shut_down()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+    def stop_now(self):
+        """Stop the processes without releasing the memory (a call in another thread
+        still uses it; the finalizer releases it)."""
+        _os.stop_processes([w.proc for w in self.resources.workers if w.proc is not None],
+                           2.0)

@@ -1,40 +1,81 @@
-"""The slot and lease accounting of a MultiProcessingSampleManager.
+"""The slot ledger a MultiProcessingSampleManager owns: which result slot each task holds,
+and when a slot may take new work.
 
 A worker writes each result into a slot, a segment of its own numbered per process; a
 slot number is given to one task at a time, and goes back to its worker once the task's
 result was read or dropped and no zero-copy view of it (a lease) is alive.
-:class:`SlotAccounting`, a base class of the manager, holds the methods that give slots
-back and forget tasks; :meth:`~unienv_mp.MultiProcessingSampleManager._deliver` makes the
-leases.  The rule against a Ctrl-C they keep: a slot number is given back only through
-``_give_back_slot``, which clears ``task.slot`` first, so an interruption can at worst
+:class:`SlotLedger` gives slots back and forgets tasks, and makes the leases the
+manager's delivery hands out (:meth:`SlotLedger.lease`).  The rule against a Ctrl-C it
+keeps: a slot number is given back only through ``give_back_slot``, which clears ``task.slot`` first, so an interruption can at worst
 leak a slot number (the worker makes another slot), never give one back twice (two tasks
 writing into one slot).
 """
-__all__ = ["SlotAccounting"]
+import collections
+
+from .._transport.codec import SlotLease
+
+__all__ = ["SlotLedger"]
 
 
-class SlotAccounting:
-    """The manager's methods that give slots back and release what a task holds."""
+class SlotLedger:
+    """The slots of one manager's tasks: ``tasks`` is its ticket table, ``lanes`` its
+    pool's lanes, ``spills`` the segments that carry large work items.  ``leases`` counts
+    the zero-copy results alive; ``released`` holds the tasks whose leases the garbage
+    collector gave back since (see :meth:`give_back_released`)."""
 
-    def _release_spill(self, task):
+    def __init__(self, tasks, lanes, spills):
+        self.tasks = tasks
+        self.lanes = lanes
+        self.spills = spills
+        self.leases = 0
+        self.released = collections.deque()
+
+    def lease(self, task, seg):
+        """A zero-copy lease on ``task``'s slot segment ``seg``: the slot goes back once
+        the task was delivered and the last lease on it is garbage collected."""
+        task.leases += 1
+        self.leases += 1
+        return SlotLease(seg, 0, task.nbytes, self.released.append, task)
+
+    def arrived(self, lane, task):
+        """The result of ``task`` is recorded: it is no longer in flight.  (``arrived``
+        first: a task whose ticket is still in flight meanwhile is not re-issued.)"""
+        task.arrived = True
+        try:
+            lane.inflight.remove(task.ticket)
+        except ValueError:
+            pass   # (removed already, by a recording cut short)
+        if task.cancelled:
+            self.drop(task)
+
+    def abandon(self, task, lane):
+        """``submit`` of ``task`` raised: its caller has no ticket.  Drop the task, or, if
+        it reached the worker, let it be dropped when its result arrives."""
+        task.cancelled = True
+        while task in lane.waiting:
+            lane.waiting.remove(task)
+        if task.arrived or task.ticket not in lane.inflight:
+            self.drop(task)
+
+    def release_spill(self, task):
         """Close the segment that carried ``task``'s work info, if any."""
         if task.spill is not None:
             try:
-                self._resources.spills.remove(task.spill)
+                self.spills.remove(task.spill)
             except ValueError:
                 pass
             task.spill.close()
             task.spill = None
 
-    def _drop(self, task):
+    def drop(self, task):
         """Forget ``task`` (cancelled, or abandoned by submit) and release what it holds:
         its spill, and its slot unless the worker may still write into it (pushed, and no
         result yet: then the slot goes back when the result arrives, see _abandon)."""
-        self._tasks.pop(task.ticket, None)
-        self._release_spill(task)
+        self.tasks.pop(task.ticket, None)
+        self.release_spill(task)
         if task.worker is None:
             return
-        inflight = self._lanes[task.worker].inflight
+        inflight = self.lanes[task.worker].inflight
         if task.arrived:
             try:
                 inflight.remove(task.ticket)   # (a recording cut short left it there)
@@ -42,32 +83,30 @@ class SlotAccounting:
                 pass
         if task.slot is not None and not task.leases and (
                 task.arrived or task.ticket not in inflight):
-            self._give_back_slot(task)
+            self.give_back_slot(task)
 
-    def _give_back_slot(self, task):
+    def give_back_slot(self, task):
         """The slot of ``task``, whose result was read or dropped, can take new work.  At
         most once: ``task.slot`` is cleared first (cut short in between, the slot number
         is lost, never given back twice)."""
         slot = task.slot
         if slot is not None:
             task.slot = None
-            self._lanes[task.worker].worker.give_back_slot(slot, task.incarnation)
+            self.lanes[task.worker].worker.give_back_slot(slot, task.incarnation)
 
-    def _give_back_released_slots(self):
+    def give_back_released(self):
         """The leases garbage collected since (their tasks, on ``_released``) are gone;
         a delivered task whose last lease this was gives its slot back."""
-        released = self._released
-        tasks = self._tasks
+        released = self.released
+        tasks = self.tasks
         while released:
             task = released.popleft()
-            self._leases -= 1
+            self.leases -= 1
             task.leases -= 1
             if not task.leases and task.ticket not in tasks:
-                self._give_back_slot(task)
+                self.give_back_slot(task)
 
     def slot_segments(self):
-        """The result slots of the workers now, as mapped here (none once closed): what a
-        device feed page-locks (see :mod:`unienv_mp._device.pins`)."""
-        if self.closed:
-            return []
-        return [seg for lane in self._lanes for seg in lane.worker.slot_segments()]
+        """The result slots of the workers now, as mapped here: what a device feed
+        page-locks (see :mod:`unienv_mp._device.pins`)."""
+        return [seg for lane in self.lanes for seg in lane.worker.slot_segments()]

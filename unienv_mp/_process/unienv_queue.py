@@ -1,75 +1,86 @@
-"""UniEnv's interface of a MultiProcessingSampleManager: :meth:`~UniEnvQueue.add_work`
-queues work, :meth:`~UniEnvQueue.fetch` returns a result, on top of the manager's tickets.
+"""UniEnv's interface of a MultiProcessingSampleManager: ``add_work`` queues work,
+``fetch`` returns a result, on top of the manager's tickets.
 
-:class:`UniEnvQueue` is a base class of the manager.  The package itself uses this
-interface only in :mod:`unienv_mp.compat` (UniEnv's ``wrap_*`` helpers); it is kept on the
-manager for code written against UniEnv's manager.
+:class:`UniEnvQueue` is an adapter that holds a manager; the manager's ``add_work``,
+``fetch`` and ``remaining_work`` hand over to the one it owns.  The package itself uses
+this interface only in :mod:`unienv_mp.compat` (UniEnv's ``wrap_*`` helpers); it is kept
+on the manager for code written against UniEnv's manager.
 """
-from typing import Generic, Optional
+import collections
 
-from ..backend import ResultT, TaskInfoT, no_result
+from ..backend import no_result
 
 __all__ = ["UniEnvQueue"]
 
 
-class UniEnvQueue(Generic[TaskInfoT, ResultT]):
-    """The manager's ``add_work`` / ``fetch`` / ``remaining_work``: the tickets of
-    :meth:`add_work` wait in ``_order`` for :meth:`fetch`."""
+class UniEnvQueue:
+    """``add_work`` / ``fetch`` / ``remaining_work`` over ``manager``: the tickets of
+    :meth:`add_work` wait in ``order`` for :meth:`fetch`.  It works on the manager's
+    ticket table, slot ledger and poller, and delivers through it, under its lock: the
+    manager calls it with the lock held."""
+
+    def __init__(self, manager, tasks, slots, poller):
+        self.manager = manager
+        self.tasks = tasks
+        self.slots = slots
+        self.poller = poller
+        self.order = collections.deque()
 
     @property
     def remaining_work(self):
         """Work added with :meth:`add_work` and not fetched yet."""
-        tasks = self._tasks
-        return sum(1 for t in self._order if t in tasks)
+        tasks = self.tasks
+        return sum(1 for t in self.order if t in tasks)
 
-    def add_work(self, work_info: TaskInfoT) -> None:
+    def add_work(self, work_info):
         """Queue ``work_info``; its result is returned by a later :meth:`fetch`."""
-        self.submit(work_info, record=self._order)
+        self.manager.submit(work_info, record=self.order)
 
-    def fetch(self, block: bool = True, timeout: Optional[float] = None) -> Optional[ResultT]:
-        """Return the result of work added with :meth:`add_work`: the oldest one
-        (``in_order``) or the first to finish.  Returns ``None`` if ``block`` is false or
-        ``timeout`` expires before it arrives, as UniEnv's manager does."""
-        with self._lock:
-            self._ensure_open()
-            while self._order and self._order[0] not in self._tasks:
-                self._order.popleft()   # collected with result() meanwhile
-            if not self._order:
-                raise RuntimeError("no work to fetch: add_work() first")
-            self._give_back_released_slots()
-            if self.in_order:
-                task = self._tasks[self._order[0]]
-                if not task.arrived:
-                    if not block:
-                        self._poll_all(check_alive=True)
-                        if not task.arrived:
+    def fetch(self, block=True, timeout=None):
+        """The result of work added with :meth:`add_work`: the oldest one (``in_order``)
+        or the first to finish; ``None`` if ``block`` is false or ``timeout`` expires
+        before it arrives, as UniEnv's manager does."""
+        m = self.manager
+        order = self.order
+        tasks = self.tasks
+        while order and order[0] not in tasks:
+            order.popleft()   # collected with result() meanwhile
+        if not order:
+            raise RuntimeError("no work to fetch: add_work() first")
+        self.slots.give_back_released()
+        if m.in_order:
+            task = tasks[order[0]]
+            if not task.arrived:
+                if not block:
+                    self.poller.poll_all(check_alive=True)
+                    if not task.arrived:
+                        return None
+                else:
+                    try:
+                        m._wait(task, timeout if timeout is not None else m.timeout)
+                    except TimeoutError:
+                        if timeout is not None:
                             return None
-                    else:
-                        try:
-                            self._wait(task, timeout if timeout is not None else self.timeout)
-                        except TimeoutError:
-                            if timeout is not None:
-                                return None
-                            raise
-                # The ticket leaves _order after its task leaves _tasks (cut short in between,
-                # the next fetch skips it), or when the result is an exception.
-                try:
-                    value = self._deliver(task)
-                except Exception:
-                    self._order.popleft()
-                    raise
-                self._order.popleft()
-                return value
-            limit = timeout if timeout is not None else self.timeout
-            ticket = self._first_ready(self._order, block, limit)
-            if ticket is None:
-                if block and timeout is None and limit is not None:
-                    raise no_result(limit)
-                return None
+                        raise
+            # The ticket leaves order after its task leaves tasks (cut short in between,
+            # the next fetch skips it), or when the result is an exception.
             try:
-                value = self._deliver(self._tasks[ticket])
+                value = m._deliver(task)
             except Exception:
-                self._order.remove(ticket)
+                order.popleft()
                 raise
-            self._order.remove(ticket)
+            order.popleft()
             return value
+        limit = timeout if timeout is not None else m.timeout
+        ticket = self.poller.first_ready(order, block, limit)
+        if ticket is None:
+            if block and timeout is None and limit is not None:
+                raise no_result(limit)
+            return None
+        try:
+            value = m._deliver(tasks[ticket])
+        except Exception:
+            order.remove(ticket)
+            raise
+        order.remove(ticket)
+        return value

@@ -7,10 +7,10 @@ import pickle
 import signal
 import time
 
-from .._transport import codec as _codec
 from .. import _os
-from .._transport import protocol as P
 from .. import stats as _stats
+from .._transport import codec as _codec
+from .._transport import protocol as P
 from .._transport.ring import Event, RingBuffer, Segment, segment_from_peer
 from ..errors import MAX_TRACEBACK, RingClosed, error_payload
 

@@ -25,9 +25,9 @@ import ray.exceptions as _rx
 
 from .. import _os
 from .. import stats as _stats
-from ..backend import Dealer, TicketTable, no_result, none_pending, respawn_verdict
 from .._sampling.target import SamplerTarget
 from .._validate import check_index, check_int, check_seconds
+from ..backend import Dealer, TicketTable, no_result, none_pending, respawn_refusal
 from ..errors import WorkerDiedError, WorkerError
 from . import _actor
 from ._batch import unpack
@@ -181,7 +181,7 @@ class RayManager:
         deaths = lane.deaths_in_a_row + 1
         what = f"worker {lane.index} (Ray actor, pid {lane.pid})"
         cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        verdict = respawn_verdict(self.respawn, deaths, self.max_respawns)
+        verdict = respawn_refusal(self.respawn, deaths, self.max_respawns)
         # One step that a Ctrl-C must not cut in two: every task in flight goes to the
         # new actor (one left with the old one would count as a death again).
         with _os.interrupts_deferred():
