@@ -398,7 +398,7 @@ def test_worker_memory_stays_flat_over_10k_direct_batches():
     with MultiprocessingSampler(StepSampler(rb, 32, seed=0), n_workers=2, n_buffers=4,
                                 ctx="fork", direct_gather=True) as m:
         m.sample()
-        procs = [psutil.Process(p.pid) for p in m._manager.workers]
+        procs = [psutil.Process(p.pid) for p in m._pools.sample.workers]
 
         def rss():
             return sum(p.memory_info().rss for p in procs)

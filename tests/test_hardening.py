@@ -29,7 +29,7 @@ from conftest import wait_until
 
 def _lane_processes_alive(sampler):
     """For every lane of the sampler's manager: it has no process, or a live one."""
-    lanes = sampler._manager._lanes
+    lanes = sampler._pools.sample._lanes
     return all(not lane.worker.has_process or not lane.worker.has_exited() for lane in lanes)
 
 
@@ -204,7 +204,7 @@ if __name__ == "__main__":
     for _ in range(50):
         try:
             m.sample()
-            m._manager.start_all()
+            m._pools.sample.start_all()
             break
         except KeyboardInterrupt:
             interrupted += 1
@@ -389,7 +389,7 @@ def test_workers_killed_meanwhile_start_no_process_after_close():
                                    n_workers=2, n_buffers=4, ctx="fork", doze_time=0.005,
                                    batches_per_task=1)
         m.sample()
-        pids = [p.pid for p in m._manager.workers]
+        pids = [p.pid for p in m._pools.sample.workers]
         done = []
 
         def run():
@@ -471,7 +471,7 @@ def test_a_worker_stopped_between_tasks_is_replaced(respawn):
                                 n_buffers=2, ctx="fork", batches_per_task=1,
                                 stall_timeout=0.5, respawn=respawn, timeout=30) as m:
         got = [indices_of(m.sample()) for _ in range(3)]
-        worker = m._manager._lanes[0].worker
+        worker = m._pools.sample._lanes[0].worker
         assert wait_until(lambda: _idle(worker))
         pid = worker.pid
         os.kill(pid, signal.SIGSTOP)
@@ -641,13 +641,13 @@ def _check_replaced_and_goes_on(m, wrote, said):
     expected = _reference_stream(8)
     with m:
         got = [indices_of(m.sample())]
-        first_pid = m._manager._lanes[0].worker.pid
+        first_pid = m._pools.sample._lanes[0].worker.pid
         with pytest.warns(RuntimeWarning, match=wrote) as record:
             got += [indices_of(m.sample()) for _ in range(7)]
         message = str(record[0].message)
         assert said in message, message
         assert f"pid {first_pid}" in message and "killed and replaced" in message
-        worker = m._manager._lanes[0].worker
+        worker = m._pools.sample._lanes[0].worker
         assert worker.incarnation == 2 and worker.pid != first_pid
         assert m.stats().workers[0].respawns == 1
     assert got == expected

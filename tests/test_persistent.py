@@ -32,10 +32,10 @@ def run_epoch(m, method="epoch_iter"):
     the pool that made them (which always starts with its pool; the others may start
     later, see the manager's ``start_later``)."""
     batches, pids = [], None
-    before = dict(m._epoch_users)   # manager -> epochs running on it
+    before = dict(m._pools.users)   # manager -> epochs running on it
     for b in getattr(m, method)():
         if pids is None:
-            (pool,) = [p for p, n in m._epoch_users.items() if n > before.get(p, 0)]
+            (pool,) = [p for p, n in m._pools.users.items() if n > before.get(p, 0)]
             pids = pool.workers[0].pid
         batches.append(clone(b))
     return batches, pids
@@ -144,12 +144,12 @@ def test_epochs_on_kept_workers_are_bit_identical_to_epochs_on_new_workers(ctx):
             new_pids.append(b_pids)
         assert len(kept_pids) == 1 and len(promised_pids) == 1, "the workers were not kept"
         assert len(set(new_pids)) == len(new_pids), "persistent_workers=False kept workers"
-        assert not new._epoch_users and new._kept is None and not new._epoch_managers
+        assert not new._pools.users and new._pools.kept is None and not new._pools.own
         (first,) = kept_pids
         # sample() then runs on the same workers: one pool
         kept.sample()
-        assert kept._manager.workers[0].pid == first
-        assert kept._kept is None
+        assert kept._pools.sample.workers[0].pid == first
+        assert kept._pools.kept is None
         a, pids = run_epoch(kept)
         assert pids == first
         same_epochs(a, run_epoch(new)[0])
@@ -160,12 +160,12 @@ def test_an_epoch_runs_on_the_sample_workers_while_the_data_is_unchanged():
     with sampler(rb, None) as m, sampler(rb, False) as ref:
         m.sample()
         ref.sample()
-        pids = m._manager.workers[0].pid
+        pids = m._pools.sample.workers[0].pid
         for _ in range(2):
             a, a_pids = run_epoch(m)
             assert a_pids == pids
             same_epochs(a, run_epoch(ref)[0])
-        assert m._kept is None and not m._epoch_managers
+        assert m._pools.kept is None and not m._pools.own
         # the stream of sample() is unaffected by the epochs that ran on its workers
         assert_identical(clone(m.sample()), clone(ref.sample()))
 
@@ -226,19 +226,19 @@ def test_an_epoch_still_running_on_workers_that_are_no_longer_current_finishes_o
         run_epoch(new)
         it_a, it_b = kept.epoch_iter(), new.epoch_iter()
         first = [(clone(next(it_a)), clone(next(it_b))) for _ in range(2)]
-        (old_pool,) = kept._epoch_users
+        (old_pool,) = kept._pools.users
         rb.extend(_data.transitions(64, 20))
         # a second epoch over the new data, while the first is still running
         a2, pids2 = run_epoch(kept)
         same_epochs(a2, run_epoch(new)[0])
         assert pids2 != old_pool.workers[0].pid
-        assert not old_pool.closed and old_pool in kept._epoch_managers
+        assert not old_pool.closed and old_pool in kept._pools.own
         # the first epoch finishes, on the data as it was when it started
         rest_a, rest_b = [clone(b) for b in it_a], [clone(b) for b in it_b]
         same_epochs([x for x, _ in first] + rest_a, [y for _, y in first] + rest_b)
         assert sorted(i for b in rest_a for i in indices_of(b)) == sorted(
             set(range(64)) - {i for x, _ in first for i in indices_of(x)})
-        assert old_pool.closed and not kept._epoch_managers
+        assert old_pool.closed and not kept._pools.own
 
 
 def test_sample_workers_keep_their_snapshot_and_a_changed_epoch_gets_its_own_pool():
@@ -247,11 +247,11 @@ def test_sample_workers_keep_their_snapshot_and_a_changed_epoch_gets_its_own_poo
     with sampler(rb, None, batch=32) as m:
         run_epoch(m)
         m.sample()
-        assert m._kept is None          # the epoch's workers became the sample() workers
+        assert m._pools.kept is None          # the epoch's workers became the sample() workers
         rb.extend(_data.transitions(50, 50))
         seen = sorted(i for b in run_epoch(m)[0] for i in indices_of(b))
         assert seen == list(range(100))
-        assert m._kept is not None
+        assert m._pools.kept is not None
         assert max(max(indices_of(m.sample())) for _ in range(5)) < 50
 
 
@@ -260,7 +260,7 @@ def test_persistent_workers_false_starts_new_workers_for_every_epoch():
     with sampler(rb, False) as m:
         pids = {run_epoch(m)[1] for _ in range(3)}
         assert len(pids) == 3
-        assert m._kept is None and not m._epoch_managers and not m._epoch_users
+        assert m._pools.kept is None and not m._pools.own and not m._pools.users
 
 
 def test_a_sampler_that_cannot_be_told_starts_new_workers_unless_promised():
@@ -292,10 +292,10 @@ def test_close_ends_kept_workers():
     rb = replay_buffer(40)
     m = sampler(rb, None)
     run_epoch(m)
-    pool = m._kept
+    pool = m._pools.kept
     assert pool is not None and not pool.closed
     m.close()
-    assert pool.closed and m._kept is None
+    assert pool.closed and m._pools.kept is None
 
 
 # -- workers started after the first: only while the data is the first one's copy -------------
@@ -304,13 +304,13 @@ def test_a_new_pool_starts_one_worker_and_the_rest_only_while_the_data_is_unchan
     rb = replay_buffer(200, capacity=400)
     with sampler(rb, None, batch=8) as lazy, sampler(rb, False, batch=8) as eager:
         first = [clone(lazy.sample()), clone(eager.sample())]
-        assert len(lazy._manager.workers) == 1 and len(eager._manager.workers) == 2
+        assert len(lazy._pools.sample.workers) == 1 and len(eager._pools.sample.workers) == 2
         assert_identical(*first)
         rb.extend(_data.transitions(200, 100))   # the second worker would copy this
         for _ in range(30):
             assert_identical(clone(lazy.sample()), clone(eager.sample()))
-        lazy._manager.start_all()
-        assert len(lazy._manager.workers) == 1, "a worker started on other data"
+        lazy._pools.sample.start_all()
+        assert len(lazy._pools.sample.workers) == 1, "a worker started on other data"
         assert max(max(indices_of(lazy.sample())) for _ in range(5)) < 200
 
 
@@ -318,5 +318,5 @@ def test_a_new_pool_over_unchanged_data_starts_its_other_workers():
     rb = replay_buffer(64)
     with sampler(rb, None) as m:
         m.sample()
-        m._manager.start_all()
-        assert len({p.pid for p in m._manager.workers}) == 2
+        m._pools.sample.start_all()
+        assert len({p.pid for p in m._pools.sample.workers}) == 2

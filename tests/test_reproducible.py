@@ -119,16 +119,16 @@ def test_a_worker_sigkilled_mid_stream_changes_nothing():
     with MultiprocessingSampler(StepSampler(rb, 4, seed=5), n_workers=3, n_buffers=6,
                                 ctx="fork", batches_per_task=2) as m:
         got = take(m, 20)
-        m._manager.start_all()   # (a new pool starts one worker first)
+        m._pools.sample.start_all()   # (a new pool starts one worker first)
         got += take(m, 10)
         killed = []
         for victim in (1, 0):   # with work in flight on it
-            proc = m._manager.workers[victim]
+            proc = m._pools.sample.workers[victim]
             killed.append(proc.pid)
             os.kill(proc.pid, signal.SIGKILL)
             assert wait_until(lambda: not proc.is_alive())
             got += take(m, 15)
-        assert not set(killed) & {p.pid for p in m._manager.workers}   # replaced
+        assert not set(killed) & {p.pid for p in m._pools.sample.workers}   # replaced
     assert got == undisturbed
 
 
@@ -368,7 +368,7 @@ def _broken_state(state, kind):
     elif kind == "base seed negative":
         s["base_seed"] = -1
     elif kind == "data_rng garbage":
-        s["rngs"]["data_rng"].state = torch.zeros(3, dtype=torch.uint8)
+        s["rngs"]["data_rng"]["state"] = torch.zeros(3, dtype=torch.uint8)
     elif kind == "data_rng None":
         s["rngs"]["data_rng"] = None
     elif kind.startswith("k "):
@@ -536,8 +536,9 @@ def test_a_state_taken_after_an_epoch_failed_to_start_continues_as_the_sampler_d
     epoch (it stayed open: the failure came before the ``try``)."""
     rb = replay_buffer(60)
     with MultiprocessingSampler(StepSampler(rb, 6, seed=3), n_workers=2, ctx="fork") as m:
-        starting = MultiprocessingSampler._epoch_manager
-        with interrupt_at(starting, line_of(starting, "manager = self._new_manager()")) as i:
+        from unienv_mp._sampling.pools import Pools
+        starting = Pools.epoch_manager
+        with interrupt_at(starting, line_of(starting, "manager = owner.new_manager()")) as i:
             assert interrupted(next, m.epoch_iter())
         assert i.fired
         state = m.state_dict()

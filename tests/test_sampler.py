@@ -345,7 +345,7 @@ def test_each_epoch_sees_the_data_as_it_is_when_the_epoch_starts():
         assert sorted(i for b in m.epoch_iter() for i in indices_of(b)) == \
             list(range(200, 400))
         assert max(indices_of(m.sample())) < 100       # sample() keeps its snapshot, as UniEnv
-        assert not m._epoch_managers
+        assert not m._pools.own
 
 
 # -- lifetime: an epoch left early, a sampler garbage-collected ----------------------------
@@ -361,7 +361,7 @@ def test_early_break_cleans_up_and_sampling_goes_on():
         assert indices_of(m.sample())
         assert sorted(i for b in m.epoch_iter() for i in indices_of(b)) == list(range(200))
         gc.collect()
-        pool = m._manager
+        pool = m._pools.sample
         # nothing accumulates: only the sample stream's look-ahead is still pending
         assert len(pool._tasks) <= m.n_buffers + 3 * 6
 
@@ -370,7 +370,7 @@ def test_garbage_collection_ends_the_workers():
     rb = replay_buffer(20)
     m = MultiprocessingSampler(StepSampler(rb, 4, seed=0), n_workers=2, ctx="fork")
     m.sample()
-    m._manager.start_all()   # (the second starts when the caller first waits otherwise)
+    m._pools.sample.start_all()   # (the second starts when the caller first waits otherwise)
     pids = [p.pid for p in mp.active_children()]
     assert len(pids) == 2
     del m

@@ -104,7 +104,7 @@ def test_a_worker_without_memory_for_a_slot_raises_an_error_instead_of_dying():
                     m.sample()
                 except WorkerError as e:
                     print(e.exc_type, "|", e.exc_message)
-            print("alive:", all(p.is_alive() for p in m._manager.workers))
+            print("alive:", all(p.is_alive() for p in m._pools.sample.workers))
     """)
     lines = out.splitlines()
     assert len(lines) == 3 and lines[2] == "alive: True", out

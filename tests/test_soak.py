@@ -43,7 +43,7 @@ def test_soak_mixed_work_with_random_worker_kills():
         while not stop.wait(rng.uniform(0.2, 1.0)):
             try:
                 # the sampling workers, or those of the epoch running now
-                pools = [p for p in (m._manager, m._kept, *list(m._epoch_managers))
+                pools = [p for p in (m._pools.sample, m._pools.kept, *list(m._pools.own))
                          if p is not None]
             except RuntimeError:   # the set changed while we copied it
                 continue
@@ -127,7 +127,7 @@ def _kill_bursts(seconds, rng):
     def killer():
         while not stop.wait(rng.uniform(0.5, 1.5)):
             burst.set()
-            lane = m._manager._lanes[rng.randrange(2)]
+            lane = m._pools.sample._lanes[rng.randrange(2)]
             end = time.monotonic() + 0.6
             killed = None
             while time.monotonic() < end:
@@ -181,7 +181,7 @@ def _close_from_other_threads(seconds, rng):
             time.sleep(delay)
             if kill:
                 try:
-                    os.kill(m._manager._lanes[rng.randrange(2)].worker.pid, signal.SIGKILL)
+                    os.kill(m._pools.sample._lanes[rng.randrange(2)].worker.pid, signal.SIGKILL)
                 except (ProcessLookupError, TypeError):
                     pass
             m.close()
@@ -212,7 +212,7 @@ def _stop_and_continue(seconds, rng):
 
     def stopper():
         while not stop.wait(rng.uniform(0.3, 0.8)):
-            pid = m._manager._lanes[rng.randrange(2)].worker.pid
+            pid = m._pools.sample._lanes[rng.randrange(2)].worker.pid
             try:
                 os.kill(pid, signal.SIGSTOP)
             except (ProcessLookupError, TypeError):

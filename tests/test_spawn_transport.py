@@ -163,15 +163,15 @@ def test_one_copy_of_the_data_for_all_workers_mapped_copy_on_write(method):
             return _data_mappings(pid) and all(perms.endswith("p") and i == ino
                                                for perms, i in _data_mappings(pid)) \
                 and not _data_segments(pid)
-        for p in m._manager.workers:
+        for p in m._pools.sample.workers:
             assert wait_until(lambda: maps_it(p.pid), timeout=60), _data_mappings(p.pid)
         # a replacement maps the same copy
-        old = m._manager.workers[0].pid
+        old = m._pools.sample.workers[0].pid
         os.kill(old, signal.SIGKILL)
         assert wait_until(lambda: (m.sample() is not None
-                                   and m._manager.workers[0].pid != old), timeout=60)
+                                   and m._pools.sample.workers[0].pid != old), timeout=60)
         assert _data_segments(os.getpid()) == {ino: size}
-        assert wait_until(lambda: maps_it(m._manager.workers[0].pid), timeout=60)
+        assert wait_until(lambda: maps_it(m._pools.sample.workers[0].pid), timeout=60)
     assert _data_segments(os.getpid()) == {}
 
 

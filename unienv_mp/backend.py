@@ -9,7 +9,7 @@ interface (a ``typing.Protocol``); a new backend implements it, on the shared pa
 * :class:`TicketTable`: ticket -> task, for every task submitted and not yet delivered
   or cancelled.
 * :class:`Dealer`: which worker gets a task submitted without one.
-* :func:`respawn_verdict`: the respawn budget, and why a worker is not replaced.
+* :func:`respawn_refusal`: the respawn budget: why a dead worker is not replaced, or None.
 * :func:`unknown_ticket`, :func:`none_pending`, :func:`no_result`: the errors of the
   ticket calls; :func:`~unienv_mp._validate.check_index` checks a worker index.
 
@@ -25,12 +25,28 @@ the Ray manager's code, and this module's, at every bytecode):
 * A worker given up (respawn=False, or its budget spent) is taken off its lane before the
   error is raised: the next call starts a fresh worker, with the whole budget, for the
   work left waiting.  A lane never keeps a dead worker.
+
+A sampler for a new backend: subclass ``unienv_mp.sampler.SamplerBase``, call its
+``__init__`` with the common options, and override its hooks (nothing else is meant to
+be overridden):
+
+* ``new_manager()`` (required): a new manager, keeping :class:`Manager`, whose workers
+  run ``SamplerTarget(self.sampler)``.
+* ``sampler_methods()``: the wrapped sampler's ``sample*`` and ``get*_at`` method names.
+* ``row_nbytes(name)``: bytes per batch row of ``name``, or None (sets the default
+  batches per task).
+* ``configuration(methods)``: what a saved state must match to be loaded.
+* ``epoch_manager()``: ``(manager, own)``, the manager an epoch runs on and whether it
+  is the epoch's own (the default: the ``sample*`` manager).
+* ``check_epoch(getter)``: raise to refuse an epoch when its iterator is made.
+
+``unienv_mp.ray.RaySampler`` is one.
 """
 from typing import Iterable, Optional, Protocol, TypeVar, runtime_checkable
 
 from .stats import SamplerStats
 
-__all__ = ["Manager", "TicketTable", "Dealer", "respawn_verdict", "unknown_ticket",
+__all__ = ["Manager", "TicketTable", "Dealer", "respawn_refusal", "unknown_ticket",
            "none_pending", "no_result", "TaskInfoT", "ResultT", "CLOSED_WHILE_WAITING"]
 
 #: The types of a manager's work items and of their results.
@@ -146,7 +162,7 @@ class Dealer:
         self.next = 0
 
 
-def respawn_verdict(respawn, deaths, max_respawns):
+def respawn_refusal(respawn, deaths, max_respawns):
     """Why a worker that has now died ``deaths`` times in a row without producing a result
     is not to be replaced, as the end of its error message; None if it is to be."""
     if not respawn:

@@ -76,7 +76,7 @@ class DeviceHandOut:
                 return
             s = self._sampler
             tickets = stream.tickets
-            manager = s._manager
+            manager = s._pools.sample
             if not tickets or not s.in_order or manager is None \
                     or not manager.ready(tickets[0]):
                 return

@@ -1,76 +1,41 @@
-"""What a sampler whose batches are made by workers takes from the sampler it wraps, in the
-training process: its spaces, backend, device, data and random number generators, and its
-``get*_at`` methods, called here (epochs call them in the workers).
+"""Attributes a sampler passes on to one of its parts, declared in one line each:
+:class:`forwarded` (a property that reads, and may set, an attribute of a part, e.g. the
+wrapped sampler's spaces, backend, device, data and random number generators) and
+:func:`passed_on` (a method that calls the wrapped sampler's, e.g. ``get_at``)."""
 
-:class:`Delegates` is a base class of :class:`unienv_mp._sampling.sampler.SamplerBase`; the wrapped
-sampler is its ``sampler`` attribute.
-"""
-
-__all__ = ["Delegates"]
+__all__ = ["forwarded", "passed_on"]
 
 
-class Delegates:
-    """The wrapped sampler's properties and ``get*_at`` methods, as its own."""
+class forwarded:
+    """A property whose value is the attribute ``name`` of the owner's attribute
+    ``part``: ``backend = forwarded("sampler", "backend", "The compute backend.")`` reads
+    ``self.sampler.backend``; ``settable=True`` sets it too."""
 
-    @property
-    def sampled_space(self):
-        """The wrapped sampler's batch space."""
-        return self.sampler.sampled_space
+    def __init__(self, part, name, doc=None, settable=False):
+        self.part = part
+        self.name = name
+        self.settable = settable
+        self.__doc__ = doc
 
-    @property
-    def sampled_metadata_space(self):
-        """The wrapped sampler's batch metadata space (or None)."""
-        return self.sampler.sampled_metadata_space
+    def __set_name__(self, owner, attr):
+        self.attr = attr
 
-    @property
-    def backend(self):
-        """The wrapped sampler's compute backend."""
-        return self.sampler.backend
+    def __get__(self, obj, cls=None):
+        if obj is None:
+            return self
+        return getattr(getattr(obj, self.part), self.name)
 
-    @property
-    def device(self):
-        """The wrapped sampler's device (always the CPU here)."""
-        return self.sampler.device
+    def __set__(self, obj, value):
+        if not self.settable:
+            raise AttributeError(f"property {self.attr!r} of {type(obj).__name__!r} "
+                                 f"object has no setter")
+        setattr(getattr(obj, self.part), self.name, value)
 
-    @property
-    def data(self):
-        """The wrapped sampler's data (e.g. the ReplayBuffer)."""
-        return self.sampler.data
 
-    @property
-    def rng(self):
-        """The wrapped sampler's RNG in this process.  The ``sample*`` streams' seed is
-        read from its state when this sampler is made and by :meth:`manual_seed`; setting
-        it does not change the streams."""
-        return self.sampler.rng
-
-    @rng.setter
-    def rng(self, rng):
-        self.sampler.rng = rng
-
-    @property
-    def data_rng(self):
-        """The wrapped sampler's data RNG in this process: epoch permutations are drawn
-        from it.  The ``sample*`` streams' seed is read from its state when this sampler
-        is made and by :meth:`manual_seed`; setting it does not change the streams."""
-        return self.sampler.data_rng
-
-    @data_rng.setter
-    def data_rng(self, data_rng):
-        self.sampler.data_rng = data_rng
-
-    def get_at(self, idx):
-        """``get_at`` of the wrapped sampler, in this process."""
-        return self.sampler.get_at(idx)
-
-    def get_at_with_metadata(self, idx):
-        """``get_at_with_metadata`` of the wrapped sampler, in this process."""
-        return self.sampler.get_at_with_metadata(idx)
-
-    def get_flattened_at(self, idx):
-        """``get_flattened_at`` of the wrapped sampler, in this process."""
-        return self.sampler.get_flattened_at(idx)
-
-    def get_flattened_at_with_metadata(self, idx):
-        """``get_flattened_at_with_metadata`` of the wrapped sampler, in this process."""
-        return self.sampler.get_flattened_at_with_metadata(idx)
+def passed_on(name, doc):
+    """A method ``name(self, idx)`` that returns ``self.sampler.<name>(idx)``."""
+    def method(self, idx):
+        return getattr(self.sampler, name)(idx)
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = doc
+    return method

@@ -1,66 +1,34 @@
 """Epochs on the training process's side of a sampler: one pass over a permutation drawn in
 this process, its batches requested ahead from a manager and handed out in order (or as they
-arrive, with ``in_order=False``); which manager an epoch runs on, and which epoch closes it.
+arrive, with ``in_order=False``), and which epoch closes the manager it ran on.
 
-:class:`Epochs` is a base class of :class:`unienv_mp._sampling.sampler.SamplerBase` and works on that
-class's state: ``_lock`` (held by each step of an epoch, never across a ``yield``: see
-"Threads" in :class:`~unienv_mp.MultiprocessingSampler`), ``_epoch_users`` (how many epoch
-iterators run on each manager), ``_epoch_managers`` (managers closed by the last epoch on
-them), ``_open_epochs`` (the epochs being iterated) and ``_resume`` (epochs restored by
-``load_state_dict``).
+:class:`Epochs` is owned by a :class:`unienv_mp._sampling.sampler.SamplerBase` (its
+``_epochs``): it holds the epochs being iterated and those restored by
+``load_state_dict``, and works on the sampler's managers (its
+:class:`~unienv_mp._sampling.pools.Pools`).  Each step of an epoch holds the sampler's
+lock, never across a ``yield`` (see "Threads" in
+:class:`~unienv_mp.MultiprocessingSampler`).
 """
 import collections
 
 from .. import _os
-from .target import epoch_order, split_epoch
+from . import ahead as _ahead
 from .streams import EpochProgress
+from .target import epoch_order, split_epoch
 
 __all__ = ["Epochs"]
 
 
 class Epochs:
-    """``epoch_iter`` and its siblings, and the choice of an epoch's manager (which
-    :class:`~unienv_mp.MultiprocessingSampler` overrides to keep workers between epochs)."""
+    """A sampler's epochs: ``open``, the epochs being iterated (as they started), and
+    ``resume``, getter -> deque of epochs restored by ``load_state_dict``, to finish.
+    ``pools``: the sampler's managers.  The methods that run an epoch take the sampler
+    (``s``): its lock, options, hand-out and ``epoch_manager()`` hook."""
 
-    def _epoch_manager(self):
-        """``(manager, own)``: the manager an epoch starting now runs on, and whether it
-        is the epoch's own (closed when the epoch ends; it is in ``_epoch_managers`` from
-        the moment it is made) or one that outlives the epoch (the ``sample*`` manager,
-        or one kept in ``_kept`` for the next epochs).  It sets ``_epoch_workers`` (see
-        ``epoch_workers``)."""
-        running = self._manager is not None and not self._manager.closed
-        self._epoch_workers = (("kept", "the sample* workers serve every epoch") if running
-                               else ("new", "no workers were running yet (they serve "
-                                            "every epoch)"))
-        return self._ensure_manager(), False
-
-    @property
-    def epoch_workers(self):
-        """Which workers the latest epoch began on: ``"kept"`` (workers that were already
-        running: the ``sample*`` workers, or those of an earlier epoch), ``"new"``
-        (workers started for it), ``"in_process"`` (no workers: the data is on a GPU), or
-        None before the first epoch.  :attr:`epoch_workers_reason` says why (see
-        ``persistent_workers``)."""
-        return self._epoch_workers[0]
-
-    @property
-    def epoch_workers_reason(self):
-        """Why the latest epoch began on :attr:`epoch_workers`, in words: for example
-        ``"the data is unchanged since they started"``, ``"the data changed since the
-        workers started"``, or ``"whether the data changed cannot be told: a custom
-        function (my_mask), which may read anything (persistent_workers=True promises that
-        it does not)"``.  None before the first epoch."""
-        return self._epoch_workers[1]
-
-    def _retire(self, manager):
-        """``manager`` is no longer kept for anything: closed now, or, while epochs still
-        run on it, by the last of them (it waits in ``_epoch_managers``)."""
-        if manager is None or manager.closed:
-            return
-        if self._epoch_users.get(manager, 0) > 0:
-            self._epoch_managers.add(manager)
-        else:
-            manager.close()
+    def __init__(self, pools):
+        self.pools = pools
+        self.open = []
+        self.resume = {}
 
     @staticmethod
     def _collect(manager, tickets, ticket):
@@ -77,26 +45,26 @@ class Epochs:
         tickets.remove(ticket)
         return value
 
-    def _epoch(self, getter):
+    def run(self, s, getter):
+        """An epoch of ``getter`` on sampler ``s``, as a generator of batches."""
         # (each step holds the lock, none across a yield: see "Threads")
         run = _Run()
         interrupt = None   # (a Ctrl-C in the epoch's end, raised once it ended)
         try:
-            progress = self._begin_epoch(getter, run)
+            progress = self.begin(s, getter, run)
             manager = run.manager
             batches = split_epoch(progress.order, progress.batch_size)
             todo = progress.remaining()
             pending = run.pending
             number = {}   # ticket -> batch number
             nxt = 0
-            # The first batch is asked for alone, so that it has a worker, and the CPUs, to
-            # itself (it is waited for at once); the rest from the second on.
-            ahead = 1
+            first = True   # (see ahead.depth: the first batch alone)
+            ahead = max(1, _ahead.depth(s.n_buffers, first))
             early = None   # (ticket, result) collected ahead, on a device (see _early)
             while nxt < len(todo) or pending or early:
-                with self._lock:
-                    if self._closed:
-                        raise RuntimeError(f"this {type(self).__name__} is closed")
+                with s._lock:
+                    if s._closed:
+                        raise RuntimeError(f"this {type(s).__name__} is closed")
                     while nxt < len(todo) and len(pending) + bool(early) < ahead:
                         manager.submit((getter, batches[todo[nxt]]), record=pending)
                         number[pending[-1]] = todo[nxt]
@@ -106,16 +74,17 @@ class Epochs:
                         if type(value) is _Raise:
                             raise value.error
                     else:
-                        ticket = pending[0] if self.in_order else manager.wait_any(pending)
+                        ticket = pending[0] if s.in_order else manager.wait_any(pending)
                         value = self._collect(manager, pending, ticket)
-                    if self._feed is not None:
-                        value = self._hand_out.epoch_batch(value)
-                        early = self._early(manager, pending)
+                    if s._feed is not None:
+                        value = s._hand_out.epoch_batch(value)
+                        early = self._early(s, manager, pending)
                     progress.handed_out(number.pop(ticket))
-                    self._caller.batches += 1
-                    if ahead == 1:
+                    s._caller.batches += 1
+                    if first:
                         # the rest, while the caller uses this batch
-                        ahead = self.n_buffers
+                        first = False
+                        ahead = max(1, _ahead.depth(s.n_buffers, first))
                         while nxt < len(todo) and len(pending) < ahead - 1:
                             manager.submit((getter, batches[todo[nxt]]), record=pending)
                             number[pending[-1]] = todo[nxt]
@@ -129,61 +98,62 @@ class Epochs:
             # where a signal is acted on, and it is inside the try.)
             while True:
                 try:
-                    with self._lock:
-                        self._end_epoch(run)
+                    with s._lock:
+                        self.end(run)
                     break
                 except KeyboardInterrupt as e:
                     interrupt = e
             if interrupt is not None:
                 raise interrupt
 
-    def _early(self, manager, pending):
+    @classmethod
+    def _early(cls, s, manager, pending):
         """``(ticket, result)`` of the epoch's next batch if it has arrived, its copy
         issued ahead (rule 6 of :mod:`unienv_mp._device.feed`), else None.  A result that
         raises is raised when its batch is due."""
-        if not (self.in_order and pending and self._feed.copying
+        if not (s.in_order and pending and s._feed.copying
                 and manager.ready(pending[0])):
             return None
         ticket = pending[0]
         try:
-            value = self._collect(manager, pending, ticket)
+            value = cls._collect(manager, pending, ticket)
         except Exception as e:
             return ticket, _Raise(e)
         try:
-            self._feed.start(value)
+            s._feed.start(value)
         except Exception:
             pass   # (tried again, and raised, at its hand-out)
         return ticket, value
 
-    def _begin_epoch(self, getter, run):
-        """Start an epoch of ``getter`` for ``run``: its manager and its progress, the
-        permutation drawn as UniEnv draws it (or an epoch restored by ``load_state_dict``).
-        A Ctrl-C before the epoch holds its manager loses the permutation drawn: the next
-        epoch draws a new one."""
-        with self._lock:
-            self._ensure_open()
-            restored = self._resume.get(getter)
+    def begin(self, s, getter, run):
+        """Start an epoch of ``getter`` for ``run``: its manager (``s.epoch_manager()``)
+        and its progress, the permutation drawn as UniEnv draws it (or an epoch restored
+        by ``load_state_dict``).  A Ctrl-C before the epoch holds its manager loses the
+        permutation drawn: the next epoch draws a new one."""
+        with s._lock:
+            s._ensure_open()
+            restored = self.resume.get(getter)
             if restored:
                 progress = restored[0]
             else:
                 # The permutation first, as UniEnv draws it.
-                progress = EpochProgress(getter, epoch_order(self.sampler), self.batch_size)
-            self._start_clock()
-            manager, _ = self._epoch_manager()   # (an own manager: in _epoch_managers)
+                progress = EpochProgress(getter, epoch_order(s.sampler), s.batch_size)
+            s._start_clock()
+            manager, _ = s.epoch_manager()   # (an own manager: in pools.own)
             # (one step: the epoch holds its manager, is open, and has taken its restored
             # state, or none of these)
             with _os.interrupts_deferred():
                 if restored:
                     restored.popleft()
                     if not restored:
-                        del self._resume[getter]
-                self._epoch_users[manager] += 1
-                self._open_epochs.append(progress)
+                        del self.resume[getter]
+                self.pools.users[manager] += 1
+                self.open.append(progress)
                 run.manager, run.progress = manager, progress
-            self._close_unused_epoch_managers()
+            self.pools.close_unused()
         return progress
 
-    def _end_epoch(self, run):
+    def end(self, run):
         """The epoch of ``run`` ended: it lets go of its manager (cancelling its tickets in
         flight, or closing the manager if it is the last epoch on one that nothing else
         keeps).  Done in steps that each happen once, so that an end cut short is
@@ -191,11 +161,12 @@ class Epochs:
         manager = run.manager
         if manager is None:
             return   # (it never began)
+        pools = self.pools
         if not run.ended:
-            users = self._epoch_users
+            users = pools.users
             # (one step: a Ctrl-C cannot leave tickets behind on a manager that lives on)
             with _os.interrupts_deferred():
-                open_epochs = self._open_epochs
+                open_epochs = self.open
                 for i, p in enumerate(open_epochs):
                     if p is run.progress:
                         del open_epochs[i]
@@ -203,9 +174,9 @@ class Epochs:
                 users[manager] -= 1
                 if users[manager] <= 0:
                     del users[manager]
-                # its own, or retired (see _retire) while this epoch ran: the last epoch
-                # on it closes it
-                run.closes = manager in self._epoch_managers and manager not in users
+                # its own, or retired (see Pools.retire) while this epoch ran: the last
+                # epoch on it closes it
+                run.closes = manager in pools.own and manager not in users
                 if not run.closes and not manager.closed:
                     for t in run.pending:
                         manager.cancel(t)
@@ -214,39 +185,11 @@ class Epochs:
             if not manager.closed and not run.counted:
                 part = manager.stats()
                 with _os.interrupts_deferred():
-                    self._ended_wait_ns += int(part.wait_seconds * 1e9)
-                    self._ended_startup_ns += int(part.startup_seconds * 1e9)
+                    pools.ended_wait_ns += int(part.wait_seconds * 1e9)
+                    pools.ended_startup_ns += int(part.startup_seconds * 1e9)
                     run.counted = True
             manager.close()
-            self._epoch_managers.discard(manager)
-
-    def _close_unused_epoch_managers(self):
-        """Close the managers in ``_epoch_managers`` that no epoch runs on (one made for
-        an epoch that a Ctrl-C cut short before it began)."""
-        for manager in [m for m in self._epoch_managers if m not in self._epoch_users]:
-            manager.close()
-            self._epoch_managers.discard(manager)
-
-    def epoch_iter(self):
-        """One pass over a random permutation of the data (drawn here, with the wrapped
-        sampler's RNG), each batch gathered by a worker with ``get_at``; every index
-        exactly once, the last partial batch included."""
-        return self._epoch("get_at")
-
-    def epoch_iter_with_metadata(self):
-        """As :meth:`epoch_iter`, with ``get_at_with_metadata``."""
-        return self._epoch("get_at_with_metadata")
-
-    def epoch_flat_iter(self):
-        """As :meth:`epoch_iter`, with ``get_flattened_at``."""
-        return self._epoch("get_flattened_at")
-
-    def epoch_flat_iter_with_metadata(self):
-        """As :meth:`epoch_iter`, with ``get_flattened_at_with_metadata``."""
-        return self._epoch("get_flattened_at_with_metadata")
-
-    def __iter__(self):
-        return self.epoch_iter()
+            pools.own.discard(manager)
 
 
 class _Raise:

@@ -12,9 +12,7 @@ and kept for the next epochs while the data does not change (``persistent_worker
 back through shared-memory slots as zero-copy views (see
 :class:`~unienv_mp._process.manager.MultiProcessingSampleManager`).
 """
-import collections
 import dataclasses
-import multiprocessing as _mp
 import os
 import threading
 import time
@@ -23,22 +21,26 @@ from typing import Any, Optional
 
 from unienv_data.base import BatchSampler
 
-from . import fingerprint as _fingerprint
 from .. import _os
-from .._direct import gather as _gather
 from .. import stats as _stats
-from .checkpoints import Checkpoints
-from .delegates import Delegates
 from .._device.feed import make_feed
 from .._device.handout import DeviceHandOut
 from .._device.placement import device_type, place
 from .._device.resident import InProcessManager, ResidentTarget, own_target
-from .epochs import Epochs
-from .target import SamplerTarget
-from .streams import Stream, base_seed, forget_requests
-from .._validate import MAX_BATCHES_PER_TASK, MAX_BUFFERS, check_bool, check_context, check_doze_time, check_int, check_seconds, check_workers, physical_memory
-from ..errors import WorkerError
+from .._direct import gather as _gather
 from .._process.manager import CLOSE_WAIT, MultiProcessingSampleManager
+from .._validate import (MAX_BATCHES_PER_TASK, MAX_BUFFERS, check_bool, check_context,
+                         check_doze_time, check_int, check_seconds, check_workers,
+                         physical_memory)
+from ..errors import WorkerError
+from . import checkpoints as _checkpoints
+from .ahead import depth
+from .delegates import forwarded, passed_on
+from .epochs import Epochs
+from .pools import Pools
+from .state import give_rngs
+from .streams import Stream, base_seed, forget_requests
+from .target import SamplerTarget
 
 __all__ = ["SamplerBase", "MultiprocessingSampler"]
 
@@ -46,15 +48,6 @@ __all__ = ["SamplerBase", "MultiprocessingSampler"]
 _CHUNK_BYTES = 1 << 20
 #: ... at most this many.
 _CHUNK_MAX = 8
-
-
-def _data_is_shared(sampler):
-    """True if worker processes see changes the parent makes to the sampler's data (e.g. a
-    ReplayBuffer made with ``multiprocessing=True``)."""
-    try:
-        return bool(getattr(sampler.data, "is_multiprocessing_safe", False))
-    except Exception:
-        return False
 
 
 def check_batch_sampler(sampler):
@@ -76,56 +69,182 @@ def _check_cpu(sampler, who):
                 f"{dev!r} in the training loop")
 
 
-class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
+def _set_up_device(s):
+    """The device feed of sampler ``s``, where batches are handed out on a device or
+    page-locked (then the instance's ``_sample``, and the epochs' hand-out, are a
+    DeviceHandOut's: see :mod:`unienv_mp._device.handout`); a sampler with no placement
+    (Ray's) takes CPU batches only."""
+    if s._placement is None:
+        _check_cpu(s.sampler, type(s).__name__)
+    if s.pin_memory and s.copy:
+        raise ValueError("pin_memory=True hands out batches in their page-locked slots, "
+                         "and copy=True copies them out of their slots: choose one")
+    # (both see the sampler through a weak proxy: a sampler that refers to itself
+    # would outlive its last user until a garbage collection, and its workers with it)
+    me = weakref.proxy(s)
+    s._feed = make_feed(s._placement, s.pin_memory, lambda: me._pools.slot_segments())
+    if s._feed is not None:
+        s._hand_out = DeviceHandOut(me, SamplerBase._sample)
+        s._sample = s._hand_out.sample
+
+
+def _checked(n_workers, n_buffers, timeout, in_order, copy, respawn, pin_memory,
+             batches_per_task):
+    """The options every backend has, checked, in this order."""
+    n_workers = check_int(n_workers, "n_workers")
+    n_buffers = check_int(n_buffers, "n_buffers", 1, MAX_BUFFERS,
+                          "batches requested ahead, each holding shared memory")
+    timeout = check_seconds(timeout, "timeout")
+    in_order = check_bool(in_order, "in_order")
+    copy = check_bool(copy, "copy")
+    respawn = check_bool(respawn, "respawn")
+    pin_memory = check_bool(pin_memory, "pin_memory")
+    if batches_per_task is not None:
+        batches_per_task = check_int(
+            batches_per_task, "batches_per_task", 1, MAX_BATCHES_PER_TASK,
+            "a worker holds a task's batches together, in one slot")
+    return (n_workers, n_buffers, timeout, in_order, copy, respawn, pin_memory,
+            batches_per_task)
+
+
+def _extra_methods(s):
+    """Every other sample* / get*_at method of the wrapped sampler runs in the workers
+    too (as UniEnv does): sample_x() directly, get_at_x as epoch_iter_x(), and
+    get_flattened_at_x as epoch_flat_iter_x().  Made on access (see
+    ``SamplerBase.__getattr__``), so that the sampler holds no reference to itself."""
+    extra = {}
+    for name in s.sampler_methods():
+        if name.startswith("sample"):
+            new, kind = name, _StreamMethod
+        elif name.startswith("get_at"):
+            new, kind = "epoch_iter" + name[len("get_at"):], _EpochMethod
+        else:
+            new, kind = "epoch_flat_iter" + name[len("get_flattened_at"):], _EpochMethod
+        if not hasattr(type(s), new):
+            extra[new] = (kind, name)
+    return extra
+
+
+def _chunk_size(s, name):
+    """Batches per task of ``name``'s stream for sampler ``s``: ``batches_per_task``, or
+    for methods that can be gathered directly as many as fit in 1 MiB (at most 8), else
+    1.  A function of the wrapped sampler and the options alone (not of ``n_workers`` or
+    ``n_buffers``): the stream of batches depends on it."""
+    k = s.batches_per_task
+    if k is not None:
+        return k
+    row = s.row_nbytes(name)
+    if row is None:
+        return 1
+    return max(1, min(_CHUNK_MAX, _CHUNK_BYTES // max(1, row * s.batch_size)))
+
+
+def _close(s, pools, feed):
+    """The end of ``s.close()`` (see it), once ``s`` is marked closed."""
+    # First without the lock, which a call in another thread may hold while it waits
+    # on a manager: closing the managers wakes it.  Then again with it, for a manager
+    # that such a call made meanwhile.
+    if pools is not None:
+        pools.close()
+    lock = getattr(s, "_lock", None)
+    got = lock is not None and lock.acquire(timeout=CLOSE_WAIT)
+    try:
+        if feed is not None and got:
+            # (its pins keep the slots mapped until now: rule 8 of the feed; without the
+            # lock, a call in another thread may be using it: closed at the next close)
+            feed.close()
+        if pools is not None:
+            pools.close()
+        # (positions kept, for a state_dict() after close(); requests dropped)
+        s._streams = {name: Stream.from_position(name, s._base, st.position())
+                      for name, st in getattr(s, "_streams", {}).items()}
+    finally:
+        if got:
+            lock.release()
+
+
+def _sampling(name, doc):
+    """The sampler's method ``name()``: the next batch of ``name``'s stream."""
+    def method(self):
+        return self._sample(name)
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = doc
+    return method
+
+
+def _epoch_of(name, getter):
+    """The sampler's method ``name()``: an epoch iterator over ``getter``."""
+    def method(self):
+        return self._epoch(getter)
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"As :meth:`epoch_iter`, with ``{getter}``."
+    return method
+
+
+def _check_memory(s):
+    """Refuse ``n_buffers`` and ``batches_per_task`` of sampler ``s`` whose batches in
+    flight would need more than half of this machine's memory, where their size is known
+    before any is made (batches gathered directly)."""
+    row = s.row_nbytes("sample")
+    memory = physical_memory()
+    if row is None or memory is None:
+        return
+    k = s._chunk_size("sample")
+    batch = row * s.batch_size
+    need = (s.n_buffers + k) * batch
+    if need > memory // 2:
+        raise ValueError(
+            f"n_buffers={s.n_buffers} batches requested ahead (and tasks of {k}) of "
+            f"{batch / 1e6:.3g} MB each would need {need / 1e9:.3g} GB of shared "
+            f"memory, more than half of this machine's {memory / 1e9:.3g} GB")
+
+
+class SamplerBase(BatchSampler):
     """The training process's side of a sampler whose batches are made by workers: the
-    ``sample*`` streams and their chunks, :meth:`stats` and the lifecycle here; epochs
-    (:class:`~unienv_mp._sampling.epochs.Epochs`), seeds and checkpoints
-    (:class:`~unienv_mp._sampling.checkpoints.Checkpoints`) and the wrapped sampler's properties
-    (:class:`~unienv_mp._sampling.delegates.Delegates`) in base classes of their own, which work on
-    this class's state.  What runs the
-    workers is a manager (a :class:`~unienv_mp._process.manager.MultiProcessingSampleManager`, or
-    one with its ticket interface: ``submit(work, record=)``, ``result``, ``wait_any``,
-    ``cancel``, ``stats``, ``close`` and ``closed``) that a subclass makes in
-    :meth:`_new_manager`.  :class:`MultiprocessingSampler` runs them as processes,
-    :class:`unienv_mp.ray.RaySampler` as Ray actors; both give the same stream of batches
-    for the same seed.
+    ``sample*`` streams and their chunks, epochs, seeds and checkpoints, :meth:`stats`
+    and the lifecycle.  It owns its parts: its managers of workers (a
+    :class:`~unienv_mp._sampling.pools.Pools`), its epochs (an
+    :class:`~unienv_mp._sampling.epochs.Epochs`), and the wrapped sampler, whose
+    properties it passes on.  A manager runs the workers: a
+    :class:`~unienv_mp._process.manager.MultiProcessingSampleManager`, or any
+    :class:`~unienv_mp.backend.Manager`.  :class:`MultiprocessingSampler` runs them as
+    processes, :class:`unienv_mp.ray.RaySampler` as Ray actors; both give the same stream
+    of batches for the same seed.
 
     Subclasses call ``SamplerBase.__init__`` with the options every backend has (see
     :class:`MultiprocessingSampler` for what they mean) and ``not_direct``: None if the
     workers gather batches directly (see :mod:`unienv_mp._direct.gather`), else why not;
     ``manager``: the manager of the ``sample*`` workers, if the subclass made it already
     (any :class:`~unienv_mp.backend.Manager`).
+
+    Extending (the methods a backend overrides; nothing else is meant to be):
+    :meth:`new_manager` returns a new manager of workers running
+    ``SamplerTarget(self.sampler)`` (required); :meth:`sampler_methods` the wrapped
+    sampler's method names; :meth:`row_nbytes` a batch row's size in bytes, or None;
+    :meth:`configuration` what a saved state must match; :meth:`epoch_manager` the
+    manager an epoch runs on; :meth:`check_epoch` refuses an epoch (by raising).
     """
 
     def __init__(self, sampler, n_workers, n_buffers, *, in_order, copy, timeout, respawn,
                  batches_per_task, not_direct, manager=None, placement=None,
                  pin_memory=False):
         self._closed = True   # first: __del__ -> close() must work on a half-built sampler
-        self._manager = manager   # (made on first use by _new_sample_manager, if None)
-        self._kept = None
+        # (the sample* manager made on first use, if None)
+        self._pools = Pools(weakref.proxy(self), manager)
+        self._epochs = Epochs(self._pools)
         self._feed = None   # (see _set_up_device)
         self._owner_pid = os.getpid()
         # Held by every call but close() (see "Threads" in MultiprocessingSampler's
         # docstring); re-entrant, for a call from a signal handler in the middle of one.
         self._lock = threading.RLock()
         check_batch_sampler(sampler)
-        n_workers = check_int(n_workers, "n_workers")
-        n_buffers = check_int(n_buffers, "n_buffers", 1, MAX_BUFFERS,
-                              "batches requested ahead, each holding shared memory")
-        timeout = check_seconds(timeout, "timeout")
-        in_order = check_bool(in_order, "in_order")
-        copy = check_bool(copy, "copy")
-        respawn = check_bool(respawn, "respawn")
-        pin_memory = check_bool(pin_memory, "pin_memory")
-        if batches_per_task is not None:
-            batches_per_task = check_int(
-                batches_per_task, "batches_per_task", 1, MAX_BATCHES_PER_TASK,
-                "a worker holds a task's batches together, in one slot")
+        (n_workers, n_buffers, timeout, in_order, copy, respawn, pin_memory,
+         batches_per_task) = _checked(n_workers, n_buffers, timeout, in_order, copy,
+                                      respawn, pin_memory, batches_per_task)
         super().__init__(sampler.single_space, sampler.single_metadata_space,
                          sampler.batch_size)
         self._direct = not_direct is None
         self._not_direct = not_direct
-        self._epoch_workers = (None, None)   # (see epoch_workers)
         self.sampler = sampler
         self._placement, self.pin_memory = placement, pin_memory
         self.n_workers = n_workers
@@ -135,72 +254,13 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
         self.timeout = timeout
         self.respawn = respawn
         self.batches_per_task = batches_per_task
-        self._check_memory()
-        self._set_up_device()
+        _check_memory(self)
+        _set_up_device(self)
         self._caller = _stats.CallerRecord()   # batches handed out (see stats)
-        self._ended_wait_ns = 0     # the waits of epoch managers closed since
-        self._ended_startup_ns = 0  # (and their start-up part)
         self._base = base_seed(sampler)
         self._streams = {}          # method -> Stream
-        self._open_epochs = []      # the epochs being handed out, as they started
-        self._resume = {}           # getter -> deque of EpochProgress: restored, to finish
-        # Managers that epochs run on besides the sample* manager: an epoch's own, and
-        # managers no longer kept (see _retire), each closed when no epoch runs on it.
-        self._epoch_managers = set()
-        # A manager kept for the next epochs (see MultiprocessingSampler's
-        # persistent_workers), and how many epoch iterators run on each manager.
-        self._kept = None
-        self._epoch_users = collections.Counter()
-        # Every other sample* / get*_at method of the wrapped sampler runs in the workers
-        # too (as UniEnv does): sample_x() directly, get_at_x as epoch_iter_x(), and
-        # get_flattened_at_x as epoch_flat_iter_x().  Made on access (see __getattr__), so
-        # that the sampler holds no reference to itself.
-        self._extra = {}
-        for name in self._sampler_methods():
-            if name.startswith("sample"):
-                new, kind = name, _StreamMethod
-            elif name.startswith("get_at"):
-                new, kind = "epoch_iter" + name[len("get_at"):], _EpochMethod
-            else:
-                new, kind = "epoch_flat_iter" + name[len("get_flattened_at"):], _EpochMethod
-            if not hasattr(type(self), new):
-                self._extra[new] = (kind, name)
+        self._extra = _extra_methods(self)   # (the wrapped sampler's other methods)
         self._closed = False
-
-    def _set_up_device(self):
-        """The device feed, where batches are handed out on a device or page-locked (then
-        the instance's ``_sample``, and the epochs' hand-out, are a DeviceHandOut's: see
-        :mod:`unienv_mp._device.handout`); a sampler with no placement (Ray's) takes CPU
-        batches only."""
-        if self._placement is None:
-            _check_cpu(self.sampler, type(self).__name__)
-        if self.pin_memory and self.copy:
-            raise ValueError("pin_memory=True hands out batches in their page-locked slots, "
-                             "and copy=True copies them out of their slots: choose one")
-        # (both see the sampler through a weak proxy: a sampler that refers to itself
-        # would outlive its last user until a garbage collection, and its workers with it)
-        me = weakref.proxy(self)
-        self._feed = make_feed(self._placement, self.pin_memory, lambda: me._slot_segments())
-        if self._feed is not None:
-            self._hand_out = DeviceHandOut(me, SamplerBase._sample)
-            self._sample = self._hand_out.sample
-
-    def _check_memory(self):
-        """Refuse ``n_buffers`` and ``batches_per_task`` whose batches in flight would need
-        more than half of this machine's memory, where their size is known before any is
-        made (batches gathered directly)."""
-        row = self._row_nbytes("sample")
-        memory = physical_memory()
-        if row is None or memory is None:
-            return
-        k = self._chunk_size("sample")
-        batch = row * self.batch_size
-        need = (self.n_buffers + k) * batch
-        if need > memory // 2:
-            raise ValueError(
-                f"n_buffers={self.n_buffers} batches requested ahead (and tasks of {k}) of "
-                f"{batch / 1e6:.3g} MB each would need {need / 1e9:.3g} GB of shared "
-                f"memory, more than half of this machine's {memory / 1e9:.3g} GB")
 
     def __getattr__(self, attr):
         # only reached for attributes not found the normal way
@@ -213,19 +273,14 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
     def __dir__(self):
         return sorted(set(super().__dir__()) | set(self.__dict__.get("_extra", ())))
 
-    # -- what a backend gives ---------------------------------------------------------------
+    # -- the hooks of a backend (see "Extending") ------------------------------------------
 
-    def _new_manager(self):
-        """A new manager of workers running ``SamplerTarget(self.sampler)`` (see the class
-        docstring)."""
+    def new_manager(self):
+        """A new manager of workers running ``SamplerTarget(self.sampler)``, which keeps
+        the :class:`unienv_mp.backend.Manager` protocol (see the class docstring)."""
         raise NotImplementedError
 
-    def _new_sample_manager(self):
-        """The manager of the ``sample*`` methods, made at their first call: a new one
-        (a subclass may hand over one kept for epochs instead)."""
-        return self._new_manager()
-
-    def _sampler_methods(self):
+    def sampler_methods(self):
         """The wrapped sampler's ``sample*``, ``get_at*`` and ``get_flattened_at*``
         methods, by name."""
         sampler = self.sampler
@@ -233,13 +288,29 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
                 if name.startswith(("sample", "get_at", "get_flattened_at"))
                 and callable(getattr(sampler, name, None))]
 
-    def _row_nbytes(self, name):
+    def row_nbytes(self, name):
         """Bytes per batch row of ``name``'s batches if they can be gathered directly,
-        else None (see :func:`unienv_mp._direct.gather.row_nbytes`): what the default chunk size
-        is made from."""
+        else None (see :func:`unienv_mp._direct.gather.row_nbytes`): what the default
+        chunk size is made from."""
         return _gather.row_nbytes(self.sampler, name)
 
-    # -- the manager ------------------------------------------------------------------------
+    def configuration(self, methods):
+        """What a state must match to be loaded (see :meth:`load_state_dict`): the wrapped
+        sampler's configuration and the batches per task of ``methods`` and of every
+        ``sample*`` method."""
+        return _checkpoints.configuration(self, methods)
+
+    def epoch_manager(self):
+        """``(manager, own)``: the manager an epoch starting now runs on, and whether it
+        is the epoch's own (closed when the epoch ends) or one that outlives it.  It
+        notes why (see :attr:`epoch_workers`).  Here: the ``sample*`` manager."""
+        return self._pools.every_epoch_on_sample_workers()
+
+    def check_epoch(self, getter):
+        """Called when an epoch iterator of ``getter`` is made, before it starts: raise to
+        refuse it.  Here: nothing."""
+
+    # -- the manager -----------------------------------------------------------------------
 
     def _ensure_open(self):
         if self._closed:
@@ -252,10 +323,7 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
     def _ensure_manager(self):
         self._ensure_open()
         self._start_clock()
-        if self._manager is None:
-            # (no worker seeds: every task carries the seed of its chunk)
-            self._manager = self._new_sample_manager()
-        return self._manager
+        return self._pools.sample_manager()
 
     def _start_clock(self):
         """stats() counts from the first request."""
@@ -266,18 +334,17 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
         # Runs once per batch.  Every attribute read on this class goes through
         # __getattribute__ and then its __getattr__ hook: each is read once here.
         with self._lock:
-            manager = self._manager
+            manager = self._pools.sample
             if manager is None or self._closed or _os.pid != self._owner_pid:
                 manager = self._ensure_manager()
             stream = self._streams.get(name)
             if stream is None:
-                stream = self._streams[name] = Stream(name, self._chunk_size(name), self._base)
+                stream = Stream(name, self._chunk_size(name), self._base)
+                self._streams[name] = stream
             ready = stream.ready
             tickets = stream.tickets
             k = stream.k
-            # keep n_buffers batches requested ahead (k per task), as UniEnv keeps n_buffers:
-            # the rest of the chunk being handed out counts, and the next task goes out as
-            # soon as fewer are left, so between n_buffers and n_buffers + k - 1 after a call
+            # (how many are kept requested ahead, and why: see ahead.depth)
             n_buffers = self.n_buffers
             if ready and len(ready) + k * len(tickets) > n_buffers:
                 self._caller.batches += 1
@@ -285,11 +352,8 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
             if self._caller.since_ns is None:
                 self._start_clock()   # (a manager made before the first request)
             try:
-                # Nothing requested yet (the first call, or the first after manual_seed): one
-                # task alone, so that the batch waited for has a worker, and the CPUs, to
-                # itself; the rest once it is here.
-                cold = not (ready or tickets)
-                stream.top_up(manager.submit, 0 if cold else n_buffers)
+                first = not (ready or tickets)   # (nothing requested yet)
+                stream.top_up(manager.submit, depth(n_buffers, first))
                 if ready:
                     self._caller.batches += 1
                     return ready.popleft()
@@ -303,8 +367,8 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
                     raise
                 tickets.remove(ticket)
                 stream.arrived(ticket, value)
-                if cold:
-                    stream.top_up(manager.submit, n_buffers)
+                if first:
+                    stream.top_up(manager.submit, depth(n_buffers, False))
                 self._caller.batches += 1
                 return ready.popleft()
             except WorkerError:
@@ -313,27 +377,9 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
                 forget_requests(manager, stream)
                 raise
 
-    def _slot_segments(self):
-        """The slot segments of every live manager (what the device feed page-locks)."""
-        out = []
-        for manager in (self._manager, self._kept, *self._epoch_managers):
-            segments = getattr(manager, "slot_segments", None)
-            if segments is not None and not manager.closed:
-                out.extend(segments())
-        return out
-
     def _chunk_size(self, name):
-        """Batches per task of ``name``'s stream: ``batches_per_task``, or for methods
-        that can be gathered directly as many as fit in 1 MiB (at most 8), else 1.  A
-        function of the wrapped sampler and the options alone (not of ``n_workers`` or
-        ``n_buffers``): the stream of batches depends on it."""
-        k = self.batches_per_task
-        if k is not None:
-            return k
-        row = self._row_nbytes(name)
-        if row is None:
-            return 1
-        return max(1, min(_CHUNK_MAX, _CHUNK_BYTES // max(1, row * self.batch_size)))
+        """Batches per task of ``name``'s stream (see :func:`_chunk_size`)."""
+        return _chunk_size(self, name)
 
     def stats(self, reset: bool = False):
         """Where the time went since the first request (or the last ``stats(reset=True)``),
@@ -344,26 +390,16 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
         again from zero once this is read."""
         with self._lock:
             now = time.monotonic_ns()
-            wait_ns = self._ended_wait_ns
-            startup_ns = self._ended_startup_ns
+            pools = self._pools
             ready = sum(len(st.ready) for st in self._streams.values())
-            workers = None
-            for manager in (self._manager, self._kept, *self._epoch_managers):
-                if manager is None or manager.closed:
-                    continue
-                part = manager.stats(reset=reset)
-                wait_ns += int(part.wait_seconds * 1e9)
-                startup_ns += int(part.startup_seconds * 1e9)
-                ready += part.ready
-                if workers is None:
-                    workers = part.workers
+            wait_ns, startup_ns, in_flight, workers = pools.stats(reset)
             caller = self._caller
             caller.wait_ns = wait_ns
             caller.startup_ns = startup_ns
-            out = caller.report(ready, workers or [], now, reset)
+            out = caller.report(ready + in_flight, workers or [], now, reset)
             if reset:
-                self._ended_wait_ns = 0
-                self._ended_startup_ns = 0
+                pools.ended_wait_ns = 0
+                pools.ended_startup_ns = 0
             feed = self._feed
             device = None if feed is None else feed.stats(reset=reset)
             return dataclasses.replace(out, gather_path=self.gather_path, device=device,
@@ -388,25 +424,136 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
 
     # -- sampling -------------------------------------------------------------------------
 
-    def sample(self):
-        """A batch from the wrapped sampler's ``sample()``, produced by a worker."""
-        return self._sample("sample")
+    sample = _sampling("sample", "A batch from the wrapped sampler's ``sample()``, "
+                                 "produced by a worker.")
+    sample_flat = _sampling("sample_flat", "A batch from the wrapped sampler's "
+                                           "``sample_flat()``, produced by a worker.")
+    sample_with_metadata = _sampling("sample_with_metadata", "``(batch, metadata)`` from "
+                                     "the wrapped sampler, produced by a worker.")
+    sample_flat_with_metadata = _sampling("sample_flat_with_metadata", "``(flat batch, "
+                                          "metadata)`` from the wrapped sampler, produced "
+                                          "by a worker.")
+    sample_index = _sampling("sample_index", "Indices from the wrapped sampler's "
+                                             "``sample_index()``, drawn by a worker.")
 
-    def sample_flat(self):
-        """A batch from the wrapped sampler's ``sample_flat()``, produced by a worker."""
-        return self._sample("sample_flat")
+    # -- epochs (see unienv_mp._sampling.epochs) -------------------------------------------
 
-    def sample_with_metadata(self):
-        """``(batch, metadata)`` from the wrapped sampler, produced by a worker."""
-        return self._sample("sample_with_metadata")
+    def _epoch(self, getter):
+        self.check_epoch(getter)
+        return self._epochs.run(self, getter)
 
-    def sample_flat_with_metadata(self):
-        """``(flat batch, metadata)`` from the wrapped sampler, produced by a worker."""
-        return self._sample("sample_flat_with_metadata")
+    def epoch_iter(self):
+        """One pass over a random permutation of the data (drawn here, with the wrapped
+        sampler's RNG), each batch gathered by a worker with ``get_at``; every index
+        exactly once, the last partial batch included."""
+        return self._epoch("get_at")
 
-    def sample_index(self):
-        """Indices from the wrapped sampler's ``sample_index()``, drawn by a worker."""
-        return self._sample("sample_index")
+    epoch_iter_with_metadata = _epoch_of("epoch_iter_with_metadata", "get_at_with_metadata")
+    epoch_flat_iter = _epoch_of("epoch_flat_iter", "get_flattened_at")
+    epoch_flat_iter_with_metadata = _epoch_of("epoch_flat_iter_with_metadata",
+                                              "get_flattened_at_with_metadata")
+
+    def __iter__(self):
+        return self.epoch_iter()
+
+    @property
+    def epoch_workers(self):
+        """Which workers the latest epoch began on: ``"kept"`` (workers that were already
+        running: the ``sample*`` workers, or those of an earlier epoch), ``"new"``
+        (workers started for it), ``"in_process"`` (no workers: the data is on a GPU), or
+        None before the first epoch.  :attr:`epoch_workers_reason` says why (see
+        ``persistent_workers``)."""
+        return self._pools.epoch_workers[0]
+
+    @property
+    def epoch_workers_reason(self):
+        """Why the latest epoch began on :attr:`epoch_workers`, in words: for example
+        ``"the data is unchanged since they started"``, ``"the data changed since the
+        workers started"``, or ``"whether the data changed cannot be told: a custom
+        function (my_mask), which may read anything (persistent_workers=True promises that
+        it does not)"``.  None before the first epoch."""
+        return self._pools.epoch_workers[1]
+
+    # -- seeds and checkpoints (see unienv_mp._sampling.checkpoints) -----------------------
+
+    def manual_seed(self, seed):
+        """Seed the wrapped sampler.  Batches already requested are dropped, so that what
+        follows is the same as from a fresh sampler seeded with ``seed``: the ``sample*``
+        streams start again from their first batch, and the next epoch draws its
+        permutation from the new seed."""
+        with self._lock:
+            with _os.interrupts_deferred():   # (one step: a Ctrl-C cannot cut it in two)
+                self.sampler.manual_seed(seed)
+                self._drop_streams()
+                self._base = base_seed(self.sampler)
+                self._epochs.resume = {}
+
+    def _drop_streams(self):
+        """Cancel what every stream requested and forget the streams (the batches of a
+        chunk not handed out yet go with them)."""
+        manager = self._pools.sample
+        streams, self._streams = self._streams, {}
+        if manager is not None and not manager.closed:
+            for stream in streams.values():
+                for t in stream.tickets:
+                    manager.cancel(t)
+
+    def state_dict(self):
+        """Everything needed to go on from here, as a small picklable dict: the seed of
+        the ``sample*`` streams and how far each was handed out, the wrapped sampler's
+        RNGs (from which the next epochs' permutations are drawn), and the epochs being
+        iterated, in the order they started (each one's permutation and which of its
+        batches were handed out).  Batches requested ahead but not handed out yet are not
+        part of it.  See :meth:`load_state_dict`."""
+        with self._lock:
+            return _checkpoints.state_of(self)
+
+    def load_state_dict(self, state):
+        """Go on from ``state`` (from :meth:`state_dict` of a sampler built the same way:
+        the same kind of wrapped sampler, batch size, data length, batch structure and
+        ``batches_per_task``; ``n_workers``, ``n_buffers``, the start method and
+        ``direct_gather`` may differ, in this process or another).  The next batches of
+        each ``sample*`` method are those the original sampler would have handed out
+        next.  If epochs were being iterated, the next epoch iterators of the same kind
+        yield exactly the rest of each, in the order they started, and the one after
+        them starts a new epoch as the original's would have.  Raises ``ValueError``
+        (saying what differs) for a state of another configuration, or one that is not a
+        whole state; the sampler is then as it was."""
+        with self._lock:
+            base, rngs, streams, resume = _checkpoints.read_state(self, state)
+            with _os.interrupts_deferred():   # (one step: a Ctrl-C cannot cut it in two)
+                self._drop_streams()
+                self._base = base
+                give_rngs(self.sampler, rngs)
+                self._streams = streams
+                epochs = self._epochs
+                epochs.open = []
+                epochs.resume = resume
+
+    # -- the wrapped sampler's, passed on --------------------------------------------------
+
+    sampled_space = forwarded("sampler", "sampled_space", "The wrapped sampler's batch space.")
+    sampled_metadata_space = forwarded("sampler", "sampled_metadata_space",
+                                       "The wrapped sampler's batch metadata space (or None).")
+    backend = forwarded("sampler", "backend", "The wrapped sampler's compute backend.")
+    device = forwarded("sampler", "device", "The wrapped sampler's device (always the CPU "
+                                            "here).")
+    data = forwarded("sampler", "data", "The wrapped sampler's data (e.g. the ReplayBuffer).")
+    rng = forwarded("sampler", "rng", """The wrapped sampler's RNG in this process.  The
+        ``sample*`` streams' seed is read from its state when this sampler is made and by
+        :meth:`manual_seed`; setting it does not change the streams.""", settable=True)
+    data_rng = forwarded("sampler", "data_rng", """The wrapped sampler's data RNG in this
+        process: epoch permutations are drawn from it.  The ``sample*`` streams' seed is
+        read from its state when this sampler is made and by :meth:`manual_seed`; setting
+        it does not change the streams.""", settable=True)
+    get_at = passed_on("get_at", "``get_at`` of the wrapped sampler, in this process.")
+    get_at_with_metadata = passed_on("get_at_with_metadata", "``get_at_with_metadata`` of "
+                                     "the wrapped sampler, in this process.")
+    get_flattened_at = passed_on("get_flattened_at", "``get_flattened_at`` of the wrapped "
+                                 "sampler, in this process.")
+    get_flattened_at_with_metadata = passed_on(
+        "get_flattened_at_with_metadata", "``get_flattened_at_with_metadata`` of the "
+        "wrapped sampler, in this process.")
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -421,46 +568,12 @@ class SamplerBase(Epochs, Checkpoints, Delegates, BatchSampler):
         another thread meanwhile raises ``RuntimeError``, and no worker starts after this
         returns."""
         feed = getattr(self, "_feed", None)
-        if (getattr(self, "_closed", True) and getattr(self, "_manager", None) is None
-                and getattr(self, "_kept", None) is None
-                and not getattr(self, "_epoch_managers", None)
+        pools = self.__dict__.get("_pools")
+        if (getattr(self, "_closed", True) and (pools is None or pools.empty())
                 and (feed is None or feed.closed)):
             return
         self._closed = True
-        # First without the lock, which a call in another thread may hold while it waits
-        # on a manager: closing the managers wakes it.  Then again with it, for a manager
-        # that such a call made meanwhile.
-        self._close_managers()
-        lock = getattr(self, "_lock", None)
-        got = lock is not None and lock.acquire(timeout=CLOSE_WAIT)
-        try:
-            if feed is not None and got:
-                # (its pins keep the slots mapped until now: rule 8 of the feed; without the
-                # lock, a call in another thread may be using it: closed at the next close)
-                feed.close()
-            self._close_managers()
-            # (positions kept, for a state_dict() after close(); requests dropped)
-            self._streams = {name: Stream.from_position(name, self._base, st.position())
-                             for name, st in getattr(self, "_streams", {}).items()}
-        finally:
-            if got:
-                lock.release()
-
-    def _close_managers(self):
-        # (each manager is dropped once closed: a close() cut short is finished by the next)
-        manager = self._manager
-        if manager is not None:
-            manager.close()
-            if self._manager is manager:
-                self._manager = None
-        kept = getattr(self, "_kept", None)
-        if kept is not None:
-            kept.close()
-            if self._kept is kept:
-                self._kept = None
-        for epoch_manager in list(getattr(self, "_epoch_managers", ())):
-            epoch_manager.close()
-            self._epoch_managers.discard(epoch_manager)
+        _close(self, pools, feed)
 
     def __enter__(self):
         return self
@@ -665,7 +778,6 @@ class MultiprocessingSampler(SamplerBase):
         pin_memory: bool = False,
     ):
         self._closed = True   # first: __del__ -> close() must work on a half-built sampler
-        self._manager = None
         n_workers = check_workers(n_workers)
         doze_time = check_doze_time(doze_time)
         stall_timeout = check_seconds(stall_timeout, "stall_timeout")
@@ -700,8 +812,6 @@ class MultiprocessingSampler(SamplerBase):
         self.shared_memory = shared_memory
         self.stall_timeout = stall_timeout
         self.persistent_workers = persistent_workers
-        self._manager_fp = None   # the data the sample* workers hold (see _fingerprint)
-        self._kept_fp = None      # the data the workers kept for epochs hold
         super().__init__(sampler, n_workers, n_buffers, in_order=in_order, copy=copy,
                          timeout=timeout, respawn=respawn, batches_per_task=batches_per_task,
                          not_direct=not_direct, placement=placement, pin_memory=pin_memory)
@@ -711,13 +821,13 @@ class MultiprocessingSampler(SamplerBase):
             return _CHUNK_MAX   # (no slot to fill: chunks only save reseeding the RNGs)
         return super()._chunk_size(name)
 
-    def _row_nbytes(self, name):
+    def row_nbytes(self, name):
         worker_sampler = self._worker_sampler
         if worker_sampler is None:
             return None   # (in this process: nothing gathered into slots)
         return _gather.row_nbytes(worker_sampler, name)
 
-    def _new_manager(self):
+    def new_manager(self):
         if self._placement.kind == "in_process":
             return InProcessManager(ResidentTarget(own_target(SamplerTarget(self.sampler))),
                                     in_order=self.in_order)
@@ -728,119 +838,15 @@ class MultiprocessingSampler(SamplerBase):
             in_order=self.in_order, copy=self.copy and self._placement.kind != "copy",
             timeout=self.timeout,
             respawn=self.respawn, stall_timeout=self.stall_timeout,
-            start_later=self._start_later())
+            start_later=self._pools.start_later(self.mp_ctx))
 
-    def _start_later(self):
-        """The manager's ``start_later``: whether its workers after the first may start
-        later, when they would copy the same data as the first (a first batch then costs
-        one process start, not ``n_workers``).  Under spawn and forkserver they map the
-        snapshot the first one's start made, and shared data is the same for all; under
-        fork they copy the data as it is when they start, so only while its fingerprint
-        is the one taken now (``persistent_workers=True``: the caller's promise).  None
-        (all start now) where that cannot be told."""
-        sampler = self.sampler
-        ctx = self.mp_ctx if self.mp_ctx is not None else _mp.get_context()
-        if ctx.get_start_method() != "fork" or _data_is_shared(sampler):
-            return _always
-        if self.persistent_workers is False:
-            return None
-        then = _fingerprint.take(sampler)
-        if then is None:
-            if self.persistent_workers is not True:
-                return None
-            length = len(sampler.data)   # (the promise, but for a change of length)
-            return lambda: len(sampler.data) == length
-
-        def unchanged():
-            return _fingerprint.same(then, _fingerprint.take(sampler))
-        return unchanged
-
-    def _data_now(self):
-        """``(now, why)``: the fingerprint of the data as it is now (see
-        :mod:`unienv_mp._sampling.fingerprint`), or None where it cannot be told (``why`` says
-        why) or ``persistent_workers=False``; with ``persistent_workers=True``, the data's
-        length (the caller promises the rest)."""
-        if self.persistent_workers is None:
-            return _fingerprint.check(self.sampler)
-        if self.persistent_workers is True:
-            return len(self.sampler.data), None
-        return None, None
-
-    def _holds_data_now(self, held, now):
-        """Whether workers started when the data's fingerprint was ``held`` hold the data
-        as it is now (``now``): ``persistent_workers=True`` promises it, as long as its
-        length is the same."""
-        if self.persistent_workers is True:
-            return held == now
-        return _fingerprint.same(held, now)
-
-    def _new_sample_manager(self):
-        # The workers kept for epochs become the sample* workers if their copy of the data
-        # is the data as it is now (what new workers would copy): one pool.
-        kept = self._kept
-        if kept is not None and not _data_is_shared(self.sampler):
-            now = self._data_now()[0]
-            self._kept = None
-            if not kept.closed and self._holds_data_now(self._kept_fp, now):
-                self._manager_fp = self._kept_fp
-                return kept
-            self._retire(kept)   # (older data: no use to anything)
-        now = None if self.persistent_workers is False else self._data_now()[0]
-        manager = self._new_manager()
-        self._manager_fp = now
-        return manager
-
-    def _epoch_manager(self):
+    def epoch_manager(self):
+        # (by the persistent_workers rule: see unienv_mp._sampling.pools)
         if self._placement.kind == "in_process":
-            self._epoch_workers = ("in_process", "the data is on a GPU: batches are made "
-                                                 "in this process, by no workers")
-            return self._ensure_manager(), False
-        if _data_is_shared(self.sampler):
-            running = self._manager is not None
-            self._epoch_workers = (("kept", "the data is shared between processes") if running
-                                   else ("new", "no workers were running yet (they are kept "
-                                                "for later epochs: the data is shared "
-                                                "between processes)"))
-            return self._ensure_manager(), False
-        # Workers hold a copy of unshared data as it was when they started: this epoch
-        # runs on workers that exist only if that copy is the data as it is now, and
-        # otherwise needs workers started now.
-        keep = self.persistent_workers is not False
-        now, why = self._data_now()
-        if not keep:
-            why = "persistent_workers=False"
-        elif now is None:
-            keep = False   # (cannot be told: new workers, as without persistent_workers)
-            why = (f"whether the data changed cannot be told: {why} (persistent_workers="
-                   f"True promises that it does not)")
-        if keep:
-            for pool, held in ((self._manager, self._manager_fp),
-                               (self._kept, self._kept_fp)):
-                if pool is not None and not pool.closed and self._holds_data_now(held, now):
-                    self._epoch_workers = ("kept", "persistent_workers=True"
-                                           if self.persistent_workers else
-                                           "the data is unchanged since they started")
-                    return pool, False
-            running = any(pool is not None and not pool.closed
-                          for pool in (self._manager, self._kept))
-            why = ("no workers were running yet" if not running else
-                   "the data's length changed since the workers started"
-                   if self.persistent_workers else
-                   "the data changed since the workers started")
-            # (the workers kept so far hold older data: they go)
-            kept, self._kept = self._kept, None
-            self._retire(kept)
-        manager = self._new_manager()
-        self._epoch_workers = ("new", why)
-        if keep:
-            self._kept, self._kept_fp = manager, now
-            return manager, False
-        self._epoch_managers.add(manager)
-        return manager, True
-
-
-def _always():
-    return True
+            return self._pools.on_sample_workers(
+                ("in_process", "the data is on a GPU: batches are made in this process, "
+                               "by no workers"))
+        return self._pools.epoch_manager()
 
 
 class _StreamMethod:

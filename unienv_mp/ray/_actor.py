@@ -6,10 +6,10 @@ import time
 
 from unienv_data.base import BatchSampler
 
-from .._sampling import state as _state
 from .._direct import gather as _gather
-from .._sampling.target import SamplerTarget
+from .._sampling import state as _state
 from .._sampling.streams import base_seed
+from .._sampling.target import SamplerTarget
 from ..errors import error_payload
 from ._batch import pack
 

@@ -207,7 +207,7 @@ class RaySampler(SamplerBase):
         actor_options: Optional[Dict[str, Any]] = None,
     ):
         self._closed = True   # first: __del__ -> close() must work on a half-built sampler
-        self._manager = None
+        self._actors = None   # the RayManager (the sample* manager too, until close())
         self._ray_token = None
         if (sampler is None) == (sampler_factory is None):
             raise TypeError("RaySampler takes a sampler or a sampler_factory (one of them)")
@@ -227,7 +227,7 @@ class RaySampler(SamplerBase):
                 factory=sampler_factory, in_order=in_order, copy=copy, timeout=timeout,
                 respawn=respawn, max_respawns=max_respawns,
                 num_cpus_per_worker=num_cpus_per_worker, actor_options=actor_options)
-            self._manager = manager
+            self._actors = manager
             if sampler is None:
                 sampler = RemoteSampler(manager.describe(), manager)
                 self._shipped_length = None
@@ -244,37 +244,37 @@ class RaySampler(SamplerBase):
                              not_direct="RaySampler's actors call the wrapped sampler's "
                                         "methods", manager=manager)
         except BaseException:
-            self._close_manager()
+            self._close_actors()
             raise
 
     @property
     def workers(self):
         """The Ray actor handles (replacements included, after a respawn)."""
-        return [] if self._manager is None else self._manager.workers
+        return [] if self._actors is None else self._actors.workers
 
-    def _new_manager(self):
+    def new_manager(self):
         # (made in __init__, and not again: a closed sampler stays closed)
         raise RuntimeError(f"this {type(self).__name__} is closed")
 
-    def _sampler_methods(self):
+    def sampler_methods(self):
         if isinstance(self.sampler, RemoteSampler):
             return list(self.sampler.description["methods"])
-        return super()._sampler_methods()
+        return super().sampler_methods()
 
-    def _row_nbytes(self, name):
+    def row_nbytes(self, name):
         if isinstance(self.sampler, RemoteSampler):
             return self.sampler.description["rows"].get(name)
-        return super()._row_nbytes(name)
+        return super().row_nbytes(name)
 
-    def _configuration(self, methods):
+    def configuration(self, methods):
         if not isinstance(self.sampler, RemoteSampler):
-            return super()._configuration(methods)
-        methods = set(methods) | {n for n in self._sampler_methods() if n.startswith("sample")}
+            return super().configuration(methods)
+        methods = set(methods) | {n for n in self.sampler_methods() if n.startswith("sample")}
         out = dict(self.sampler.description["configuration"])
         out["chunks"] = {m: self._chunk_size(m) for m in methods}
         return out
 
-    def _epoch(self, getter):
+    def check_epoch(self, getter):
         if not self._closed and self._shipped_length is not None \
                 and len(self.sampler.data) != self._shipped_length:
             raise RuntimeError(
@@ -282,7 +282,6 @@ class RaySampler(SamplerBase):
                 f"RaySampler's actors hold the {self._shipped_length} it had when the "
                 f"RaySampler was made: make a new RaySampler to sample the data as it is "
                 f"now")
-        return super()._epoch(getter)
 
     def stats(self, reset: bool = False):
         """As :meth:`MultiprocessingSampler.stats <unienv_mp.MultiprocessingSampler.stats>`;
@@ -296,8 +295,8 @@ class RaySampler(SamplerBase):
             here = False
         return out if here else dataclasses.replace(out, machine_idle_fraction=None)
 
-    def _close_manager(self):
-        manager, self._manager = self._manager, None
+    def _close_actors(self):
+        manager, self._actors = self._actors, None
         if manager is not None:
             manager.close()
         token, self._ray_token = self._ray_token, None
@@ -307,7 +306,7 @@ class RaySampler(SamplerBase):
         """Kill the actors; batches already returned stay valid.  Shuts down a Ray that
         the samplers started once none of them is open.  Idempotent."""
         super().close()
-        self._close_manager()
+        self._close_actors()
 
     def __repr__(self):
         state = "closed" if self._closed else f"{self.n_workers} Ray actors"
