@@ -33,8 +33,9 @@ from unienv_data.samplers import StepSampler
 
 from unienv_mp import MultiprocessingSampler
 from unienv_mp import backend as _backend, _os
-from unienv_mp._sampling import epochs as _epochs
+from unienv_mp._sampling import epochs as _epochs, pools as _pools, ahead as _ahead
 from unienv_mp._process import polling as _polling, slots as _slots, stalls as _stalls, pool as _supervision, unienv_queue as _unienv_queue, encoder as _work_encoder, handle as _worker_handle, manager as M
+from unienv_mp._sampling.epochs import Epochs
 from unienv_mp._sampling.streams import Stream
 
 _NEVER_INTERRUPTED = {dis.opmap[name] for name in ("NOP", "PUSH_EXC_INFO", "POP_EXCEPT")}
@@ -254,7 +255,7 @@ def test_a_ctrl_c_anywhere_while_a_dead_worker_is_replaced_loses_nothing():
 
         # every bytecode of noticing the death and replacing the worker (the rest of the
         # round is the test above)
-        interrupter = Interrupter(PACKAGE_FILES, within=("_bury", "_restart"))
+        interrupter = Interrupter(PACKAGE_FILES, within=("bury", "restart"))
         runs = interrupt_everywhere(interrupter, kill_then_round, recover)
         assert runs > 300
         for _ in range(5):
@@ -311,7 +312,7 @@ def test_a_ctrl_c_anywhere_in_sample_loses_nothing(in_order):
     def recover():
         for batch, idx in held:
             assert check_batch(batch) == idx, "a batch kept by the caller changed"
-        mgr = sampler._manager
+        mgr = sampler._pools.sample
         stream = sampler._streams.get("sample")
         tickets = () if stream is None else stream.tickets
         # what the sampler asked for and no longer holds was cancelled, nothing more
@@ -327,7 +328,8 @@ def test_a_ctrl_c_anywhere_in_sample_loses_nothing(in_order):
 
     with sampler:
         sample_round()
-        interrupter = Interrupter(PACKAGE_FILES | {S.__file__, _streams.__file__})
+        interrupter = Interrupter(PACKAGE_FILES | {S.__file__, _streams.__file__,
+                                                   _pools.__file__, _ahead.__file__})
         runs = interrupt_everywhere(interrupter, sample_round, recover)
         assert runs > 300
         for _ in range(3):
@@ -388,7 +390,7 @@ def test_a_ctrl_c_anywhere_in_a_device_sample_loses_nothing(monkeypatch):
         for batch, idx in held:
             assert check_batch(batch) == idx, "a batch kept by the caller changed"
         assert not fake.violations, fake.violations
-        check_slots(sampler._manager)
+        check_slots(sampler._pools.sample)
 
     lost_in = []
 
@@ -397,7 +399,8 @@ def test_a_ctrl_c_anywhere_in_a_device_sample_loses_nothing(monkeypatch):
         # (the device rooms and the sampler's hand-out; the manager's code under them is
         # interrupted everywhere by the tests above)
         interrupter = Interrupter({S.__file__, _streams.__file__, feed.__file__,
-                                   pins.__file__, handout.__file__})
+                                   pins.__file__, handout.__file__, _pools.__file__,
+                                   _ahead.__file__})
         runs = interrupt_everywhere(interrupter, sample_round, recover)
         assert runs > 300
         print(f"batches lost per round, of {runs}:", collections.Counter(lost_in))
@@ -614,7 +617,7 @@ def _sampler(rows=100, n_workers=2, **kwargs):
 
 def no_orphans(s):
     """Every task the manager holds is one a stream waits for, or cancelled."""
-    mgr = s._manager
+    mgr = s._pools.sample
     waited = {t for st in s._streams.values() for t in st.tickets}
     orphans = [t for t, task in mgr._tasks.items() if t not in waited and not task.cancelled]
     assert not orphans, f"tasks nobody will collect or cancel: {orphans}"
@@ -658,7 +661,7 @@ def test_an_epoch_closed_by_a_ctrl_c_leaves_no_task_behind():
         s.sample()
         it = s.epoch_iter()
         next(it)
-        with interrupt_at(MS._end_epoch, line_of(MS._end_epoch, "manager.cancel(t)")) as i:
+        with interrupt_at(Epochs.end, line_of(Epochs.end, "manager.cancel(t)")) as i:
             assert interrupted(it.close)
         assert i.fired
         no_orphans(s)
@@ -670,18 +673,18 @@ def test_an_epoch_on_kept_workers_closed_by_a_ctrl_c_leaves_no_task_behind():
     from unienv_mp import MultiprocessingSampler as MS
     with _sampler() as s:
         assert len(list(s.epoch_iter())) == 13
-        kept = s._kept
+        kept = s._pools.kept
         assert kept is not None
         it = s.epoch_iter()
         next(it)
-        with interrupt_at(MS._end_epoch, line_of(MS._end_epoch, "manager.cancel(t)")) as i:
+        with interrupt_at(Epochs.end, line_of(Epochs.end, "manager.cancel(t)")) as i:
             assert interrupted(it.close)
         assert i.fired
         orphans = [t for t, task in kept._tasks.items() if not task.cancelled]
         assert not orphans, f"tasks nobody will collect or cancel: {orphans}"
-        assert not s._epoch_users
+        assert not s._pools.users
         seen = sorted(j for b in s.epoch_iter() for j in _data.indices_of(b))
-        assert seen == list(range(100)) and s._kept is kept
+        assert seen == list(range(100)) and s._pools.kept is kept
 
 
 @pytest.mark.parametrize("workers", ["sample", "kept", "own"])
@@ -710,20 +713,22 @@ def test_a_ctrl_c_anywhere_in_an_epoch_leaves_nothing_held(workers):
                 it.close()
 
         def recover():
-            assert not s._epoch_users, f"epochs still counted: {dict(s._epoch_users)}"
-            assert not s._open_epochs
-            for mgr in {s._manager, s._kept} - {None}:
+            assert not s._pools.users, f"epochs still counted: {dict(s._pools.users)}"
+            assert not s._epochs.open
+            for mgr in {s._pools.sample, s._pools.kept} - {None}:
                 waited = {t for st in s._streams.values() for t in st.tickets}
                 orphans = [t for t, task in mgr._tasks.items()
                            if t not in waited and not task.cancelled]
                 assert not orphans, f"tasks nobody will collect or cancel: {orphans}"
             seen = sorted(j for b in s.epoch_iter() for j in _data.indices_of(b))
             assert seen == list(range(rows))
-            assert not s._epoch_managers and not s._epoch_users
+            assert not s._pools.own and not s._pools.users
 
-        runs = interrupt_everywhere(Interrupter({_epochs.__file__}), epoch_round, recover)
+        runs = interrupt_everywhere(
+            Interrupter({_epochs.__file__, _pools.__file__, _ahead.__file__}), epoch_round,
+            recover)
         assert runs > 250
-        assert (s._kept is not None) == (workers == "kept")
+        assert (s._pools.kept is not None) == (workers == "kept")
 
 
 def take(m, n, method="sample"):
@@ -848,7 +853,8 @@ def test_a_ctrl_c_anywhere_in_sample_drops_at_most_the_batch_it_was_handing_out(
     with MultiprocessingSampler(StepSampler(rb, 8, seed=0), n_workers=2, n_buffers=4,
                                 ctx="fork", batches_per_task=4, timeout=20) as m:
         j = len(take(m, 1))
-        interrupter = Interrupter({S.__file__, _streams.__file__}, within=("_sample",))
+        interrupter = Interrupter({S.__file__, _streams.__file__, _pools.__file__,
+                                   _ahead.__file__}, within=("_sample",))
         n = 0
         while j < 1900:
             n += 1
@@ -950,6 +956,7 @@ def test_a_ctrl_c_before_any_bytecode_of_the_stream_keeps_its_position(in_order,
 ROOT = os.path.dirname(unienv_mp.__file__)
 INTERRUPTED = {os.path.relpath(f, ROOT) for f in PACKAGE_FILES} | {
     os.path.join("_sampling", "sampler.py"), os.path.join("_sampling", "streams.py"), os.path.join("_sampling", "epochs.py"), os.path.join("ray", "manager.py"),
+    os.path.join("_sampling", "pools.py"), os.path.join("_sampling", "ahead.py"),
     os.path.join("_device", "feed.py"), os.path.join("_device", "pins.py"),
     os.path.join("_device", "handout.py")}
 
@@ -961,14 +968,18 @@ NOT_INTERRUPTED = {
     "queue.py": "re-exports",
     "sampler.py": "re-exports",
     os.path.join("_direct", "__init__.py"): "a docstring",
+    os.path.join("_direct", "base.py"): "constants, checks and the slot writer (run in the "
+                                        "workers)",
+    os.path.join("_direct", "storages.py"): "plans storages and fills their slots: in the "
+                                            "workers, and once at construction",
     os.path.join("_process", "__init__.py"): "a docstring",
     os.path.join("_sampling", "__init__.py"): "a docstring",
     os.path.join("_transport", "__init__.py"): "a docstring",
     "__main__.py": "the main job's entry point (the benchmark harness, not the library)",
-    os.path.join("_sampling", "checkpoints.py"): "manual_seed and load_state_dict check and build first, then change "
-                       "the sampler in one step that holds SIGINT back (a chosen line: "
-                       "test_sampling_goes_on_after_a_ctrl_c_in_manual_seed); state_dict "
-                       "reads",
+    os.path.join("_sampling", "checkpoints.py"): "reads a state and checks it, and builds a "
+                                                "state_dict: returns or raises (the "
+                                                "sampler's load_state_dict changes itself "
+                                                "in one step that holds SIGINT back)",
     os.path.join("_transport", "codec.pyx"): "compiled: a signal is acted on once it returns to its (tested) caller",
     os.path.join("_transport", "ring.pyx"): "compiled: as _codec; what a ring does is recorded inside the call",
     os.path.join("_direct", "rows.pyx"): "compiled: as _codec",

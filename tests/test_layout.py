@@ -123,6 +123,83 @@ def test_no_module_imports_another_ones_private_names(path):
     assert not private_imports(_parse(path), path), private_imports(_parse(path), path)
 
 
+#: The modules whose names are the package's public surface; a class reachable from one of
+#: them is public.  Every other class of the package is private.
+PUBLIC_MODULES = ("unienv_mp", "unienv_mp.backend", "unienv_mp.manager", "unienv_mp.sampler",
+                  "unienv_mp.queue", "unienv_mp.gather", "unienv_mp.stats", "unienv_mp.errors",
+                  "unienv_mp.compat", "unienv_mp.ray")
+
+
+def _package_classes():
+    """Every class defined in the library's modules (not the harness), by module."""
+    import importlib
+    import inspect
+    out = []
+    for path in CORE:
+        rel = os.path.relpath(path, os.path.dirname(PACKAGE))[:-3].replace(os.sep, ".")
+        name = rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
+        if name.split(".")[:2] == ["unienv_mp", "ray"] and importlib.util.find_spec("ray") is None:
+            continue
+        module = importlib.import_module(name)
+        for cls in vars(module).values():
+            if inspect.isclass(cls) and cls.__module__ == name:
+                out.append(cls)
+    return out
+
+
+def _public_classes():
+    import importlib
+    import inspect
+    found = set()
+    for name in PUBLIC_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:   # (ray, when it is not installed)
+            continue
+        for attr in getattr(module, "__all__", dir(module)):
+            value = getattr(module, attr, None)
+            if inspect.isclass(value):
+                found.add(value)
+    return found
+
+
+def lines_with_private_bases(cls, public):
+    """Lines of ``cls``'s own source plus those of every base class of the package that is
+    not public (what a class split into partial classes would hide)."""
+    import inspect
+    total = 0
+    for c in cls.__mro__:
+        if not c.__module__.startswith("unienv_mp") or (c is not cls and c in public):
+            continue
+        try:
+            total += len(inspect.getsourcelines(c)[0])
+        except (OSError, TypeError):   # (compiled classes)
+            pass
+    return total
+
+
+def test_no_class_is_too_long_counting_its_private_base_classes():
+    public = _public_classes()
+    assert {"MultiprocessingSampler", "MultiProcessingSampleManager", "SamplerBase",
+            "ShmQueue"} <= {c.__name__ for c in public}
+    too_long = {f"{c.__module__}.{c.__qualname__}": n for c in _package_classes()
+                if (n := lines_with_private_bases(c, public)) > MAX_CLASS_LINES}
+    assert not too_long
+
+
+def test_the_count_of_private_bases_sees_a_class_split_in_two(tmp_path, monkeypatch):
+    import importlib.util
+    half = "\n".join(f"    a{i} = {i}" for i in range(250))
+    path = tmp_path / "unienv_mp_split_probe.py"
+    path.write_text(f"class First:\n{half}\n\n\nclass Second(First):\n{half}\n")
+    spec = importlib.util.spec_from_file_location("unienv_mp_split_probe", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "unienv_mp_split_probe", module)
+    spec.loader.exec_module(module)
+    assert lines_with_private_bases(module.Second, set()) > MAX_CLASS_LINES
+    assert lines_with_private_bases(module.Second, {module.First}) <= MAX_CLASS_LINES
+
+
 def test_the_core_package_never_imports_the_harness():
     found = {_rel(p): imports_bench(_parse(p), p) for p in CORE}
     assert not {p: lines for p, lines in found.items() if lines}

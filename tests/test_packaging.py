@@ -76,14 +76,17 @@ def test_only_unienv_mp_ray_imports_ray():
     import subprocess
     code = (
         "import importlib, pkgutil, sys, unienv_mp\n"
-        "import unienv_mp.bench\n"
-        "names = [m.name for m in pkgutil.iter_modules(unienv_mp.__path__, 'unienv_mp.')\n"
-        "         if m.name != 'unienv_mp.ray']\n"
-        "names += [m.name for m in pkgutil.iter_modules(unienv_mp.bench.__path__,\n"
-        "                                               'unienv_mp.bench.')]\n"
-        "for name in names:\n"
-        "    importlib.import_module(name)\n"
-        "assert 'unienv_mp.bench.peers' in names and 'unienv_mp._sampling.sampler' in names, names\n"
+        "names, todo = [], [unienv_mp]\n"
+        "while todo:   # (every module and subpackage but unienv_mp.ray)\n"
+        "    package = todo.pop()\n"
+        "    for m in pkgutil.iter_modules(package.__path__, package.__name__ + '.'):\n"
+        "        if m.name != 'unienv_mp.ray':\n"
+        "            names.append(m.name)\n"
+        "            module = importlib.import_module(m.name)\n"
+        "            if m.ispkg:\n"
+        "                todo.append(module)\n"
+        "assert {'unienv_mp.bench.peers', 'unienv_mp._sampling.sampler',\n"
+        "        'unienv_mp._process.manager', 'unienv_mp.sampler'} <= set(names), names\n"
         "print('ray' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)

@@ -11,7 +11,8 @@ The graph is the ``` block after the line ``<!-- module graph -->`` in README.md
 entry is a module's file name at the start of a line, what it holds, and ``<- `` followed
 by the modules it imports (``; ... on first use`` for those imported inside a function or
 only for type checkers).  ``errors.py``, which most modules import, is left out of the
-imports, and the subpackage ``bench/`` (the main job's harness) is one entry.  The order of
+imports, and each subpackage (``_transport/``, ``_process/``, ...) is one entry: what it
+holds module by module is its ``__init__.py``'s docstring.  The order of
 the entries and what they hold are the README's; a module of the package with no entry,
 or an entry for no module, is an error that ``--write`` cannot mend: write the entry's
 first line by hand, then run ``--write``.
@@ -28,7 +29,8 @@ PACKAGE = ROOT / "unienv_mp"
 README = ROOT / "README.md"
 MARKER = "<!-- module graph -->"
 LEFT_OUT = {"errors"}   # imported nearly everywhere: not shown
-FOLDED = "bench"        # a subpackage shown as one entry
+FOLDED = {"_transport", "_direct", "_process", "_device", "_sampling", "ray", "bench"}
+                        # subpackages, each shown as one entry
 NAME_WIDTH = 18
 WIDTH = 92
 _PYX_IMPORT = re.compile(r"^\s*from\s+(\.+[\w.]*)\s+c?import[ \t]+([\w \t,]+)", re.M)
@@ -41,8 +43,8 @@ class GraphError(Exception):
 def _unit(module):
     """The entry a dotted module of the package (``ray.manager``) is shown under."""
     parts = module.split(".")
-    if parts[0] == FOLDED:
-        return FOLDED + "/"
+    if parts[0] in FOLDED:
+        return parts[0] + "/"
     return "/".join(parts) or "__init__"
 
 
@@ -134,7 +136,7 @@ def code_graph():
         if module.split(".")[-1] in LEFT_OUT:
             continue
         unit = _unit(module)
-        if unit == FOLDED + "/":
+        if unit.endswith("/"):
             entry = unit
         else:
             rel = path.relative_to(PACKAGE)

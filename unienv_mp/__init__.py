@@ -18,11 +18,12 @@ from .errors import (CodecError, PeerGoneError, RingClosed, WorkerDiedError, Wor
 from .stats import DeviceStats, SamplerStats, WorkerStats
 
 if TYPE_CHECKING:
+    from ._process.manager import \
+        MultiProcessingSampleManager as MultiProcessingSampleManager
+    from ._sampling.sampler import MultiprocessingSampler as MultiprocessingSampler
     from .compat import worker_loop as worker_loop
     from .compat import wrap_epoch_iter_function as wrap_epoch_iter_function
     from .compat import wrap_sample_function as wrap_sample_function
-    from ._process.manager import MultiProcessingSampleManager as MultiProcessingSampleManager
-    from ._sampling.sampler import MultiprocessingSampler as MultiprocessingSampler
 
 # A state_dict() saved by unienv_mp 0.1 pickled its torch.Generator as an object of the
 # module ``unienv_mp._state``, which is now ``unienv_mp._sampling.state``.

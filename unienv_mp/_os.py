@@ -1,5 +1,6 @@
-"""Supervision of worker processes: noticing that one ended, signalling and stopping them,
-and making a worker end with its parent.
+"""The operating system's side of worker processes: noticing that one ended, signalling
+and stopping them, making a worker end with its parent, CPU time, and the fork guard
+(:data:`pid`).
 
 The parent keeps a pidfd of every worker it starts (:func:`open_pidfd`, closed by
 :func:`stop_processes`).  A pidfd tells that the child ended even when something else
@@ -27,8 +28,8 @@ from multiprocessing.connection import wait as _wait_ready
 
 __all__ = ["open_pidfd", "has_exited", "exit_code", "describe_exit", "send_signal",
            "stop_processes", "stop_half_started", "exit_with_parent", "interrupts_deferred",
-           "PipeEnd", "read_available", "pid", "refuse_child", "cpu_seconds", "is_stopped", "machine_cpu_ticks",
-           "sigint_held_from_children", "ignore_sigint", "limit_threads"]
+           "PipeEnd", "read_available", "pid", "refuse_child", "cpu_seconds", "is_stopped",
+           "machine_cpu_ticks", "sigint_held_from_children", "ignore_sigint", "limit_threads"]
 
 # The pidfd of a started process, kept on its Process object: an int >= 0, -1 once it is
 # closed or when the process was already gone when started, None where there are none.

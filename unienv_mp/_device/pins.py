@@ -8,8 +8,8 @@ and stays registered while it backs a slot.
 
 **Never unmapped while registered.**  A mapping unmapped while still registered breaks
 later, unrelated pinning in the process ("invalid argument").  A :class:`Pin` holds a
-buffer view of its segment, and a :class:`~unienv_mp._transport.ring.Segment` is never unmapped while
-a view of it lives (its ``close`` only marks it; the unmap waits for the last view).  So the
+buffer view of its segment, and a :class:`~unienv_mp._transport.ring.Segment` is never
+unmapped while a view of it lives (its ``close`` only marks it; the unmap waits for the last view).  So the
 order is fixed by construction: :meth:`HostPins._unpin` unregisters, then releases the view.
 
 **Unregistered once nothing reads it.**  A segment leaves when it no longer backs a slot of

@@ -30,11 +30,12 @@ from typing import Any
 
 import numpy as np
 
-from . import codec as _codec
-from . import protocol as P
-from .ring import DEFAULT_POLL_INTERVAL, DEFAULT_SPIN, RingBuffer, Segment, segment_from_peer
 from .._validate import check_int
 from ..errors import CodecError, PeerGoneError, RingClosed
+from . import codec as _codec
+from . import protocol as P
+from .ring import (DEFAULT_POLL_INTERVAL, DEFAULT_SPIN, RingBuffer, Segment,
+                   segment_from_peer)
 
 __all__ = ["ShmQueue"]
 

@@ -107,7 +107,9 @@ def _dataloader_sampler(base, cfg: Config, ctx):
     """(next_batch, close) of a torch DataLoader over ``base`` with ``cfg.workers``
     persistent workers, each calling ``sample()``."""
     import warnings
+
     import torch.utils.data as tud
+
     # (torch warns when workers outnumber cores; the comparison uses the same count)
     warnings.filterwarnings("ignore", message=".*worker processes in total.*")
     loader = tud.DataLoader(_SampleDataset(base), batch_size=None,

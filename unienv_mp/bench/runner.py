@@ -3,7 +3,8 @@ progress bar, into a ``CaseRun``: its table, its JSON payload and its chart."""
 from dataclasses import dataclass, replace
 
 from . import plots, tables
-from .config import CASES, EPOCH_ROW_OF, LABELS, USES_WORKERS, VIEW_EPOCH_ROWS, Config, case_missing
+from .config import (CASES, EPOCH_ROW_OF, LABELS, USES_WORKERS, VIEW_EPOCH_ROWS, Config,
+                     case_missing)
 from .data import build_episodic_buffer, case_data
 from .epochs import measure_epochs
 from .latency import TRIGGERS, measure_latency
