@@ -508,3 +508,42 @@ def test_a_worker_that_cannot_start_later_leaves_the_started_ones_working():
         assert len(mgr.workers) == 1 and calls == [1]
         assert mgr.result(mgr.submit(0.1)) == mgr.workers[0].pid   # none tried again
         assert calls == [1]
+
+
+def _pid(x):
+    return os.getpid()
+
+
+def test_a_manager_dropped_without_close_ends_its_workers_at_once():
+    """Nothing the manager owns refers back to it: dropped, it is freed by reference
+    counting (no garbage collection needed), and its finalizer ends the workers."""
+    import gc
+    gc.disable()
+    try:
+        mgr = MultiProcessingSampleManager(_pid, n_workers=2, ctx="fork")
+        mgr.add_work(0)
+        assert mgr.fetch() in {p.pid for p in mgr.workers}
+        pids = [p.pid for p in mgr.workers]
+        del mgr
+
+        def running(pid):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            except FileNotFoundError:
+                return False
+        assert wait_until(lambda: not any(running(pid) for pid in pids), timeout=30)
+    finally:
+        gc.enable()
+
+
+def test_settings_changed_after_construction_are_the_ones_used():
+    """``respawn`` and ``max_respawns`` are read when a worker dies, not copied when
+    the manager is made."""
+    with MultiProcessingSampleManager(_pid, n_workers=1, ctx="fork", timeout=30) as mgr:
+        pid = mgr.result(mgr.submit(0))
+        mgr.respawn = False
+        os.kill(pid, signal.SIGKILL)
+        assert wait_until(lambda: not mgr.workers[0].is_alive(), timeout=30)
+        with pytest.raises(WorkerDiedError, match="respawn=False"):
+            mgr.result(mgr.submit(1))

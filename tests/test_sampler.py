@@ -486,3 +486,34 @@ def test_worker_loop_with_multiprocessing_queues():
     assert p.exitcode == 0
     assert got[:3] == [0, 2, 4] and got[4] == 8
     assert isinstance(got[3], WorkerError) and got[3].exc_message == "three"
+
+
+def test_a_sampler_dropped_without_close_ends_its_workers_at_once():
+    """Nothing a sampler owns (its managers, their pools, its epochs) refers back to it
+    or to a manager: dropped, everything is freed by reference counting, with no garbage
+    collection, and the workers end."""
+    import weakref
+
+    from conftest import wait_until
+    rb = replay_buffer(100)
+    gc.disable()
+    try:
+        m = MultiprocessingSampler(StepSampler(rb, 8, seed=0), n_workers=2, ctx="fork")
+        m.sample()
+        it = m.epoch_iter()
+        next(it)   # (an epoch begun, its batches requested ahead)
+        pids = [p.pid for p in m._pools.sample.workers]
+        manager = weakref.ref(m._pools.sample)
+        ref = weakref.ref(m)
+        del m, it
+        assert ref() is None and manager() is None
+
+        def running(pid):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            except FileNotFoundError:
+                return False
+        assert wait_until(lambda: not any(running(pid) for pid in pids), timeout=30)
+    finally:
+        gc.enable()

@@ -1,8 +1,8 @@
-"""The backend contract: what :class:`~unienv_mp._sampling.sampler.SamplerBase` needs from the manager
+"""The backend contract: what :class:`unienv_mp.sampler.SamplerBase` needs from the manager
 that runs its workers, and the parts every manager shares.
 
 A manager runs work items on workers and hands their results back by ticket:
-:class:`~unienv_mp._process.manager.MultiProcessingSampleManager` on processes,
+:class:`unienv_mp.MultiProcessingSampleManager` on processes,
 :class:`~unienv_mp.ray.manager.RayManager` on Ray actors.  :class:`Manager` is the
 interface (a ``typing.Protocol``); a new backend implements it, on the shared parts here:
 
@@ -31,7 +31,8 @@ A sampler for a new backend: subclass ``unienv_mp.sampler.SamplerBase``, call it
 be overridden):
 
 * ``new_manager()`` (required): a new manager, keeping :class:`Manager`, whose workers
-  run ``SamplerTarget(self.sampler)``.
+  run ``unienv_mp.sampler.SamplerTarget(self.sampler)`` (the work
+  function: a task's method name and argument in, its batches out).
 * ``sampler_methods()``: the wrapped sampler's ``sample*`` and ``get*_at`` method names.
 * ``row_nbytes(name)``: bytes per batch row of ``name``, or None (sets the default
   batches per task).
@@ -59,7 +60,7 @@ CLOSED_WHILE_WAITING = "this manager was closed (from another thread) during the
 
 @runtime_checkable
 class Manager(Protocol):
-    """What :class:`~unienv_mp._sampling.sampler.SamplerBase` calls on its managers.
+    """What :class:`unienv_mp.sampler.SamplerBase` calls on its managers.
 
     ``closed`` is True once :meth:`close` was called.  Every other call raises
     ``RuntimeError`` then."""

@@ -16,11 +16,13 @@ wrote a result entry it could not have written, which is killed first (a warning
 :class:`~unienv_mp.CodecError` instead).  Workers end with the parent however the parent
 ends (see :mod:`unienv_mp._os`).
 """
+import functools
 import os
 import queue as _queue
 import threading
 import time
 import warnings
+import weakref
 from multiprocessing import util as _mputil
 from typing import Callable, Generic, Optional, Sequence
 
@@ -199,20 +201,23 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         self._owner_pid = os.getpid()
         self._dealer = Dealer(None if start_later is None else _up)   # (see start_later)
         self._tasks = tasks = TicketTable()      # ticket -> _Task (not yet delivered)
-        self._pool = pool = WorkerPool(n_workers, dict(
-            respawn=self.respawn, max_respawns=self.max_respawns, timeout=self.timeout,
-            stall_timeout=self.stall_timeout, start_later=start_later, seeds=worker_seeds,
-            start_method=ctx.get_start_method()), tasks, WorkEncoder(TASK_INLINE),
-            self._take)
+        # (the parts see the manager through a weak proxy, or not at all: a manager
+        # dropped without close() is freed at once, and its finalizer ends the workers)
+        me = weakref.proxy(self)
+        self._pool = pool = WorkerPool(n_workers, me, dict(
+            start_later=start_later, seeds=worker_seeds,
+            start_method=ctx.get_start_method()),
+            tasks, WorkEncoder(TASK_INLINE), None)
         self._lanes = pool.lanes                 # (the pool's: the per-batch path reads it)
         self._resources = resources = pool.resources
         self._slots = pool.slots = SlotLedger(tasks, pool.lanes, resources.spills)
+        pool.take = take = functools.partial(_take, tasks, self._slots)
         self._caller = _stats.CallerRecord()   # batches handed out, time waited (see stats)
         resources.done_event = done_event
         resources.doorbell_seg = Segment.create(64, "doorbell")
-        self._poller = Poller(pool, self._take, Event(resources.doorbell_seg, 0, True),
-                              self.doze_time, self._caller)
-        self._unienv = UniEnvQueue(self, tasks, self._slots, self._poller)
+        self._poller = Poller(pool, take, Event(resources.doorbell_seg, 0, True),
+                              self._caller)
+        self._unienv = UniEnvQueue(me, tasks, self._slots, self._poller)
         self._finalizer = _mputil.Finalize(self, resources.close, exitpriority=100)
         self._batches_in = getattr(target_fn, "batches_in", None)
         launch = Launch(target_fn, worker_init_fn, ctx, daemon, resources.doorbell_seg,
@@ -292,13 +297,6 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             self._dealer.reset()
 
     # -- collecting -----------------------------------------------------------------------
-
-    def _take(self, lane, entry):
-        """Record ``entry``, the oldest result entry of ``lane``'s worker not recorded yet
-        (WorkerHandle.next_result), then let the handle drop it.  Interrupted anywhere,
-        the entry stays with the handle and is recorded again next time."""
-        _accept(self._tasks, self._slots, lane, entry)
-        lane.worker.result_recorded()
 
     def _wait(self, task, timeout):
         """Block until ``task`` has a result (or raise); the time is counted (see stats)."""
@@ -510,7 +508,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
 
     def __repr__(self):
         state = "closed" if self.closed else f"{self.n_workers} workers"
-        return f"<{type(self).__name__} {state}, {self.remaining_work} pending>"
+        pending = len(self._unienv.order) if getattr(self, "_unienv", None) else 0
+        return f"<{type(self).__name__} {state}, {pending} pending>"
 
 
 def _checked_options(target_fn, n_workers, ctx, daemon, worker_seeds, doze_time, in_order,
@@ -549,10 +548,10 @@ def _checked_options(target_fn, n_workers, ctx, daemon, worker_seeds, doze_time,
 
 
 def _accept(tasks, slots, lane, entry):
-    """Record a result entry that ``lane``'s worker published (hand nothing out
-    yet), in the ticket table ``tasks`` and the slot ledger ``slots``.  The caller then tells the worker handle it is recorded (see _take); an
-    entry whose recording was cut short is recorded again, so every step below gives
-    the same state when it runs twice."""
+    """Record a result entry that ``lane``'s worker published (hand nothing out yet), in
+    the ticket table ``tasks`` and the slot ledger ``slots``.  The caller then tells the
+    worker handle it is recorded (see _take); an entry whose recording was cut short is
+    recorded again, so every step below gives the same state when it runs twice."""
     t, slot, ticket, payload = entry
     status, where = _untag(t)
     w = lane.worker
@@ -596,3 +595,11 @@ def _accept(tasks, slots, lane, entry):
         slots.release_spill(task)
     task.status = status
     slots.arrived(lane, task)
+
+
+def _take(tasks, slots, lane, entry):
+    """Record ``entry``, the oldest result entry of ``lane``'s worker not recorded yet
+    (WorkerHandle.next_result), then let the handle drop it.  Interrupted anywhere, the
+    entry stays with the handle and is recorded again next time."""
+    _accept(tasks, slots, lane, entry)
+    lane.worker.result_recorded()

@@ -20,15 +20,14 @@ __all__ = ["Poller"]
 class Poller:
     """Collects from every worker of ``pool`` at once (``take``: the manager's, which
     records a result entry), and waits on the ``doorbell`` the workers ring, re-checking
-    every ``doze_time`` s that they are alive; ``caller`` is the manager's record of the
-    caller's time (see stats)."""
+    every ``doze_time`` s (the manager's) that they are alive; ``caller`` is the manager's
+    record of the caller's time (see stats)."""
 
-    def __init__(self, pool, take, doorbell, doze_time, caller):
+    def __init__(self, pool, take, doorbell, caller):
         self.pool = pool
         self.tasks = pool.tasks
         self.take = take
         self.doorbell = doorbell
-        self.doze_time = doze_time
         self.caller = caller
 
     def poll_all(self, check_alive=False):
@@ -77,7 +76,7 @@ class Poller:
         if found is None and block:
             t0 = time.monotonic_ns()
             try:
-                found = self.doorbell.wait_until(find, limit, self.doze_time,
+                found = self.doorbell.wait_until(find, limit, self.pool.manager.doze_time,
                                                  check=self.pool.check_all_alive)
             finally:
                 self.caller.wait_ns += time.monotonic_ns() - t0

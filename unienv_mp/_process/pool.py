@@ -99,8 +99,10 @@ class WorkerPool:
     ``tasks`` is the manager's ticket table, ``slots`` its slot ledger
     (:class:`~unienv_mp._process.slots.SlotLedger`), ``encoder`` puts tasks on a ring;
     ``take(lane, entry)`` records a result entry a worker published (the manager's, on
-    its per-batch path).
-    ``closed`` is set by :meth:`shut_down`: no process starts after it.
+    its per-batch path).  The settings (``respawn``, ``max_respawns``, ``timeout``,
+    ``stall_timeout``) and ``closed`` are the manager's, read each time through
+    ``manager``, a weak proxy (the pool holds no reference that keeps its manager
+    alive).
 
     ``stall_timeout``: when a caller waiting on a worker finds it on one task for longer,
     the worker's Python stacks are taken (faulthandler, from a signal handler: a worker
@@ -126,20 +128,25 @@ class WorkerPool:
     ``workers`` and ``stats`` list the started ones.
     """
 
-    def __init__(self, n_workers, options, tasks, encoder, take):
-        self.closed = False
+    def __init__(self, n_workers, manager, options, tasks, encoder, take):
+        self.manager = manager       # (a weak proxy: read for its settings and closed)
         self.resources = Resources()
         self.lanes = []              # of the workers started, in index order
         self.deferred = collections.deque()   # (handle, seed) of those to start later
         self.n_workers = n_workers
         self.slots = None            # the manager's SlotLedger, given once it is made
-        # respawn, max_respawns, stall_timeout, timeout, start_later, seeds, start_method
+        # start_later, seeds, start_method: fixed at construction
         vars(self).update(options)
         self.seed_rng = np.random.default_rng(
             None if self.seeds is None else [int(s) for s in self.seeds])
         self.tasks = tasks
         self.encoder = encoder
         self.take = take
+
+    @property
+    def closed(self):
+        """The manager's ``closed``: no process starts once it is set."""
+        return self.manager.closed
 
     def start(self, launch):
         """Make every worker's handle (``launch``: what starts its process) and start
@@ -202,7 +209,7 @@ class WorkerPool:
         corrupt = None
         if isinstance(cause, WorkerStalled):
             # (kept before the kill: its death is this stall)
-            lane.stall = Stall(w, cause, self.stall_timeout)
+            lane.stall = Stall(w, cause, self.manager.stall_timeout)
             w.kill()
         elif isinstance(cause, WorkerCorrupt):
             corrupt = cause.error
@@ -241,7 +248,7 @@ class WorkerPool:
         its deaths in a row counting this one, the error to raise once it is buried (or
         None: it is replaced), and the task whose result is its stall, as ``(task,
         error)`` (or None).  Warns of a replacement the caller should hear of."""
-        w, stall = lane.worker, lane.stall
+        w, stall, m = lane.worker, lane.stall, self.manager
         how = _os.describe_exit(code)
         # (a SIGINT is a terminal's Ctrl-C that reached the worker too, not a crash)
         deaths = lane.deaths_in_a_row + (code != -signal.SIGINT)
@@ -256,7 +263,7 @@ class WorkerPool:
                 f"start); workers started with spawn or forkserver import the main module",
                 worker=w.index, exitcode=code)
         elif corrupt is not None:
-            verdict = respawn_refusal(self.respawn, deaths, self.max_respawns)
+            verdict = respawn_refusal(m.respawn, deaths, m.max_respawns)
             if verdict is not None:
                 give_up = CodecError(f"{corrupt}; the worker was killed; {verdict}")
             else:
@@ -269,14 +276,14 @@ class WorkerPool:
             stall.warn(True, stacklevel=5)
         elif stall is not None:
             task = self.tasks.get(stall.ticket)
-            if respawn_refusal(self.respawn, deaths, self.max_respawns) is not None:
+            if respawn_refusal(m.respawn, deaths, m.max_respawns) is not None:
                 if task is not None and not task.arrived and task.worker == w.index:
                     failed = (task, stall.error())
                 deaths = 0   # (the task that kept stalling is given up)
             else:
                 stall.warn(task is not None and not task.cancelled, stacklevel=5)
         else:
-            verdict = respawn_refusal(self.respawn, deaths, self.max_respawns)
+            verdict = respawn_refusal(m.respawn, deaths, m.max_respawns)
             if verdict is not None:
                 give_up = WorkerDiedError(f"worker {w.index} (pid {w.pid}) {how}; {verdict}",
                                           worker=w.index, exitcode=code)
@@ -341,7 +348,8 @@ class WorkerPool:
     def check_all_alive(self):
         if self.closed:
             raise RuntimeError(CLOSED_WHILE_WAITING)
-        stall_ns = None if self.stall_timeout is None else int(self.stall_timeout * 1e9)
+        stall = self.manager.stall_timeout
+        stall_ns = None if stall is None else int(stall * 1e9)
         for lane in self.lanes:
             w = lane.worker
             if w.proc is None:          # replaced, but its replacement could not start yet
@@ -384,11 +392,12 @@ class WorkerPool:
         hand out) results until there is room.  A worker whose rings were both full would
         wait for the parent while the parent waits for it."""
         w = lane.worker
+        timeout = self.manager.timeout
         while len(lane.inflight) >= TASK_CAPACITY:
             try:
-                self.take(lane, w.next_result(self.timeout))
+                self.take(lane, w.next_result(timeout))
             except _queue.Empty:
-                raise no_result(self.timeout, w.index) from None
+                raise no_result(timeout, w.index) from None
             except RingClosed:
                 raise RuntimeError(CLOSED_WHILE_WAITING) from None
 
@@ -416,9 +425,9 @@ class WorkerPool:
         return ready, workers
 
     def shut_down(self):
-        """No process starts after this; every worker is told to stop, and every wait
-        on them raises (a call waiting in another thread returns)."""
-        self.closed = True
+        """Every worker is told to stop, and every wait on them raises (a call waiting in
+        another thread returns); the manager is closed first, so no process starts
+        after this."""
         self.resources.shut_down()
 
     def stop_now(self):

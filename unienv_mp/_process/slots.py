@@ -6,9 +6,9 @@ slot number is given to one task at a time, and goes back to its worker once the
 result was read or dropped and no zero-copy view of it (a lease) is alive.
 :class:`SlotLedger` gives slots back and forgets tasks, and makes the leases the
 manager's delivery hands out (:meth:`SlotLedger.lease`).  The rule against a Ctrl-C it
-keeps: a slot number is given back only through ``give_back_slot``, which clears ``task.slot`` first, so an interruption can at worst
-leak a slot number (the worker makes another slot), never give one back twice (two tasks
-writing into one slot).
+keeps: a slot number is given back only through ``give_back_slot``, which clears
+``task.slot`` first, so an interruption can at worst leak a slot number (the worker makes
+another slot), never give one back twice (two tasks writing into one slot).
 """
 import collections
 
