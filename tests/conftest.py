@@ -51,6 +51,15 @@ def in_shared_memory(array):
     return False
 
 
+def process_running(pid):
+    """True if process ``pid`` exists and is not a zombie (reaped or not, it has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def wait_until(predicate, timeout=5.0, interval=0.01):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -14,7 +14,7 @@ from unienv_mp._process.handle import WorkerHandle
 from unienv_mp._process.manager import MultiProcessingSampleManager
 
 from _data import replay_buffer
-from conftest import wait_until
+from conftest import process_running, wait_until
 
 
 def _identity(x):
@@ -526,13 +526,8 @@ def test_a_manager_dropped_without_close_ends_its_workers_at_once():
         pids = [p.pid for p in mgr.workers]
         del mgr
 
-        def running(pid):
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-            except FileNotFoundError:
-                return False
-        assert wait_until(lambda: not any(running(pid) for pid in pids), timeout=30)
+        assert wait_until(lambda: not any(process_running(pid) for pid in pids),
+                          timeout=30)
     finally:
         gc.enable()
 

@@ -131,3 +131,17 @@ def test_the_ctrl_c_tests_pass_when_the_run_starts_with_sigint_ignored():
          "a_state_taken_after_an_epoch_failed_to_start"],
         cwd=ROOT, preexec_fn=ignore_sigint, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout[-2000:]
+
+
+def test_the_backend_contract_runs_without_ray():
+    """The contract's tests check the process manager and the in-process fake where Ray
+    is not installed (it is made unimportable here), and skip only Ray's cases."""
+    import subprocess
+    code = ("import sys; sys.modules['ray'] = None\n"
+            "import pytest\n"
+            "sys.exit(pytest.main(['tests/test_backend_contract.py', '-q', '-p',\n"
+            "                      'no:cacheprovider', '-k', 'not ray']))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert " passed" in out.stdout and "failed" not in out.stdout

@@ -494,7 +494,7 @@ def test_a_sampler_dropped_without_close_ends_its_workers_at_once():
     collection, and the workers end."""
     import weakref
 
-    from conftest import wait_until
+    from conftest import process_running, wait_until
     rb = replay_buffer(100)
     gc.disable()
     try:
@@ -508,12 +508,7 @@ def test_a_sampler_dropped_without_close_ends_its_workers_at_once():
         del m, it
         assert ref() is None and manager() is None
 
-        def running(pid):
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-            except FileNotFoundError:
-                return False
-        assert wait_until(lambda: not any(running(pid) for pid in pids), timeout=30)
+        assert wait_until(lambda: not any(process_running(pid) for pid in pids),
+                          timeout=30)
     finally:
         gc.enable()
