@@ -312,3 +312,37 @@ def test_a_ctrl_c_anywhere_in_cancel_leaves_no_ticket_in_flight_without_its_task
         assert _rows(m.result(t, timeout=60)) == _expected(("sample", 5, 1))
     finally:
         m.close()
+
+
+# -- a new backend, as unienv_mp.backend's docstring says -------------------------------
+
+def test_a_sampler_on_a_new_backend_gives_the_process_samplers_stream_and_epochs():
+    """SamplerBase with only new_manager() overridden, on the in-process fake: the same
+    batches, epochs and states as MultiprocessingSampler for the same seed."""
+    import copy
+    from unienv_data.samplers import StepSampler
+    from unienv_mp import MultiprocessingSampler
+    from unienv_mp.sampler import SamplerBase
+    from unienv_mp.sampler import SamplerTarget as Target
+
+    class FakeSampler(SamplerBase):
+        def __init__(self, sampler):
+            super().__init__(sampler, 2, 4, in_order=True, copy=False, timeout=30,
+                             respawn=True, batches_per_task=None,
+                             not_direct="the fake backend calls the wrapped sampler")
+
+        def new_manager(self):
+            return FakeManager(Target(copy.deepcopy(self.sampler)), self.n_workers)
+
+    rb = replay_buffer(100)
+    with FakeSampler(StepSampler(rb, 4, seed=3)) as fake, MultiprocessingSampler(
+            StepSampler(rb, 4, seed=3), n_workers=2, ctx="fork") as real:
+        for source in (fake, real):
+            source.batches = [indices_of(source.sample()) for _ in range(5)]
+            source.epochs = [[indices_of(b) for b in source.epoch_iter()] for _ in range(2)]
+            source.state = source.state_dict()
+            source.after = [indices_of(source.sample()) for _ in range(3)]
+        assert fake.batches == real.batches and fake.epochs == real.epochs
+        assert sorted(i for b in fake.epochs[0] for i in b) == list(range(100))
+        real.load_state_dict(fake.state)   # (a state of one backend loads into the other)
+        assert [indices_of(real.sample()) for _ in range(3)] == fake.after == real.after

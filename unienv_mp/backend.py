@@ -31,8 +31,11 @@ A sampler for a new backend: subclass ``unienv_mp.sampler.SamplerBase``, call it
 be overridden):
 
 * ``new_manager()`` (required): a new manager, keeping :class:`Manager`, whose workers
-  run ``unienv_mp.sampler.SamplerTarget(self.sampler)`` (the work
-  function: a task's method name and argument in, its batches out).
+  run ``unienv_mp.sampler.SamplerTarget(sampler)`` (the work function: a task's method
+  name and argument in, its batches out) on a copy of ``self.sampler`` of their own, as
+  a worker process has: the target reseeds its sampler's random number generators, and
+  epochs draw their orders from the caller's.  A manager that runs tasks in the caller's
+  process passes ``SamplerTarget(copy.deepcopy(self.sampler))``.
 * ``sampler_methods()``: the wrapped sampler's ``sample*`` and ``get*_at`` method names.
 * ``row_nbytes(name)``: bytes per batch row of ``name``, or None (sets the default
   batches per task).
