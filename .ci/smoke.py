@@ -20,7 +20,7 @@ import sysconfig
 
 import numpy as np
 
-COMPILED = ("_ring", "_codec", "_rows")
+COMPILED = ("_transport.ring", "_transport.codec", "_direct.rows")
 TIMEOUT = 120
 
 
@@ -34,8 +34,9 @@ def check_installed():
     ext = sysconfig.get_config_var("EXT_SUFFIX")
     for name in COMPILED:
         module = importlib.import_module(f"unienv_mp.{name}")
-        assert module.__file__ == os.path.join(package, name + ext), module.__file__
-        assert os.path.isfile(os.path.join(package, name + ".pyi")), name
+        path = os.path.join(package, *name.split("."))
+        assert module.__file__ == path + ext, module.__file__
+        assert os.path.isfile(path + ".pyi"), name
     assert os.path.isfile(os.path.join(package, "py.typed"))
     dist = importlib.metadata.distribution("unienv_mp")
     assert dist.metadata["License-Expression"] == "MIT"
