@@ -1,19 +1,19 @@
-"""The module graph in the README's "How it works": every module of the package, what it
-holds (written by hand, in the README), and what it imports from the package (read from
+"""The module graph in the docs' Design page (docs/design.md): every module of the package,
+what it holds (written by hand, in that page), and what it imports from the package (read from
 the code, here).
 
     python tools/module_graph.py            # print the graph as the code has it
-    python tools/module_graph.py --write    # rewrite the README's graph from the code
+    python tools/module_graph.py --write    # rewrite the page's graph from the code
     python tools/module_graph.py --check    # exit 1, saying what differs, unless the
-                                            # README's graph is the code's
+                                            # page's graph is the code's
 
-The graph is the ``` block after the line ``<!-- module graph -->`` in README.md.  An
+The graph is the ``` block after the line ``<!-- module graph -->`` in docs/design.md.  An
 entry is a module's file name at the start of a line, what it holds, and ``<- `` followed
 by the modules it imports (``; ... on first use`` for those imported inside a function or
 only for type checkers).  ``errors.py``, which most modules import, is left out of the
 imports, and each subpackage (``_transport/``, ``_process/``, ...) is one entry: what it
 holds module by module is its ``__init__.py``'s docstring.  The order of
-the entries and what they hold are the README's; a module of the package with no entry,
+the entries and what they hold are the page's; a module of the package with no entry,
 or an entry for no module, is an error that ``--write`` cannot mend: write the entry's
 first line by hand, then run ``--write``.
 """
@@ -26,7 +26,7 @@ import textwrap
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "unienv_mp"
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "design.md"
 MARKER = "<!-- module graph -->"
 LEFT_OUT = {"errors"}   # imported nearly everywhere: not shown
 FOLDED = {"_transport", "_direct", "_process", "_device", "_sampling", "ray", "bench"}
@@ -37,7 +37,7 @@ _PYX_IMPORT = re.compile(r"^\s*from\s+(\.+[\w.]*)\s+c?import[ \t]+([\w \t,]+)", 
 
 
 class GraphError(Exception):
-    """The README's graph cannot be compared with the code, or rewritten from it."""
+    """The page's graph cannot be compared with the code, or rewritten from it."""
 
 
 def _unit(module):
@@ -151,10 +151,10 @@ def code_graph():
 
 
 def _block(text):
-    """``(start, end)``: where the graph's lines lie in the README's ``text``."""
+    """``(start, end)``: where the graph's lines lie in the page's ``text``."""
     at = text.find(MARKER)
     if at < 0:
-        raise GraphError(f"README.md has no line {MARKER!r} before the module graph")
+        raise GraphError(f"docs/design.md has no line {MARKER!r} before the module graph")
     start = text.index("```\n", at) + 4
     end = text.index("```", start)
     return start, end
@@ -212,7 +212,7 @@ def render(entries, graph):
 
 
 def expected(text):
-    """The README's graph as the code has it (raises GraphError for an entry the code
+    """The page's graph as the code has it (raises GraphError for an entry the code
     has not, or a module of the package that has no entry)."""
     start, end = _block(text)
     entries = parse(text[start:end])
@@ -223,35 +223,35 @@ def expected(text):
     twice = sorted({n for n in names if names.count(n) > 1})
     problems = []
     if missing:
-        problems.append(f"modules with no entry in the README's graph: {', '.join(missing)} "
+        problems.append(f"modules with no entry in the page's graph: {', '.join(missing)} "
                         f"(write each one's name and what it holds, then run --write)")
     if extra:
-        problems.append(f"entries in the README's graph for no module: {', '.join(extra)}")
+        problems.append(f"entries in the page's graph for no module: {', '.join(extra)}")
     if twice:
-        problems.append(f"entries in the README's graph twice: {', '.join(twice)}")
+        problems.append(f"entries in the page's graph twice: {', '.join(twice)}")
     if problems:
         raise GraphError("; ".join(problems))
     return start, end, render(entries, graph)
 
 
 def differences(text):
-    """What differs between the README's graph in ``text`` and the code's, as a unified
+    """What differs between the page's graph in ``text`` and the code's, as a unified
     diff ("" if nothing)."""
     start, end, want = expected(text)
     have = text[start:end]
     if have == want:
         return ""
     return "".join(difflib.unified_diff(have.splitlines(True), want.splitlines(True),
-                                        "README.md (graph)", "the code"))
+                                        "docs/design.md (graph)", "the code"))
 
 
 def main(argv):
-    text = README.read_text()
+    text = PAGE.read_text()
     try:
         if "--check" in argv:
             diff = differences(text)
             if diff:
-                print("the README's module graph is not the code's (run "
+                print("the module graph in docs/design.md is not the code's (run "
                       "`python tools/module_graph.py --write`):\n" + diff, file=sys.stderr)
                 return 1
             return 0
@@ -260,7 +260,7 @@ def main(argv):
         print(f"module graph: {e}", file=sys.stderr)
         return 1
     if "--write" in argv:
-        README.write_text(text[:start] + want + text[end:])
+        PAGE.write_text(text[:start] + want + text[end:])
     else:
         sys.stdout.write(want)
     return 0
