@@ -12,7 +12,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gen_reference import MODULES, public_names  # noqa: E402
+from public_api import MODULES, public_names  # noqa: E402
 
 
 def anchors(site):

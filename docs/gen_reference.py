@@ -1,39 +1,14 @@
-"""Writes the API reference pages at build time (mkdocs-gen-files), from the public
-modules' ``__all__``: one page per public module, one page per public class, each name
-documented once, at its shortest public path (``unienv_mp.MultiprocessingSampler``, not
-``unienv_mp.sampler.MultiprocessingSampler``).  The navigation is ``reference/SUMMARY.md``
+"""Writes the API reference pages at build time (mkdocs-gen-files runs it): one page per
+public module, one page per public class, each name documented once, at its shortest
+public path (see docs/public_api.py).  The navigation is ``reference/SUMMARY.md``
 (mkdocs-literate-nav)."""
-import importlib
-import inspect
+import os
+import sys
 
 import mkdocs_gen_files
 
-#: The public modules, in the order of the navigation (tests/test_layout.py holds the same
-#: list and checks that nothing else is public).
-MODULES = ("unienv_mp", "unienv_mp.sampler", "unienv_mp.manager", "unienv_mp.queue",
-           "unienv_mp.stats", "unienv_mp.errors", "unienv_mp.backend", "unienv_mp.gather",
-           "unienv_mp.compat", "unienv_mp.ray")
-
-
-def public_names():
-    """{module: [(name, is_class, documented_at)]}, where ``documented_at`` is the shortest
-    public path of the object (the first module of MODULES that exports it)."""
-    home, out = {}, {}
-    for module_name in MODULES:
-        module = importlib.import_module(module_name)
-        rows = []
-        for name in module.__all__:
-            value = getattr(module, name)
-            key = id(value) if inspect.isclass(value) or callable(value) else (module_name, name)
-            home.setdefault(key, f"{module_name}.{name}")
-            rows.append((name, inspect.isclass(value), home[key]))
-        out[module_name] = rows
-    return out
-
-
-def page_of(path):
-    """The reference page of a class (its own page) or of another name (its module's)."""
-    return path.replace(".", "/") + ".md"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from public_api import page_of, public_names  # noqa: E402
 
 
 def write():

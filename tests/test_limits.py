@@ -57,7 +57,7 @@ def test_the_longest_wait_is_named_as_the_docstring_names_it(arg):
 def test_the_limits_are_listed_in_one_place_with_the_numbers_the_code_uses():
     doc = " ".join(MultiprocessingSampler.__doc__.split())
     limits = doc[doc.index("Limits"):]
-    limits = limits[:limits.index(":meth:`stats`")]
+    limits = limits[:limits.index("[`stats`]")]
     v = _validate
     for needle in (f"max({v.MIN_MAX_WORKERS}, {v.WORKERS_PER_CPU} * CPUs)",
                    f"``n_buffers`` at most {v.MAX_BUFFERS}",

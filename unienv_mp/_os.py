@@ -1,17 +1,17 @@
 """The operating system's side of worker processes: noticing that one ended, signalling
 and stopping them, making a worker end with its parent, CPU time, and the fork guard
-(:data:`pid`).
+(`pid`).
 
-The parent keeps a pidfd of every worker it starts (:func:`open_pidfd`, closed by
-:func:`stop_processes`).  A pidfd tells that the child ended even when something else
-reaped it (a SIGCHLD handler, an ``os.wait()`` elsewhere: ``Process.is_alive()`` then
-stays True) or when a grandchild holds the sentinel pipe open, and a signal sent through
-it cannot reach another process that reused the pid.  Where pidfds are not available,
-everything here falls back to the ``Process`` object's own methods and sentinel.
+The parent keeps a pidfd of every worker it starts (`open_pidfd`, closed by
+`stop_processes`).  A pidfd tells that the child ended even when something else reaped it (a
+SIGCHLD handler, an ``os.wait()`` elsewhere: ``Process.is_alive()`` then stays True) or when
+a grandchild holds the sentinel pipe open, and a signal sent through it cannot reach another
+process that reused the pid.  Where pidfds are not available, everything here falls back to
+the ``Process`` object's own methods and sentinel.
 
-A worker calls :func:`exit_with_parent` first thing, so that it never outlives the parent,
-however the parent ends.  A :class:`PipeEnd` hands a child one end of a pipe (the manager
-reads a stalled worker's stacks through one).
+A worker calls `exit_with_parent` first thing, so that it never outlives the parent, however
+the parent ends.  A `PipeEnd` hands a child one end of a pipe (the manager reads a stalled
+worker's stacks through one).
 """
 import contextlib
 import ctypes
@@ -35,7 +35,7 @@ __all__ = ["open_pidfd", "has_exited", "exit_code", "describe_exit", "send_signa
 # closed or when the process was already gone when started, None where there are none.
 #: The pid of this process, read on every call of a manager or a sampler: an object
 #: made in one process refuses to be used in a forked child of it (its workers answer only
-#: their parent), by comparing this with the pid it was made in (see :func:`refuse_child`).
+#: their parent), by comparing this with the pid it was made in (see `refuse_child`).
 #: ``os.getpid()`` is a system call; this is kept current by an at-fork hook instead.
 #: Every way of going on running Python in a forked child runs those hooks (``os.fork()``,
 #: hence multiprocessing's fork and forkserver; C code must call
@@ -53,8 +53,8 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 def refuse_child(obj, owner_pid, more=""):
     """Raise the ``RuntimeError`` of an ``obj`` made in process ``owner_pid`` and used in
-    a forked child of it (the caller has compared :data:`pid`); ``more``: what else the
-    user should hear."""
+    a forked child of it (the caller has compared `pid`); ``more``: what else the user
+    should hear."""
     raise RuntimeError(
         f"this {type(obj).__name__} belongs to process {owner_pid} and cannot be used in "
         f"process {os.getpid()} (a forked child): its workers answer only their parent"
@@ -151,7 +151,7 @@ def _poll_pidfd(fd, timeout_ms):
 
 
 def open_pidfd(proc):
-    """Keep a pidfd of the started process ``proc`` on it (see :func:`has_exited`)."""
+    """Keep a pidfd of the started process ``proc`` on it (see `has_exited`)."""
     try:
         fd = os.pidfd_open(proc.pid)
     except ProcessLookupError:
@@ -213,11 +213,11 @@ _MAIN_REIMPORTED = (
 
 
 def exit_if_reimporting_main():
-    """Exit at once, with :data:`EXIT_MAIN_REIMPORTED` and one line on stderr, if this
-    process is being started with spawn or forkserver and is importing the main module
-    (multiprocessing's bootstrapping phase): starting workers from there is the
-    guard-less script's mistake, which multiprocessing would answer with a traceback in
-    every such process, and the parent with a replacement that makes it again."""
+    """Exit at once, with `EXIT_MAIN_REIMPORTED` and one line on stderr, if this process is
+    being started with spawn or forkserver and is importing the main module
+    (multiprocessing's bootstrapping phase): starting workers from there is the guard-less
+    script's mistake, which multiprocessing would answer with a traceback in every such
+    process, and the parent with a replacement that makes it again."""
     if getattr(_mp_process.current_process(), "_inheriting", False):
         try:
             os.write(2, _MAIN_REIMPORTED.format(code=EXIT_MAIN_REIMPORTED).encode())
@@ -227,7 +227,7 @@ def exit_if_reimporting_main():
 
 
 def describe_exit(code):
-    """How a process with exit code ``code`` (see :func:`exit_code`) ended, in words."""
+    """How a process with exit code ``code`` (see `exit_code`) ended, in words."""
     if code is None:
         return "ended (its exit status was collected elsewhere)"
     if code < 0:
@@ -343,13 +343,13 @@ def sigint_held_from_children(ignore=False):
     """For the ``with`` block, in which a worker process is started: SIGINT is blocked in
     this thread, so that a Ctrl-C arriving meanwhile stays pending and is taken when the
     block ends (nothing is lost), and a child forked meanwhile starts with it blocked (see
-    :func:`ignore_sigint`).  ``ignore``: also set SIGINT's disposition to "ignore" (in the
-    main thread; signal handlers cannot be set elsewhere), for a child that is exec'd
-    (spawn, and the forkserver's first start): multiprocessing clears the signal mask of
-    such a child, but an ignored signal stays ignored through exec, and Python keeps it
-    so at start-up.  (On Linux a blocked signal stays pending whatever its disposition, so
-    a Ctrl-C taken by this thread is still not lost; one that the kernel gives another
-    thread of this process during the block, which lasts one process start, is.)"""
+    `ignore_sigint`).  ``ignore``: also set SIGINT's disposition to "ignore" (in the main
+    thread; signal handlers cannot be set elsewhere), for a child that is exec'd (spawn, and
+    the forkserver's first start): multiprocessing clears the signal mask of such a child,
+    but an ignored signal stays ignored through exec, and Python keeps it so at start-up.
+    (On Linux a blocked signal stays pending whatever its disposition, so a Ctrl-C taken by
+    this thread is still not lost; one that the kernel gives another thread of this process
+    during the block, which lasts one process start, is.)"""
     try:
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     except (AttributeError, OSError, ValueError):
@@ -380,10 +380,9 @@ def limit_threads():
 
 def ignore_sigint():
     """In a worker: ignore SIGINT, then unblock it.  A worker is started with SIGINT
-    blocked or ignored (:func:`sigint_held_from_children`), so a terminal's Ctrl-C, which
-    reaches the whole process group, never interrupts multiprocessing bootstrapping it
-    (imports, unpickling); one pending is discarded here.  Ctrl-C is the parent's to
-    handle."""
+    blocked or ignored (`sigint_held_from_children`), so a terminal's Ctrl-C, which reaches
+    the whole process group, never interrupts multiprocessing bootstrapping it (imports,
+    unpickling); one pending is discarded here.  Ctrl-C is the parent's to handle."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})

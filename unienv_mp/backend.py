@@ -1,17 +1,22 @@
-"""The backend contract: what :class:`unienv_mp.sampler.SamplerBase` needs from the manager
-that runs its workers, and the parts every manager shares.
+"""The backend contract: what
+[`unienv_mp.sampler.SamplerBase`][unienv_mp.sampler.SamplerBase] needs from the manager that
+runs its workers, and the parts every manager shares.
 
 A manager runs work items on workers and hands their results back by ticket:
-:class:`unienv_mp.MultiProcessingSampleManager` on processes,
-:class:`~unienv_mp.ray.manager.RayManager` on Ray actors.  :class:`Manager` is the
-interface (a ``typing.Protocol``); a new backend implements it, on the shared parts here:
+[`unienv_mp.MultiProcessingSampleManager`][unienv_mp.MultiProcessingSampleManager] on
+processes, [`RayManager`][unienv_mp.ray.RayManager] on Ray actors.
+[`Manager`][unienv_mp.backend.Manager] is the interface (a ``typing.Protocol``); a new
+backend implements it, on the shared parts here:
 
-* :class:`TicketTable`: ticket -> task, for every task submitted and not yet delivered
-  or cancelled.
-* :class:`Dealer`: which worker gets a task submitted without one.
-* :func:`respawn_refusal`: the respawn budget: why a dead worker is not replaced, or None.
-* :func:`unknown_ticket`, :func:`none_pending`, :func:`no_result`: the errors of the
-  ticket calls; :func:`~unienv_mp._validate.check_index` checks a worker index.
+* [`TicketTable`][unienv_mp.backend.TicketTable]: ticket -> task, for every task submitted
+  and not yet delivered or cancelled.
+* [`Dealer`][unienv_mp.backend.Dealer]: which worker gets a task submitted without one.
+* [`respawn_refusal`][unienv_mp.backend.respawn_refusal]: the respawn budget: why a dead
+  worker is not replaced, or None.
+* [`unknown_ticket`][unienv_mp.backend.unknown_ticket],
+  [`none_pending`][unienv_mp.backend.none_pending],
+  [`no_result`][unienv_mp.backend.no_result]: the errors of the ticket calls; `check_index`
+  checks a worker index.
 
 The rules every manager keeps, so that a ``KeyboardInterrupt`` landing between any two
 bytecodes loses nothing (``tests/test_interrupts.py`` checks the process manager's and
@@ -30,12 +35,13 @@ A sampler for a new backend: subclass ``unienv_mp.sampler.SamplerBase``, call it
 ``__init__`` with the common options, and override its hooks (nothing else is meant to
 be overridden):
 
-* ``new_manager()`` (required): a new manager, keeping :class:`Manager`, whose workers
-  run ``unienv_mp.sampler.SamplerTarget(sampler)`` (the work function: a task's method
-  name and argument in, its batches out) on a copy of ``self.sampler`` of their own, as
-  a worker process has: the target reseeds its sampler's random number generators, and
-  epochs draw their orders from the caller's.  A manager that runs tasks in the caller's
-  process passes ``SamplerTarget(copy.deepcopy(self.sampler))``.
+* ``new_manager()`` (required): a new manager, keeping
+  [`Manager`][unienv_mp.backend.Manager], whose workers run
+  ``unienv_mp.sampler.SamplerTarget(sampler)`` (the work function: a task's method name and
+  argument in, its batches out) on a copy of ``self.sampler`` of their own, as a worker
+  process has: the target reseeds its sampler's random number generators, and epochs draw
+  their orders from the caller's.  A manager that runs tasks in the caller's process passes
+  ``SamplerTarget(copy.deepcopy(self.sampler))``.
 * ``sampler_methods()``: the wrapped sampler's ``sample*`` and ``get*_at`` method names.
 * ``row_nbytes(name)``: bytes per batch row of ``name``, or None (sets the default
   batches per task).
@@ -63,10 +69,11 @@ CLOSED_WHILE_WAITING = "this manager was closed (from another thread) during the
 
 @runtime_checkable
 class Manager(Protocol):
-    """What :class:`unienv_mp.sampler.SamplerBase` calls on its managers.
+    """What [`unienv_mp.sampler.SamplerBase`][unienv_mp.sampler.SamplerBase] calls on its
+    managers.
 
-    ``closed`` is True once :meth:`close` was called.  Every other call raises
-    ``RuntimeError`` then."""
+    ``closed`` is True once [`close`][unienv_mp.backend.Manager.close] was called.  Every
+    other call raises ``RuntimeError`` then."""
     closed: bool
     in_order: bool
 
@@ -75,29 +82,32 @@ class Manager(Protocol):
         """Number of workers."""
 
     def submit(self, work, worker: Optional[int] = None, *, record=None) -> int:
-        """Queue ``work`` (on worker ``worker``, or as :class:`Dealer` picks) and return
-        its ticket; ``record``: a list the ticket is appended to, as the last step."""
+        """Queue ``work`` (on worker ``worker``, or as [`Dealer`][unienv_mp.backend.Dealer]
+        picks) and return its ticket; ``record``: a list the ticket is appended to, as the
+        last step."""
 
     def result(self, ticket: int, timeout: Optional[float] = None):
         """The result of ``ticket``, waiting up to ``timeout`` seconds (default: the
         manager's); ``WorkerError`` if the work raised, ``TimeoutError``, ``KeyError``
-        (:func:`unknown_ticket`), ``WorkerDiedError`` if its worker is given up."""
+        ([`unknown_ticket`][unienv_mp.backend.unknown_ticket]), ``WorkerDiedError`` if its
+        worker is given up."""
 
     def ready(self, ticket: int) -> bool:
         """True if the result of ``ticket`` has arrived."""
 
     def wait_any(self, tickets: Iterable[int], timeout: Optional[float] = None) -> int:
         """One of ``tickets`` whose result has arrived, waiting for one; ``KeyError``
-        (:func:`none_pending`) if none is pending, ``TimeoutError``."""
+        ([`none_pending`][unienv_mp.backend.none_pending]) if none is pending,
+        ``TimeoutError``."""
 
     def cancel(self, ticket: int) -> None:
         """Forget ``ticket`` (nothing if it is unknown)."""
 
     def reset_order(self) -> None:
-        """Deal the next task to worker 0 (see :class:`Dealer`)."""
+        """Deal the next task to worker 0 (see [`Dealer`][unienv_mp.backend.Dealer])."""
 
     def stats(self, reset: bool = False) -> SamplerStats:
-        """Where the time went (see :class:`~unienv_mp.SamplerStats`)."""
+        """Where the time went (see [`SamplerStats`][unienv_mp.SamplerStats])."""
 
     def close(self) -> None:
         """Stop the workers; idempotent."""
@@ -123,8 +133,8 @@ class TicketTable(dict):
         return ticket
 
     def pending(self, ticket):
-        """The task of ``ticket``; :func:`unknown_ticket` if it is not in the table or
-        was cancelled."""
+        """The task of ``ticket``; [`unknown_ticket`][unienv_mp.backend.unknown_ticket] if
+        it is not in the table or was cancelled."""
         task = self.get(ticket)
         if task is None or task.cancelled:
             raise unknown_ticket(ticket)
@@ -133,11 +143,11 @@ class TicketTable(dict):
 
 class Dealer:
     """Which worker gets a task submitted without one: with ``in_order``, round-robin from
-    worker 0 (:meth:`reset` starts again there), else the least loaded.  Given ``up(lane)``
-    (whether a lane's worker is taking tasks), a worker that is not up (still starting,
-    or being replaced) is passed over while another is up: a task dealt to it would make
-    the caller wait for its start (a worker started under spawn imports torch for a
-    second or more)."""
+    worker 0 ([`reset`][unienv_mp.backend.Dealer.reset] starts again there), else the least
+    loaded.  Given ``up(lane)`` (whether a lane's worker is taking tasks), a worker that is
+    not up (still starting, or being replaced) is passed over while another is up: a task
+    dealt to it would make the caller wait for its start (a worker started under spawn
+    imports torch for a second or more)."""
     __slots__ = ("next", "up")
 
     def __init__(self, up=None):

@@ -16,11 +16,11 @@ def worker_loop(fetch_fn, workid_queue, result_queue, done_event, doze_time=0.00
     """UniEnv's worker loop, for code that runs its own workers with it: put
     ``fetch_fn(work)`` on ``result_queue`` for every ``work`` taken from ``workid_queue``
     until ``done_event`` is set or the work queue is closed.  Works with
-    ``multiprocessing.Queue`` and :class:`~unienv_mp.ShmQueue` alike.
+    ``multiprocessing.Queue`` and [`ShmQueue`][unienv_mp.ShmQueue] alike.
 
     Unlike UniEnv's loop, an exception raised by ``fetch_fn`` does not kill the worker
-    (leaving the consumer waiting forever): a :class:`~unienv_mp.WorkerError` describing it
-    is put on ``result_queue`` instead, and the loop goes on.
+    (leaving the consumer waiting forever): a [`WorkerError`][unienv_mp.WorkerError]
+    describing it is put on ``result_queue`` instead, and the loop goes on.
     """
     limit_threads()
     if init_fn is not None and seed is not None:

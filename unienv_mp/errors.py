@@ -101,10 +101,11 @@ class WorkerError(RuntimeError):
 
     @classmethod
     def from_payload(cls, info, worker=None, prefix=""):
-        """The error a worker described in ``info`` (:func:`error_payload`'s dict: type,
-        message, traceback, and the exception pickled on its own, or None), its message
-        prefixed with ``prefix``.  ``original`` is None if the exception cannot be loaded
-        here (e.g. its class lives in a module only the worker can import)."""
+        """The error a worker described in ``info``
+        ([`error_payload`][unienv_mp.errors.error_payload]'s dict: type, message, traceback,
+        and the exception pickled on its own, or None), its message prefixed with
+        ``prefix``.  ``original`` is None if the exception cannot be loaded here (e.g. its
+        class lives in a module only the worker can import)."""
         return cls(info["type"], prefix + info["message"], info["traceback"],
                    _loads_or_none(info["exception"]), worker)
 
@@ -119,7 +120,8 @@ class WorkerError(RuntimeError):
 class WorkerStalledError(WorkerError):
     """A worker spent longer than ``stall_timeout`` on one task, was killed and replaced,
     and that task is given up (see the manager's ``stall_timeout``).  A
-    :class:`WorkerError` whose ``exc_type`` is ``"unienv_mp.WorkerStalledError"``.
+    [`WorkerError`][unienv_mp.WorkerError] whose ``exc_type`` is
+    ``"unienv_mp.WorkerStalledError"``.
 
     Attributes:
         worker: index of the worker.

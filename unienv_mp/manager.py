@@ -1,5 +1,5 @@
 """``unienv_mp.manager``, kept for code that imports the manager from here; it lives in
-:mod:`unienv_mp._process.manager` (import it as ``from unienv_mp import
+`unienv_mp._process.manager` (import it as ``from unienv_mp import
 MultiProcessingSampleManager``)."""
 from ._process.manager import (CLOSE_WAIT, RESULT_INLINE, TASK_CAPACITY, TASK_INLINE,
                                MultiProcessingSampleManager, ResultT, TaskInfoT)

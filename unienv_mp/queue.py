@@ -1,5 +1,5 @@
 """``unienv_mp.queue``, kept for code that imports ``ShmQueue`` from here; it lives in
-:mod:`unienv_mp._transport.shm_queue` (import it as ``from unienv_mp import ShmQueue``)."""
+`unienv_mp._transport.shm_queue` (import it as ``from unienv_mp import ShmQueue``)."""
 from ._transport.shm_queue import ShmQueue
 
 __all__ = ["ShmQueue"]

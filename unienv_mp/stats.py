@@ -1,5 +1,6 @@
-"""Where a sampler's time goes: :class:`SamplerStats` and :class:`WorkerStats`, returned by
-``MultiprocessingSampler.stats()`` and ``MultiProcessingSampleManager.stats()``.
+"""Where a sampler's time goes: [`SamplerStats`][unienv_mp.SamplerStats] and
+[`WorkerStats`][unienv_mp.WorkerStats], returned by ``MultiprocessingSampler.stats()`` and
+``MultiProcessingSampleManager.stats()``.
 
 **How they are counted.**  Each worker keeps its counters in its own shared segment, in the
 block laid out below, written with plain stores by that worker alone and read by the
@@ -7,22 +8,24 @@ parent whenever ``stats()`` is called: no system call, lock or message per batch
 64-bit aligned store is a single store on the machines this runs on (x86-64, aarch64),
 so the parent reads each counter whole, possibly a task out of date.  The caller's side
 (batches handed out, time spent waiting) is counted in the calling process, in a
-:class:`CallerRecord`.  Counters of a worker's earlier processes (before it was replaced)
-are kept by the parent, in a :class:`WorkerRecord` per worker index, and added.
+`CallerRecord`.  Counters of a worker's earlier processes (before it was replaced) are kept
+by the parent, in a `WorkerRecord` per worker index, and added.
 
 The counter block (``COUNTERS`` 64-bit words at ``_protocol.STATS_AT`` of a worker's
-segment)::
+segment):
 
-    STARTED      monotonic ns at which the worker began taking tasks (after its
-                 ``worker_init_fn``; 0 before)
-    TASKS        tasks done
-    BATCHES      batches made (a task of k batches counts k)
-    ERRORS       tasks whose work function raised
-    BUSY         ns spent on tasks (making the result and writing it into its slot)
-    TASK_SINCE   monotonic ns at which the task in hand began (0: waiting for one)
-    TICKET       the ticket of the task in hand
-    START_CPU    CPU ns the process had used at STARTED (imports, unpickling, init)
-    HIST + i     batches whose time (the task's time over its batches) fell in bucket i
+```text
+STARTED      monotonic ns at which the worker began taking tasks (after its
+             worker_init_fn; 0 before)
+TASKS        tasks done
+BATCHES      batches made (a task of k batches counts k)
+ERRORS       tasks whose work function raised
+BUSY         ns spent on tasks (making the result and writing it into its slot)
+TASK_SINCE   monotonic ns at which the task in hand began (0: waiting for one)
+TICKET       the ticket of the task in hand
+START_CPU    CPU ns the process had used at STARTED (imports, unpickling, init)
+HIST + i     batches whose time (the task's time over its batches) fell in bucket i
+```
 
 Bucket ``i`` holds times in ``[bucket_edge(i), bucket_edge(i + 1))`` nanoseconds: four
 buckets per doubling from 1 µs, none more than 25 % wide (the first also takes anything
@@ -67,7 +70,7 @@ def bucket_edge(i):
 class WorkerCounters:
     """A worker's own side of its counter block: ``view`` is a memoryview of the block
     cast to unsigned 64-bit words (the worker is its only writer).  All zero until
-    :meth:`started` (``now_ns`` given: started now)."""
+    `started` (``now_ns`` given: started now)."""
     __slots__ = ("view",)
 
     def __init__(self, view, now_ns=None):
@@ -184,9 +187,9 @@ class WorkerRecord:
                              else (counters[STARTED], cpu_seconds))
 
     def read(self, index, pid, counters, now_ns, reset=False, launched_ns=None):
-        """:meth:`report`, with the CPU time of process ``pid`` (None: it has none now)
-        read from ``/proc``; ``reset=True``: then :meth:`reset`, so that the counters
-        start again from zero."""
+        """`report`, with the CPU time of process ``pid`` (None: it has none now) read from
+        ``/proc``; ``reset=True``: then `reset`, so that the counters start again from
+        zero."""
         cpu = None if pid is None else _os.cpu_seconds(pid)
         out = self.report(index, pid, counters, now_ns, cpu, launched_ns)
         if reset:
@@ -194,10 +197,10 @@ class WorkerRecord:
         return out
 
     def report(self, index, pid, counters, now_ns, cpu_seconds=None, launched_ns=None):
-        """The :class:`WorkerStats` of this index, its current process's ``counters``
-        being as given (None: it has none now), the CPU time that process used since
-        it started (None: unknown), and when the parent started it (``launched_ns``,
-        monotonic; None: unknown)."""
+        """The `WorkerStats` of this index, its current process's ``counters`` being as
+        given (None: it has none now), the CPU time that process used since it started
+        (None: unknown), and when the parent started it (``launched_ns``, monotonic; None:
+        unknown)."""
         alive = self.alive_ns
         c = self.totals
         if counters is not None and not counters[STARTED]:
@@ -233,7 +236,7 @@ class WorkerRecord:
 class CallerRecord:
     """What a manager counts of the caller's side: ``batches`` handed out, ``wait_ns`` spent
     waiting for them, less ``startup_ns`` spent waiting for workers still starting, since
-    the first request (:meth:`begin`) or the last reset."""
+    the first request (`begin`) or the last reset."""
     __slots__ = ("batches", "wait_ns", "startup_ns", "since_ns", "machine_since")
 
     def __init__(self):
@@ -259,9 +262,9 @@ class CallerRecord:
             self.wait_ns += t1_ns - t0_ns
 
     def report(self, ready, workers, now_ns, reset=False):
-        """The :class:`SamplerStats` of the caller's side and ``workers`` (their
-        :class:`WorkerStats`), ``ready`` batches waiting to be handed out; ``reset=True``:
-        then the counts start again from zero, from now."""
+        """The `SamplerStats` of the caller's side and ``workers`` (their `WorkerStats`),
+        ``ready`` batches waiting to be handed out; ``reset=True``: then the counts start
+        again from zero, from now."""
         since = self.since_ns
         wall = 0.0 if since is None else (now_ns - since) / 1e9
         wait = self.wait_ns / 1e9
@@ -287,7 +290,7 @@ class CallerRecord:
 
 # -- what stats() returns ------------------------------------------------------------------
 
-#: The bottleneck rule's thresholds (see :attr:`SamplerStats.bottleneck`).
+#: The bottleneck rule's thresholds (see `SamplerStats.bottleneck`).
 CALLER_WAITS = 0.5      # "workers": the caller waits at least this fraction of the time...
 WORKERS_BUSY = 0.5      # ... and the workers are busy at least this fraction of theirs
 WORKERS_IDLE = 0.5      # "consumer": the workers are busy less than this fraction...
@@ -376,22 +379,22 @@ class SamplerStats:
             its work function's ``batches_in(work)``, 1 by default).
         wait_seconds: time the caller spent blocked waiting for them, less
             ``startup_seconds``.
-        device: a :class:`DeviceStats` where batches are handed out on a device or from
-            page-locked slots, else None.
+        device: a [`DeviceStats`][unienv_mp.DeviceStats] where batches are handed out on a
+            device or from page-locked slots, else None.
         startup_seconds: time the caller spent blocked waiting for workers that were
-            still starting (see :attr:`WorkerStats.startup_seconds`): neither the
-            caller waiting on a slow pipeline nor the workers' busy time.  (0 for Ray.)
+            still starting (see `WorkerStats.startup_seconds`): neither the caller waiting
+            on a slow pipeline nor the workers' busy time.  (0 for Ray.)
         wall_seconds: time since the first request (or the reset).
         wait_fraction: ``wait_seconds / (wall_seconds - startup_seconds)``: how much of
             the time the workers were running the caller waited for them.
         ready: batches finished and waiting to be handed out right now.
-        workers: one :class:`WorkerStats` per worker index.
+        workers: one [`WorkerStats`][unienv_mp.WorkerStats] per worker index.
         gather_path: ``"direct"``, ``"generic"`` or ``"in_process"`` for a sampler (None for
             a manager).
         epoch_workers: which workers the sampler's latest epoch began on, ``"kept"``,
             ``"new"`` or ``"in_process"`` (None for a manager, or before the first
-            epoch), and epoch_workers_reason: why, in words (see the sampler's
-            ``persistent_workers``).
+            epoch).
+        epoch_workers_reason: why, in words (see the sampler's ``persistent_workers``).
         machine_idle_fraction: how much of the machine's CPU time went unused meanwhile
             (``/proc/stat``; None if unknown): with little left, more workers cannot run
             faster.
@@ -423,11 +426,10 @@ class SamplerStats:
         return sum(w.busy_fraction for w in self.workers) / len(self.workers)
 
     def advice(self, cpus=None):
-        """One line on what to change, from :attr:`bottleneck`: with the workers the
-        bottleneck, how many workers would keep up (the workers deliver ``1 -
-        wait_fraction`` of what the caller takes), as many as the machine's idle CPU time
-        can run (``cpus``: the CPUs this process may use, by default
-        ``os.sched_getaffinity``)."""
+        """One line on what to change, from `bottleneck`: with the workers the bottleneck,
+        how many workers would keep up (the workers deliver ``1 - wait_fraction`` of what
+        the caller takes), as many as the machine's idle CPU time can run (``cpus``: the
+        CPUs this process may use, by default ``os.sched_getaffinity``)."""
         import os
         n = len(self.workers)
         if cpus is None:
@@ -462,7 +464,7 @@ def idle_between(then, now):
 
 
 def bottleneck(wait_fraction, busy_fraction, batches):
-    """The rule of :attr:`SamplerStats.bottleneck`."""
+    """The rule of `SamplerStats.bottleneck`."""
     if not batches:
         return None
     if wait_fraction >= CALLER_WAITS and busy_fraction >= WORKERS_BUSY:

@@ -31,12 +31,12 @@ The feed's rules (the orderings, argued once; the other files cite this note)
    device waits (``synchronize`` on the oldest) instead of holding every slot.
 
 6. **Issued ahead.**  When the next batch of a stream is already here at a hand-out, its
-   copy is issued then (:meth:`DeviceFeed.start`), so that it runs while the caller's step
-   does; its hand-out later finds it by identity.  A batch started ahead and then dropped
-   (a reseed) is simply retired with the others.
+   copy is issued then (`DeviceFeed.start`), so that it runs while the caller's step does;
+   its hand-out later finds it by identity.  A batch started ahead and then dropped (a
+   reseed) is simply retired with the others.
 
 7. **Registration.**  Every segment that a batch is read from is page-locked before its
-   first copy, and unregistered only when nothing reads it (see :mod:`.pins`).
+   first copy, and unregistered only when nothing reads it (see `.pins`).
 
 8. **close.**  Waits for every copy in flight, drops their CPU batches, then unregisters
    everything; the managers unmap the slots only after (a pin's view keeps them mapped).
@@ -74,8 +74,8 @@ class DeviceFeed:
     """Copies CPU batches to ``ops``'s device following the feed's rules (see the module's
     docstring), or, with ``copy=False``, only page-locks the slots they lie in
     (``pin_memory=True``).  ``segments()``: the slot segments of the sampler's live
-    managers (see :class:`.pins.HostPins`).  Not thread-safe: the sampler calls it under
-    its lock."""
+    managers (see `.pins.HostPins`).  Not thread-safe: the sampler calls it under its
+    lock."""
 
     def __init__(self, ops, segments, *, copy=True, max_in_flight=4, timing=True):
         import torch
@@ -192,7 +192,7 @@ class DeviceFeed:
             copy.cpu = None
 
     def stats(self, reset=False):
-        """A :class:`DeviceStats` of what was done since the start (or the last reset)."""
+        """A `DeviceStats` of what was done since the start (or the last reset)."""
         if not self._closing and os.getpid() == self._pid:
             self._retire()
         out = DeviceStats(
@@ -275,10 +275,10 @@ def _map(tree, fn, tensor_type):
 
 
 def make_feed(placement, pin_memory, segments):
-    """The :class:`DeviceFeed` a sampler placed as ``placement`` (see :mod:`.placement`)
-    needs, or None: one that copies to the device for ``"copy"``; one that page-locks the
-    slots for CPU batches with ``pin_memory``, if CUDA can be used here (else one
-    ``RuntimeWarning``, as torch's DataLoader gives, and plain slots)."""
+    """The `DeviceFeed` a sampler placed as ``placement`` (see `.placement`) needs, or None:
+    one that copies to the device for ``"copy"``; one that page-locks the slots for CPU
+    batches with ``pin_memory``, if CUDA can be used here (else one ``RuntimeWarning``, as
+    torch's DataLoader gives, and plain slots)."""
     from . import ops as _ops
     kind = None if placement is None else placement.kind
     if pin_memory and kind in ("copy", "in_process"):

@@ -1,6 +1,6 @@
 """The sampler's hand-out of batches on a device (or page-locked): the CPU batch its stream
 gives, passed through the device feed, and the copy of the stream's next batch issued
-ahead when it is here already (rule 6 of :mod:`.feed`).
+ahead when it is here already (rule 6 of `.feed`).
 
 **The look-ahead changes nothing in the stream.**  When the stream's next batch is in its
 ``ready`` chunk, its copy is started; when it is in the next task, which has arrived, the
@@ -26,10 +26,10 @@ class _Failed:
 
 class DeviceHandOut:
     """Owned by a sampler whose batches go through a feed (``sampler._feed``): its
-    :meth:`sample` is the sampler's ``_sample``, and epochs pass their batches through
-    :meth:`epoch_batch`.  ``cpu_sample(sampler, name)``: the sampler's own ``_sample``,
-    which hands out the stream's CPU batch.  Works on the sampler's streams, manager and
-    lock, as ``_sample`` does."""
+    `sample` is the sampler's ``_sample``, and epochs pass their batches through
+    `epoch_batch`.  ``cpu_sample(sampler, name)``: the sampler's own ``_sample``, which
+    hands out the stream's CPU batch.  Works on the sampler's streams, manager and lock, as
+    ``_sample`` does."""
 
     def __init__(self, sampler, cpu_sample):
         self._sampler = sampler
@@ -94,7 +94,7 @@ class DeviceHandOut:
             pass
 
     def epoch_batch(self, value):
-        """An epoch's CPU batch, handed out as :meth:`sample` hands out batches."""
+        """An epoch's CPU batch, handed out as `sample` hands out batches."""
         feed = self._sampler._feed
         return feed.hand_out(value) if feed.copying else feed.pinned(value)
 

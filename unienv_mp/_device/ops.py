@@ -1,9 +1,9 @@
 """What the feed and the pins ask of a device: the seam between the ordering rules (in
-:mod:`.feed` and :mod:`.pins`) and CUDA.
+`.feed` and `.pins`) and CUDA.
 
-:class:`DeviceOps` names the operations; :class:`CudaOps` does them with torch.  The CPU
-tests give the same feed a fake device whose copies complete later, so that CI, which has
-no GPU, runs every rule (tests/_fake_device.py).
+`DeviceOps` names the operations; `CudaOps` does them with torch.  The CPU tests give the
+same feed a fake device whose copies complete later, so that CI, which has no GPU, runs
+every rule (tests/_fake_device.py).
 
 Everything here runs in the training process; workers never touch a device.
 """
@@ -70,11 +70,11 @@ class DeviceOps:
 
     def register(self, address, nbytes):
         """Page-lock host memory ``[address, address + nbytes)`` for the device; raise
-        :class:`RegistrationRefused` if the device will not."""
+        `RegistrationRefused` if the device will not."""
         raise NotImplementedError
 
     def unregister(self, address):
-        """Undo :meth:`register` of the range starting at ``address``."""
+        """Undo `register` of the range starting at ``address``."""
         raise NotImplementedError
 
 
@@ -95,9 +95,9 @@ def cuda_unavailable(device):
 
 
 def for_device(device):
-    """The :class:`DeviceOps` of ``device`` (a CUDA device); raises ``RuntimeError``
-    naming CUDA where it cannot be used.  (The tests replace this function to hand the
-    sampler a fake device.)"""
+    """The `DeviceOps` of ``device`` (a CUDA device); raises ``RuntimeError`` naming CUDA
+    where it cannot be used.  (The tests replace this function to hand the sampler a fake
+    device.)"""
     why = cuda_unavailable(device)
     if why is not None:
         raise RuntimeError(why)
@@ -105,7 +105,7 @@ def for_device(device):
 
 
 class CudaOps(DeviceOps):
-    """:class:`DeviceOps` of one CUDA device, through torch."""
+    """`DeviceOps` of one CUDA device, through torch."""
 
     def __init__(self, device):
         import torch

@@ -7,17 +7,17 @@ registered one copies at full speed, asynchronously.  Registering costs millisec
 and stays registered while it backs a slot.
 
 **Never unmapped while registered.**  A mapping unmapped while still registered breaks
-later, unrelated pinning in the process ("invalid argument").  A :class:`Pin` holds a
-buffer view of its segment, and a :class:`~unienv_mp._transport.ring.Segment` is never
-unmapped while a view of it lives (its ``close`` only marks it; the unmap waits for the last view).  So the
-order is fixed by construction: :meth:`HostPins._unpin` unregisters, then releases the view.
+later, unrelated pinning in the process ("invalid argument").  A `Pin` holds a buffer view
+of its segment, and a `Segment` is never unmapped while a view of it lives (its ``close``
+only marks it; the unmap waits for the last view).  So the order is fixed by construction:
+`HostPins._unpin` unregisters, then releases the view.
 
 **Unregistered once nothing reads it.**  A segment leaves when it no longer backs a slot of
 a live manager (the worker grew the slot into a new segment, died, or its manager closed)
 and nothing but the pin views it: no batch of the caller's, and no copy in flight (the
-feed holds a copy's CPU batch until the copy has completed, see :mod:`.feed`).  That is
+feed holds a copy's CPU batch until the copy has completed, see `.feed`).  That is
 ``segment.users == 1``.  Such segments are swept whenever a new one is registered, and at
-:meth:`HostPins.close`.
+`HostPins.close`.
 
 A refused registration (a memlock limit, say) gives one ``RuntimeWarning`` and no more
 attempts: the batches copy from pageable memory, correctly but synchronously.

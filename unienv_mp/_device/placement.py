@@ -3,13 +3,13 @@
 * Data and batches on the CPU: workers make them, as always (``"cpu"``).
 * Data on the CPU, batches asked for on a CUDA device (``StepSampler(rb, B,
   device="cuda")``, which gathers on the CPU and then moves the batch): workers run a copy
-  of the wrapped sampler that keeps its batches on the CPU (:func:`cpu_twin`), and the
-  training process copies each batch to the device (``"copy"``, see :mod:`.feed`).  The
-  batches are the same as the wrapped sampler's would be: its indices are drawn on the
-  data's device, the CPU, either way.
+  of the wrapped sampler that keeps its batches on the CPU (`cpu_twin`), and the training
+  process copies each batch to the device (``"copy"``, see `.feed`).  The batches are the
+  same as the wrapped sampler's would be: its indices are drawn on the data's device, the
+  CPU, either way.
 * Data on a CUDA device: worker processes cannot help (they would each need the GPU, and a
   forked child cannot use CUDA), so the wrapped sampler runs in the calling process
-  (``"in_process"``, see :mod:`.resident`).
+  (``"in_process"``, see `.resident`).
 """
 import copy as _copy
 
@@ -44,7 +44,7 @@ class Placement:
 
 
 def place(sampler, who):
-    """The :class:`Placement` of ``sampler`` for a sampler class named ``who``; raises
+    """The `Placement` of ``sampler`` for a sampler class named ``who``; raises
     ``ValueError`` for devices other than the CPU and CUDA, or a CUDA sampler whose batches
     cannot be made on the CPU."""
     data = getattr(sampler, "data", None)

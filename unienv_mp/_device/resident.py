@@ -3,15 +3,14 @@ calling process when its result is asked for.
 
 Worker processes cannot help there (each would need the GPU, and a forked child cannot use
 CUDA), and the GPU gathers a batch in a fraction of the time a process hand-over takes.  So
-the sampler keeps its streams, epochs and checkpoints (:class:`~unienv_mp._sampling.sampler.
-SamplerBase`), and this manager runs the work function of a worker (``SamplerTarget``) in
-place: ``submit`` only queues, ``result`` runs the task.  The stream of batches is the one
-a sampler with workers gives for the same seed and chunks (``batches_per_task``; by
-default 8 here, so that the generators are reseeded once per 8 batches);
-the work function runs on its own copy of the wrapped sampler, so the wrapped sampler's
-RNG in this process is touched only by the epochs' permutations, as with workers.
-:class:`ResidentTarget` makes the batches of a StepSampler over a ReplayBuffer of tensors
-as one index draw and one ``index_select`` per array.
+the sampler keeps its streams, epochs and checkpoints (`SamplerBase`), and this manager runs
+the work function of a worker (``SamplerTarget``) in place: ``submit`` only queues,
+``result`` runs the task.  The stream of batches is the one a sampler with workers gives for
+the same seed and chunks (``batches_per_task``; by default 8 here, so that the generators
+are reseeded once per 8 batches); the work function runs on its own copy of the wrapped
+sampler, so the wrapped sampler's RNG in this process is touched only by the epochs'
+permutations, as with workers.  `ResidentTarget` makes the batches of a StepSampler over a
+ReplayBuffer of tensors as one index draw and one ``index_select`` per array.
 """
 import time
 from typing import Optional
@@ -37,12 +36,12 @@ def own_target(target):
 
 
 class ResidentTarget:
-    """``target`` (a ``SamplerTarget``, see :func:`own_target`), with ``sample`` and
-    ``get_at`` of a StepSampler over a ReplayBuffer of tensors (on any device) made as one
-    draw of indices and one ``index_select`` per array: what the wrapped sampler computes,
-    without its layers.  Every other task, and samplers it cannot read (views, storages
-    that compute their rows, ``device=`` on the sampler), run ``target`` itself.  The
-    batches are the same either way, bit for bit (the same RNG draws, the same rows)."""
+    """``target`` (a ``SamplerTarget``, see `own_target`), with ``sample`` and ``get_at`` of
+    a StepSampler over a ReplayBuffer of tensors (on any device) made as one draw of indices
+    and one ``index_select`` per array: what the wrapped sampler computes, without its
+    layers.  Every other task, and samplers it cannot read (views, storages that compute
+    their rows, ``device=`` on the sampler), run ``target`` itself.  The batches are the
+    same either way, bit for bit (the same RNG draws, the same rows)."""
 
     def __init__(self, target):
         self.target = target
@@ -108,9 +107,9 @@ class _Task:
 
 
 class InProcessManager:
-    """The manager contract (:class:`~unienv_mp.backend.Manager`) with no workers:
-    ``target_fn(work)`` runs in this process at :meth:`result`.  A task that raises gives
-    :class:`~unienv_mp.WorkerError` carrying its traceback, as from a worker."""
+    """The manager contract (`Manager`) with no workers: ``target_fn(work)`` runs in this
+    process at `result`.  A task that raises gives `WorkerError` carrying its traceback, as
+    from a worker."""
     n_workers = 0
 
     def __init__(self, target_fn, *, in_order=True):

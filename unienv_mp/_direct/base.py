@@ -1,7 +1,7 @@
 """What every direct plan shares, flat rows and views alike: the refusal
-(:class:`NotDirect`), the methods a plan serves, the ReplayBuffer's row mapping
-(:func:`sampled_rows`), the byte tables of the row kernel, and the slot writer that fills a
-planned layout (:class:`PlannedBatch`).  Imports nothing of the planners."""
+(`NotDirect`), the methods a plan serves, the ReplayBuffer's row mapping (`sampled_rows`),
+the byte tables of the row kernel, and the slot writer that fills a planned layout
+(`PlannedBatch`).  Imports nothing of the planners."""
 import sys
 
 from .._transport import codec as _codec
@@ -73,8 +73,8 @@ def sampled_rows(buffer, idx):
 
 def byte_rows(src):
     """``src``'s memory as a numpy ``(rows, bytes per row)`` uint8 array, for
-    :func:`unienv_mp._direct.rows.gather_rows`; None where it is not one contiguous table
-    (then torch gathers it)."""
+    `unienv_mp._direct.rows.gather_rows`; None where it is not one contiguous table (then
+    torch gathers it)."""
     torch = sys.modules["torch"]
     if not src.is_contiguous() or src.dim() < 1 or src.element_size() == 0:
         return None

@@ -13,13 +13,13 @@ memory, the worker does what UniEnv's generic path does, minus the allocations:
    is planned once per method and batch size; per batch only the frame's few hundred
    bytes and the rows are written.
 
-Which configurations qualify (:func:`check`): a ``StepSampler`` (or a subclass that
-overrides none of the sampling methods) on the CPU over a ``ReplayBuffer`` (likewise) whose
-storage is a ``PytorchTensorStorage`` (in memory, memory-mapped or shared), a
-``DictStorage`` of qualifying storages (nested too), or a ``FlattenedStorage`` over a
-``PytorchTensorStorage``.  Everything else -- transformations, image, video, HDF5 and
-parquet storages, custom samplers -- takes the generic path, where the worker calls the
-wrapped sampler and the codec copies its result into the slot.
+Which configurations qualify (`check`): a ``StepSampler`` (or a subclass that overrides none
+of the sampling methods) on the CPU over a ``ReplayBuffer`` (likewise) whose storage is a
+``PytorchTensorStorage`` (in memory, memory-mapped or shared), a ``DictStorage`` of
+qualifying storages (nested too), or a ``FlattenedStorage`` over a ``PytorchTensorStorage``.
+Everything else -- transformations, image, video, HDF5 and parquet storages, custom samplers
+-- takes the generic path, where the worker calls the wrapped sampler and the codec copies
+its result into the slot.
 
 The contract is exactness: for the same seed, both paths give the same batches bit for bit,
 with the same structure, key order, dtypes, shapes and array types.  The plan is therefore
@@ -28,11 +28,10 @@ built by walking UniEnv's own structures the way UniEnv's ``get`` / ``get_flatte
 own ``map_transform``), and every case it does not reproduce exactly is refused, with the
 reason, rather than approximated.
 
-Here are the entry points: :func:`check`, :func:`row_nbytes`, the sampler's
-:class:`Planner`, and the worker's :class:`Gatherer`.  The plans are below them: the
-storages' flat rows in :mod:`.storages`, the views in :mod:`.views`, what both share in
-:mod:`.base`.  With the other modules of :mod:`unienv_mp._direct` and
-:mod:`unienv_mp._sampling.sampler`, this module knows UniEnv's classes.
+Here are the entry points: `check`, `row_nbytes`, the sampler's `Planner`, and the worker's
+`Gatherer`.  The plans are below them: the storages' flat rows in `.storages`, the views in
+`.views`, what both share in `.base`.  With the other modules of `unienv_mp._direct` and
+`unienv_mp._sampling.sampler`, this module knows UniEnv's classes.
 """
 from . import storages as _storages
 from . import unienv as _unienv
@@ -46,8 +45,8 @@ __all__ = ["NotDirect", "check", "row_nbytes", "sampled_rows", "Planner", "Gathe
 
 
 def check(sampler):
-    """Raise :class:`NotDirect` (saying why) unless ``sampler.sample()`` can be gathered
-    directly; build nothing that lasts."""
+    """Raise [`NotDirect`][unienv_mp.gather.NotDirect] (saying why) unless
+    ``sampler.sample()`` can be gathered directly; build nothing that lasts."""
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -60,10 +59,11 @@ def check(sampler):
 
 def row_nbytes(sampler, method):
     """Bytes per batch row of ``sampler.<method>()`` if it can be gathered directly (one
-    of :data:`DIRECT_METHODS`), else None.  Whether or not the direct path is used, this
-    is the same for the same sampler: what the sampler groups by (see
-    :class:`~unienv_mp.MultiprocessingSampler`'s ``batches_per_task``) must not depend on
-    the path, or the two paths would give different streams."""
+    of [`DIRECT_METHODS`][unienv_mp.gather.DIRECT_METHODS]), else None.  Whether or not the
+    direct path is used, this is the same for the same sampler: what the sampler groups by
+    (see [`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler]'s
+    ``batches_per_task``) must not depend on the path, or the two paths would give different
+    streams."""
     getter = DIRECT_METHODS.get(method)
     if getter is None:
         return None
@@ -87,10 +87,10 @@ def row_nbytes(sampler, method):
 
 class Planner:
     """Reads a wrapped sampler's structure: which tensor each leaf of a batch comes from.
-    Over a ReplayBuffer it plans flat rows (:mod:`unienv_mp._direct.storages`); over a
-    view of ReplayBuffers (frame stacks, columns, combined datasets:
-    :mod:`unienv_mp._direct.views`) ``view`` is the plan of the view, and the storage
-    planner ``storages`` plans the storages under it."""
+    Over a ReplayBuffer it plans flat rows (`unienv_mp._direct.storages`); over a view of
+    ReplayBuffers (frame stacks, columns, combined datasets: `unienv_mp._direct.views`)
+    ``view`` is the plan of the view, and the storage planner ``storages`` plans the
+    storages under it."""
 
     def __init__(self, sampler, on_device=False):
         import torch
@@ -115,15 +115,15 @@ class Planner:
 
     def structure(self, getter):
         """The tree of Leaf (and None) that ``sampler.<getter>(idx)`` returns; for a
-        view, of :class:`unienv_mp._direct.views.Spec`."""
+        view, of `unienv_mp._direct.views.Spec`."""
         if self.view is not None:
             return _views.getter_specs(self.view, getter)
         return self.storages.structure(self.buffer, getter)
 
 
 class Gatherer:
-    """Lives in a worker: turns a task ``(method, argument)`` into a :class:`SlotWriter`
-    that gathers the batch into the worker's slot, or None for tasks it does not serve."""
+    """Lives in a worker: turns a task ``(method, argument)`` into a `SlotWriter` that
+    gathers the batch into the worker's slot, or None for tasks it does not serve."""
 
     def __init__(self, sampler):
         self._planner = Planner(sampler)
@@ -151,9 +151,9 @@ class Gatherer:
         return tree
 
     def __call__(self, name, arg):
-        """A :class:`SlotWriter` for the task, or None to run it the generic way.  For a
-        sampling method, ``arg`` is None (one batch) or a count ``k`` (a tuple of ``k``
-        batches, drawn one after the other as ``k`` calls would draw them)."""
+        """A `SlotWriter` for the task, or None to run it the generic way.  For a sampling
+        method, ``arg`` is None (one batch) or a count ``k`` (a tuple of ``k`` batches,
+        drawn one after the other as ``k`` calls would draw them)."""
         task = self._task(name, arg)
         if task is None:
             return None

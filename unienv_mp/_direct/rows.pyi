@@ -1,7 +1,7 @@
-"""Row gathering for the direct gather (:mod:`unienv_mp._direct.gather`): the rows a batch samples,
+"""Row gathering for the direct gather (`unienv_mp._direct.gather`): the rows a batch samples,
 copied from a table of rows into a slot, with the GIL released and streaming stores for
 large rows (see ``csrc/umr_rows.c`` for why); and the row table of a stacked view's batch,
-its window, valid mask and fill (:mod:`unienv_mp._direct.views`, ``csrc/umr_window.c``)."""
+its window, valid mask and fill (`unienv_mp._direct.views`, ``csrc/umr_window.c``)."""
 from typing import Any
 
 import numpy as np
@@ -24,16 +24,16 @@ def scatter_rows(table: npt.NDArray[Any] | ReadableBuffer, row_bytes: int,
                  rows: npt.NDArray[np.int64] | ReadableBuffer,
                  positions: npt.NDArray[np.int64] | ReadableBuffer,
                  out: npt.NDArray[Any] | WriteableBuffer, offset: int, n_out: int) -> None:
-    """Copy row ``rows[i]`` of ``table`` (as in :func:`gather_rows`) to row
-    ``positions[i]`` of the ``n_out`` rows of ``row_bytes`` that start at byte ``offset``
-    of the writable buffer ``out``, for every ``i``.  Raises ``IndexError`` (having
-    written nothing) if a row is not in the table or a position not in ``[0, n_out)``,
-    ``ValueError`` if ``out`` is too short or the two index arrays differ in length."""
+    """Copy row ``rows[i]`` of ``table`` (as in `gather_rows`) to row ``positions[i]`` of
+    the ``n_out`` rows of ``row_bytes`` that start at byte ``offset`` of the writable buffer
+    ``out``, for every ``i``.  Raises ``IndexError`` (having written nothing) if a row is
+    not in the table or a position not in ``[0, n_out)``, ``ValueError`` if ``out`` is too
+    short or the two index arrays differ in length."""
 
-#: :func:`window_mask`'s kinds: UniEnv's episode-id and episode-end mask helpers.
+#: `window_mask`'s kinds: UniEnv's episode-id and episode-end mask helpers.
 EPISODE_ID: int
 EPISODE_END: int
-#: :func:`window_rows`'s episode column types, by numpy dtype name.
+#: `window_rows`'s episode column types, by numpy dtype name.
 KEY_TYPES: dict[str, int]
 
 def window(idx: npt.NDArray[np.int64] | ReadableBuffer,
@@ -48,9 +48,9 @@ def window_mask(key: npt.NDArray[np.int64] | ReadableBuffer, t: int, anchor: int
                 mask: npt.NDArray[np.uint8] | WriteableBuffer) -> int:
     """The valid mask of a window of ``t`` frames per row (``key``: the episode column
     at every frame, row-major, as int64) into ``mask`` (one byte per frame, 0 or 1):
-    kind :data:`EPISODE_ID`, the frames whose id is the anchor's; :data:`EPISODE_END`, the
-    frames with as many episode ends before them as before the anchor.  Returns the
-    number of invalid frames."""
+    kind `EPISODE_ID`, the frames whose id is the anchor's; `EPISODE_END`, the frames with
+    as many episode ends before them as before the anchor.  Returns the number of invalid
+    frames."""
 
 def window_fill(rows: npt.NDArray[np.int64] | WriteableBuffer,
                 mask: npt.NDArray[np.uint8] | ReadableBuffer, t: int, anchor: int) -> None:
@@ -64,11 +64,11 @@ def window_rows(idx: npt.NDArray[np.int64] | ReadableBuffer,
                 kind: int, ends_bits: int, fill: bool,
                 rows: npt.NDArray[np.int64] | WriteableBuffer,
                 mask: npt.NDArray[np.uint8] | WriteableBuffer) -> int:
-    """:func:`window`, :func:`window_mask` and :func:`window_fill` for a stack straight
-    over a ReplayBuffer of ``count`` rows at ``offset``: the storage rows of the filled
-    window (``(i + offset) % count`` of its indices) into ``rows``, its valid mask into
-    ``mask``.  ``key``: the bytes of the episode column's storage, one value of
-    ``key_type`` (:data:`KEY_TYPES`) per storage row; ``kind`` 0 (no mask),
-    :data:`EPISODE_ID` or :data:`EPISODE_END` (whose values are first converted to an
-    integer of ``ends_bits``, 32 or 64, as UniEnv converts them).  Returns the number of
-    invalid frames; raises ``IndexError`` if a row is not in the key's storage."""
+    """`window`, `window_mask` and `window_fill` for a stack straight over a ReplayBuffer of
+    ``count`` rows at ``offset``: the storage rows of the filled window (``(i + offset) %
+    count`` of its indices) into ``rows``, its valid mask into ``mask``.  ``key``: the bytes
+    of the episode column's storage, one value of ``key_type`` (`KEY_TYPES`) per storage
+    row; ``kind`` 0 (no mask), `EPISODE_ID` or `EPISODE_END` (whose values are first
+    converted to an integer of ``ends_bits``, 32 or 64, as UniEnv converts them).  Returns
+    the number of invalid frames; raises ``IndexError`` if a row is not in the key's
+    storage."""

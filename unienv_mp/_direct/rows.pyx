@@ -1,8 +1,8 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""Row gathering for the direct gather (:mod:`unienv_mp._direct.gather`): the rows a batch samples,
+"""Row gathering for the direct gather (`unienv_mp._direct.gather`): the rows a batch samples,
 copied from a table of rows into a slot, with the GIL released and streaming stores for
 large rows (see ``csrc/umr_rows.c`` for why); and the row table of a stacked view's batch,
-its window, valid mask and fill (:mod:`unienv_mp._direct.views`, ``csrc/umr_window.c``)."""
+its window, valid mask and fill (`unienv_mp._direct.views`, ``csrc/umr_window.c``)."""
 from libc.stdint cimport int64_t, uint64_t, uint8_t
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE,
                              PyBUF_WRITABLE)
@@ -38,10 +38,10 @@ cdef extern from "umr_window.h" nogil:
         UMR_KEY_U8
         UMR_KEY_BOOL
 
-#: :func:`window_mask`'s kinds: UniEnv's episode-id and episode-end mask helpers.
+#: `window_mask`'s kinds: UniEnv's episode-id and episode-end mask helpers.
 EPISODE_ID = UMR_EPISODE_ID
 EPISODE_END = UMR_EPISODE_END
-#: :func:`window_rows`'s episode column types, by numpy dtype name.
+#: `window_rows`'s episode column types, by numpy dtype name.
 KEY_TYPES = {"int64": UMR_KEY_I64, "int32": UMR_KEY_I32, "int16": UMR_KEY_I16,
              "int8": UMR_KEY_I8, "uint8": UMR_KEY_U8, "bool": UMR_KEY_BOOL}
 _KEY_SIZES = {UMR_KEY_I64: 8, UMR_KEY_I32: 4, UMR_KEY_I16: 2, UMR_KEY_I8: 1,
@@ -87,11 +87,11 @@ def gather_rows(table, Py_ssize_t row_bytes, const int64_t[::1] rows, out,
 
 def scatter_rows(table, Py_ssize_t row_bytes, const int64_t[::1] rows,
                  const int64_t[::1] positions, out, Py_ssize_t offset, Py_ssize_t n_out):
-    """Copy row ``rows[i]`` of ``table`` (as in :func:`gather_rows`) to row
-    ``positions[i]`` of the ``n_out`` rows of ``row_bytes`` that start at byte ``offset``
-    of the writable buffer ``out``, for every ``i``.  Raises ``IndexError`` (having
-    written nothing) if a row is not in the table or a position not in ``[0, n_out)``,
-    ``ValueError`` if ``out`` is too short or the two index arrays differ in length."""
+    """Copy row ``rows[i]`` of ``table`` (as in `gather_rows`) to row ``positions[i]`` of
+    the ``n_out`` rows of ``row_bytes`` that start at byte ``offset`` of the writable buffer
+    ``out``, for every ``i``.  Raises ``IndexError`` (having written nothing) if a row is
+    not in the table or a position not in ``[0, n_out)``, ``ValueError`` if ``out`` is too
+    short or the two index arrays differ in length."""
     cdef Py_buffer src, dst
     cdef uint64_t n = rows.shape[0], n_src
     cdef int64_t bad
@@ -144,9 +144,9 @@ def window_mask(const int64_t[::1] key, Py_ssize_t t, Py_ssize_t anchor, int kin
                 uint8_t[::1] mask):
     """The valid mask of a window of ``t`` frames per row (``key``: the episode column
     at every frame, row-major, as int64) into ``mask`` (one byte per frame, 0 or 1):
-    kind :data:`EPISODE_ID`, the frames whose id is the anchor's; :data:`EPISODE_END`, the
-    frames with as many episode ends before them as before the anchor.  Returns the
-    number of invalid frames."""
+    kind `EPISODE_ID`, the frames whose id is the anchor's; `EPISODE_END`, the frames with
+    as many episode ends before them as before the anchor.  Returns the number of invalid
+    frames."""
     cdef uint64_t n = key.shape[0]
     if t <= 0 or n % <uint64_t>t or not 0 <= anchor < t:
         raise ValueError(f"{n} frames are not rows of {t} with the anchor {anchor} in them")
@@ -180,14 +180,14 @@ def window_fill(int64_t[::1] rows, const uint8_t[::1] mask, Py_ssize_t t,
 def window_rows(const int64_t[::1] idx, const int64_t[::1] offsets, Py_ssize_t anchor,
                 int64_t count, int64_t offset, const unsigned char[::1] key, int key_type,
                 int kind, int ends_bits, bint fill, int64_t[::1] rows, uint8_t[::1] mask):
-    """:func:`window`, :func:`window_mask` and :func:`window_fill` for a stack straight
-    over a ReplayBuffer of ``count`` rows at ``offset``: the storage rows of the filled
-    window (``(i + offset) % count`` of its indices) into ``rows``, its valid mask into
-    ``mask``.  ``key``: the bytes of the episode column's storage, one value of
-    ``key_type`` (:data:`KEY_TYPES`) per storage row; ``kind`` 0 (no mask),
-    :data:`EPISODE_ID` or :data:`EPISODE_END` (whose values are first converted to an
-    integer of ``ends_bits``, 32 or 64, as UniEnv converts them).  Returns the number of
-    invalid frames; raises ``IndexError`` if a row is not in the key's storage."""
+    """`window`, `window_mask` and `window_fill` for a stack straight over a ReplayBuffer of
+    ``count`` rows at ``offset``: the storage rows of the filled window (``(i + offset) %
+    count`` of its indices) into ``rows``, its valid mask into ``mask``.  ``key``: the bytes
+    of the episode column's storage, one value of ``key_type`` (`KEY_TYPES`) per storage
+    row; ``kind`` 0 (no mask), `EPISODE_ID` or `EPISODE_END` (whose values are first
+    converted to an integer of ``ends_bits``, 32 or 64, as UniEnv converts them).  Returns
+    the number of invalid frames; raises ``IndexError`` if a row is not in the key's
+    storage."""
     cdef uint64_t m = idx.shape[0], t = offsets.shape[0], key_rows
     cdef int64_t out
     cdef const void *k = NULL

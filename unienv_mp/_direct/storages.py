@@ -1,7 +1,6 @@
-"""The plan of a ReplayBuffer's storages (:class:`StoragePlanner`: which tensor each
-leaf of a batch comes from, a tree of :class:`Leaf`), and the slot layout of flat rows
-(:class:`FlatLayout`).  The view planners (:mod:`.views`) build on the storage planner
-they are handed."""
+"""The plan of a ReplayBuffer's storages (`StoragePlanner`: which tensor each leaf of a
+batch comes from, a tree of `Leaf`), and the slot layout of flat rows (`FlatLayout`).  The
+view planners (`.views`) build on the storage planner they are handed."""
 import sys
 
 import numpy as np
@@ -40,9 +39,8 @@ class Leaf:
 
 class StoragePlanner:
     """Reads a ReplayBuffer's storages: which tensor each leaf of a batch comes from, as
-    flat rows of the buffer (:meth:`structure`), or for the view planners, which are
-    handed this planner (:mod:`unienv_mp._direct.views`), a storage's rows
-    (:meth:`rows`)."""
+    flat rows of the buffer (`structure`), or for the view planners, which are handed this
+    planner (`unienv_mp._direct.views`), a storage's rows (`rows`)."""
 
     def __init__(self, on_device=False):
         import torch
@@ -223,10 +221,9 @@ class StoragePlanner:
 
 
 class FlatLayout:
-    """The slot layout of flat rows: of one batch structure (a tree of :class:`Leaf`) at
-    one batch size ``n`` -- or of a tuple of ``k`` such batches -- : the codec frame, and
-    for every array, where it goes, which batch of the tuple it belongs to, and what
-    fills it."""
+    """The slot layout of flat rows: of one batch structure (a tree of `Leaf`) at one batch
+    size ``n`` -- or of a tuple of ``k`` such batches -- : the codec frame, and for every
+    array, where it goes, which batch of the tuple it belongs to, and what fills it."""
 
     def __init__(self, tree, n, k=None):
         import torch

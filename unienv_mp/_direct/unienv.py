@@ -1,6 +1,6 @@
 """Every use of UniEnv's private names, in one place.
 
-The direct gather (:mod:`unienv_mp._direct.gather`, :mod:`unienv_mp._direct.views`) reproduces what
+The direct gather (`unienv_mp._direct.gather`, `unienv_mp._direct.views`) reproduces what
 UniEnv's batches compute, so it reads some of their internals: a ReplayBuffer's ring state,
 the batched spaces UniEnv caches, a stack's anchor position, the functions behind UniEnv's
 valid-mask helpers, the column-stack class.  They are private to UniEnv and may change in

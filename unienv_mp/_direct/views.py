@@ -2,7 +2,7 @@
 (``SliceStackedBatch``, ``FrameStackedBatch``), their column views, combined datasets
 (``CombinedBatch``), field views (``SubItemBatch``) and index views (``SubIndexedBatch``),
 nested as users nest them, over ReplayBuffers, whose storages are read by the storage
-planner that :func:`plan` is handed (:mod:`unienv_mp._direct.storages`).
+planner that `plan` is handed (`unienv_mp._direct.storages`).
 
 A view's batch is a function of storage rows.  A stack expands each index into its window
 (``idx + fixed_offset``, clipped to the data), reads the episode column at those rows to
@@ -13,12 +13,12 @@ works out, from the batch's few indices, which storage row each array row of the
 comes from (a *row table*), and copies those rows straight into the slot with the same
 row kernel as for flat rows (``csrc/umr_rows.c``).  No intermediate batch is made.
 
-**Planning** is a table from UniEnv type to the class that plans it (:data:`PLANNERS`):
-a new view is one entry.  A node answers three questions about its batch: its length
-now, the shape of its arrays (:class:`Spec`: per batch element, the window dimensions the
-views add, then one storage row), and, for given indices, where each array's rows come from
-(a list of :class:`Part`: rows of one storage tensor, or values computed in the worker such
-as the valid mask, each to all positions of the array or to some).
+**Planning** is a table from UniEnv type to the class that plans it (`PLANNERS`): a new view
+is one entry.  A node answers three questions about its batch: its length now, the shape of
+its arrays (`Spec`: per batch element, the window dimensions the views add, then one storage
+row), and, for given indices, where each array's rows come from (a list of `Part`: rows of
+one storage tensor, or values computed in the worker such as the valid mask, each to all
+positions of the array or to some).
 
 **Exactness.**  Every step is UniEnv's own arithmetic, on indices instead of data: the
 same expansion and clipping, the valid mask computed by UniEnv's own mask function from
@@ -31,7 +31,7 @@ refusing the plan (the generic path runs) if any array differs from what the nod
 computed.  What a node cannot reproduce exactly is refused when it is planned, with a
 reason that names the part of the view: a custom valid mask function or one reading
 metadata, a subclass, transformations, storages outside the list of
-:mod:`unienv_mp._direct.gather`.
+`unienv_mp._direct.gather`.
 
 Flattened batches of views (``sample_flat*``, ``get_flattened_at*``) are gathered directly
 where the view flattens its own batch of one array (a column stack, a field view: the flat
@@ -52,7 +52,7 @@ __all__ = ["PLANNERS", "plan", "Spec", "Part", "ViewGatherer", "GETTERS", "FLAT_
 GETTERS = ("get_at", "get_at_with_metadata")
 #: The flattened getters, which a view plan serves for the views that flatten their
 #: batch with UniEnv's ``flatten_data`` (a column stack, a field view) where that batch
-#: is one array (see :func:`flat_specs`).
+#: is one array (see `flat_specs`).
 FLAT_GETTERS = ("get_flattened_at", "get_flattened_at_with_metadata")
 
 
@@ -113,10 +113,10 @@ class Source:
 
 
 class Part:
-    """Some rows of one array of a batch: ``source``'s rows ``data`` (a :class:`Source`),
-    or, with ``source`` None, the values ``data`` (``(count, *unit)``), going to the
-    array's rows ``pos`` (flat positions over its ``n * prod(lead)`` rows), or to all of
-    them in order when ``pos`` is None."""
+    """Some rows of one array of a batch: ``source``'s rows ``data`` (a `Source`), or, with
+    ``source`` None, the values ``data`` (``(count, *unit)``), going to the array's rows
+    ``pos`` (flat positions over its ``n * prod(lead)`` rows), or to all of them in order
+    when ``pos`` is None."""
     __slots__ = ("source", "data", "pos")
 
     def __init__(self, source, data, pos=None):
@@ -202,15 +202,15 @@ class _Node:
         raise NotImplementedError
 
     def specs(self):
-        """``(data, metadata)``: trees of :class:`Spec` of what ``get_at_with_metadata``
-        returns (metadata None where the batch has none)."""
+        """``(data, metadata)``: trees of `Spec` of what ``get_at_with_metadata`` returns
+        (metadata None where the batch has none)."""
         raise NotImplementedError
 
     def evaluate(self, idx, meta, within=None):
-        """``(data, metadata)`` trees of :class:`Part` lists for the indices ``idx`` (a
-        1-D int64 tensor); metadata only if ``meta``, else None.  ``within``: a length
-        that the indices are known to be in ``[0, within)`` of (a window clipped to it,
-        say), or None."""
+        """``(data, metadata)`` trees of `Part` lists for the indices ``idx`` (a 1-D int64
+        tensor); metadata only if ``meta``, else None.  ``within``: a length that the
+        indices are known to be in ``[0, within)`` of (a window clipped to it, say), or
+        None."""
         raise NotImplementedError
 
 
@@ -399,8 +399,8 @@ class _StackNode(_Node):
         return data, out
 
     def _evaluate_fast(self, idx, meta):
-        """:meth:`evaluate` of a stack straight over a buffer, in one call (see
-        :meth:`_fast_path`): the buffer has no metadata."""
+        """`evaluate` of a stack straight over a buffer, in one call (see `_fast_path`): the
+        buffer has no metadata."""
         torch = _torch()
         count, offset = _unienv.ring_state(self.child.rb)
         if count <= 0:
@@ -610,9 +610,9 @@ PLANNERS = {}
 
 
 def plan(batch, planner):
-    """The node that plans ``batch`` (raises :class:`~unienv_mp._direct.base.NotDirect`,
-    naming the part of the view, if it cannot be gathered directly).  ``planner`` plans
-    the storages (:class:`unienv_mp._direct.storages.StoragePlanner`)."""
+    """The node that plans ``batch`` (raises `NotDirect`, naming the part of the view, if it
+    cannot be gathered directly).  ``planner`` plans the storages
+    (`unienv_mp._direct.storages.StoragePlanner`)."""
     if not PLANNERS:
         PLANNERS.update(_planners())
     cls = PLANNERS.get(type(batch))
@@ -632,12 +632,12 @@ def plan(batch, planner):
 
 
 def getter_specs(root, getter):
-    """What ``getter`` returns, as trees of :class:`Spec`: the data (and the metadata, for
-    a ``_with_metadata`` getter).  A flattened getter is planned where the view flattens
-    its own batch with UniEnv's ``flatten_data`` (a column stack, a field view) and that
-    batch is one array, whose flat row is its rows one after the other; elsewhere
-    (flattened rows of a buffer under a window, several arrays promoted to one dtype) it
-    raises NotDirect."""
+    """What ``getter`` returns, as trees of `Spec`: the data (and the metadata, for a
+    ``_with_metadata`` getter).  A flattened getter is planned where the view flattens its
+    own batch with UniEnv's ``flatten_data`` (a column stack, a field view) and that batch
+    is one array, whose flat row is its rows one after the other; elsewhere (flattened rows
+    of a buffer under a window, several arrays promoted to one dtype) it raises
+    NotDirect."""
     data, meta = root.specs()
     if getter in FLAT_GETTERS:
         view = getattr(root, "view", None)
@@ -656,7 +656,7 @@ def getter_specs(root, getter):
 
 class ViewGatherer:
     """Lives in a worker: batches of a view, gathered into the slot (see
-    :class:`unienv_mp._direct.gather.Gatherer`, which hands view tasks to it)."""
+    `unienv_mp._direct.gather.Gatherer`, which hands view tasks to it)."""
 
     def __init__(self, root, sampler):
         self.root = root
@@ -665,9 +665,9 @@ class ViewGatherer:
 
     def __call__(self, getter, indices, k):
         """The batch of ``getter`` at each index tensor of ``indices`` (a tuple of them if
-        ``k`` is not None) as a :class:`SlotWriter`; where the direct path cannot serve it
-        (an index outside the data, a plan refused), the generic getter's result for the
-        same indices."""
+        ``k`` is not None) as a `SlotWriter`; where the direct path cannot serve it (an
+        index outside the data, a plan refused), the generic getter's result for the same
+        indices."""
         meta = getter.endswith("_with_metadata")
         n = int(indices[0].shape[0])
         key = (getter, n, k)
@@ -702,8 +702,8 @@ class ViewGatherer:
 
 def layout_check(root, sampler):
     """Raise NotDirect unless UniEnv's answers for one element (of each of
-    :data:`GETTERS`) are laid out as ``root`` plans them (when the data is empty there is
-    nothing to ask: nothing is raised; the workers check again when they plan)."""
+    `GETTERS`) are laid out as ``root`` plans them (when the data is empty there is nothing
+    to ask: nothing is raised; the workers check again when they plan)."""
     torch = _torch()
     if root.length() <= 0:
         return
@@ -774,7 +774,7 @@ class ViewLayout:
     def views(self, buffer):
         """Each array's rows over ``buffer`` (a slot), after a memoryview of it that keeps
         the memory mapped while the views are kept (see
-        :meth:`unienv_mp._direct.storages.FlatLayout.views`)."""
+        `unienv_mp._direct.storages.FlatLayout.views`)."""
         torch = _torch()
         buffer = memoryview(buffer)
         out = [buffer]

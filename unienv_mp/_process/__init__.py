@@ -1,22 +1,21 @@
 """The process backend: ``MultiProcessingSampleManager`` and the worker processes it
-runs.  Its sibling is :mod:`unienv_mp.ray`; both keep the contract of
-:mod:`unienv_mp.backend`.
+runs.  Its sibling is `unienv_mp.ray`; both keep the contract of `unienv_mp.backend`.
 
-* :mod:`.manager`: the manager: submitting, delivering, and the per-batch path.
-* :mod:`.pool`: the worker pool the manager owns: starting workers, noticing a dead or
-  stalled one, replacing it and sending its unfinished tasks again, ``stats``, ``close``.
-* :mod:`.slots`: the slot ledger the manager owns: which result slot each task holds, and
-  when a slot may take new work.
-* :mod:`.polling`: waiting on every worker at once (``ready``, ``wait_any``).
-* :mod:`.unienv_queue`: UniEnv's ``add_work`` / ``fetch``, an adapter over a manager.
-* :mod:`.handle`: one worker seen from the parent: its process, rings and slots.
-* :mod:`.worker`: the worker's main loop, in the child.
-* :mod:`.encoder`: tasks onto the ring.
-* :mod:`.transfer`: a work function shipped to spawn and forkserver workers.
-* :mod:`.stalls`: a worker killed for stalling, and what the caller is told.
+* `.manager`: the manager: submitting, delivering, and the per-batch path.
+* `.pool`: the worker pool the manager owns: starting workers, noticing a dead or stalled
+  one, replacing it and sending its unfinished tasks again, ``stats``, ``close``.
+* `.slots`: the slot ledger the manager owns: which result slot each task holds, and when a
+  slot may take new work.
+* `.polling`: waiting on every worker at once (``ready``, ``wait_any``).
+* `.unienv_queue`: UniEnv's ``add_work`` / ``fetch``, an adapter over a manager.
+* `.handle`: one worker seen from the parent: its process, rings and slots.
+* `.worker`: the worker's main loop, in the child.
+* `.encoder`: tasks onto the ring.
+* `.transfer`: a work function shipped to spawn and forkserver workers.
+* `.stalls`: a worker killed for stalling, and what the caller is told.
 
-May import: :mod:`unienv_mp._transport`, :mod:`unienv_mp.backend`, and the root modules
-``errors``, ``stats``, ``_validate``, ``_os``; not UniEnv, the direct gather or the
-sampler.  Word used throughout: a *lane* is the manager's record of one worker (its
-handle, the tickets in flight on it, the tasks waiting for a new process).
+May import: `unienv_mp._transport`, `unienv_mp.backend`, and the root modules ``errors``,
+``stats``, ``_validate``, ``_os``; not UniEnv, the direct gather or the sampler.  Word used
+throughout: a *lane* is the manager's record of one worker (its handle, the tickets in
+flight on it, the tasks waiting for a new process).
 """

@@ -1,5 +1,5 @@
 """WorkEncoder: how the manager turns the work info of a task into a task entry (see
-:mod:`unienv_mp._transport.protocol`)."""
+`unienv_mp._transport.protocol`)."""
 import os
 import pickle
 
@@ -23,7 +23,7 @@ def spill_entry(seg):
 
 
 class WorkEncoder:
-    """Encodes work info: small immutable items (:func:`~unienv_mp._transport.protocol.is_simple`,
+    """Encodes work info: small immutable items (`is_simple`,
     e.g. a sampler's ``(method, seed, k)``) as pickles inside the task entry; anything else
     with the slot codec, inside the task entry up to ``inline_max`` bytes, else in a
     one-off "spill" segment that the worker maps."""

@@ -1,15 +1,14 @@
 """WorkerHandle: the parent's side of one worker, i.e. its process, the segment holding its
 two rings, and the result slots it writes into, one process after another.
 
-The handle starts a process (:meth:`WorkerHandle.start`), pushes tasks and pops result
-entries on its rings, maps the slot segments named by result entries, and keeps the slot
-numbers free for new tasks.  When the process dies, :meth:`~WorkerHandle.detach` takes the
-process and its memory off the handle, to be stopped and released, and the next
-:meth:`~WorkerHandle.start` begins a new *incarnation*: slot numbers belong to one
-incarnation, since each process creates its own slots.
+The handle starts a process (`WorkerHandle.start`), pushes tasks and pops result entries on
+its rings, maps the slot segments named by result entries, and keeps the slot numbers free
+for new tasks.  When the process dies, `detach` takes the process and its memory off the
+handle, to be stopped and released, and the next `start` begins a new *incarnation*: slot
+numbers belong to one incarnation, since each process creates its own slots.
 
 What to run, in which order, and what to do when a process dies is the manager's
-(:mod:`unienv_mp._process.manager`).
+(`unienv_mp._process.manager`).
 """
 import collections
 import errno
@@ -72,7 +71,7 @@ class WorkerCorrupt(WorkerDied):
     pointer into a ring or a slot descriptor: a result entry that is not one (``wrote``,
     the default) or a task ring whose counters or cells it overwrote (``wrote="into its
     task ring"``).  The process is to be killed and replaced, as if it had died.
-    ``error`` is the :class:`CodecError` that says so."""
+    ``error`` is the `CodecError` that says so."""
 
     def __init__(self, handle, what, wrote="a corrupt result entry"):
         super().__init__(handle)
@@ -84,11 +83,11 @@ class Launch:
     """What every process of a manager's workers is started with (``stall_timeout``:
     seconds, or None).
 
-    Under spawn and forkserver the work function travels as a :class:`_transfer.Parcel`:
-    its arrays are copied into shared memory at the first start and every later process
-    (the other workers, replacements) maps that copy.  The copy is released when the last
-    worker handle has released its memory (:meth:`WorkerHandle.release_memory`), since no
-    process of the manager starts after that."""
+    Under spawn and forkserver the work function travels as a `_transfer.Parcel`: its arrays
+    are copied into shared memory at the first start and every later process (the other
+    workers, replacements) maps that copy.  The copy is released when the last worker handle
+    has released its memory (`WorkerHandle.release_memory`), since no process of the manager
+    starts after that."""
 
     def __init__(self, target_fn, init_fn, ctx, daemon, doorbell_seg, done_event,
                  poll_interval, spin, stall_timeout=None):
@@ -147,8 +146,8 @@ class _LivenessCheck:
 
 
 class _Detached:
-    """A process taken off its handle, and its memory: :meth:`stop` ends it and releases
-    the memory."""
+    """A process taken off its handle, and its memory: `stop` ends it and releases the
+    memory."""
 
     def __init__(self, proc, memory):
         self.proc = proc
@@ -235,7 +234,7 @@ class WorkerHandle:
 
     @property
     def has_process(self):
-        """True between :meth:`start` and :meth:`detach`."""
+        """True between `start` and `detach`."""
         return self._tasks is not None
 
     @property
@@ -250,14 +249,13 @@ class WorkerHandle:
 
     def kill(self):
         """Send the process SIGKILL, if it has one that has not exited (through its pidfd:
-        see :func:`_os.send_signal`).  Its rings and slots stay with the handle until
-        :meth:`detach`."""
+        see `_os.send_signal`).  Its rings and slots stay with the handle until `detach`."""
         if self.proc is not None:
             _os.send_signal(self.proc, signal.SIGKILL)
 
     def exit_code(self, wait=0.0):
         """The exit code of the process, waiting up to ``wait`` seconds for its exit status;
-        None without a process, or if it is unknown (see :func:`_os.exit_code`)."""
+        None without a process, or if it is unknown (see `_os.exit_code`)."""
         proc = self.proc
         return None if proc is None else _os.exit_code(proc, wait)
 
@@ -377,7 +375,7 @@ class WorkerHandle:
 
     def release_memory(self):
         """Unmap the rings, the segment and the slots (the process must have ended), for
-        good: the handle starts no more processes (see :class:`Launch`)."""
+        good: the handle starts no more processes (see `Launch`)."""
         try:
             _close_memory(*self._take_memory())
         finally:
@@ -386,8 +384,8 @@ class WorkerHandle:
     # -- counters and stacks --------------------------------------------------------------
 
     def counters(self):
-        """A copy of the process's counter block (see :mod:`unienv_mp.stats`), or None
-        without a process."""
+        """A copy of the process's counter block (see `unienv_mp.stats`), or None without a
+        process."""
         counters = self._counters
         return None if counters is None else _stats.read(counters)
 
@@ -483,10 +481,10 @@ class WorkerHandle:
 
     def next_result(self, timeout):
         """The oldest result entry ``(tag, slot, ticket, payload)`` not recorded yet (see
-        :meth:`result_recorded`): one taken off the result ring earlier, else the next one
-        there, waiting up to ``timeout`` seconds (``None``: as long as the process lives;
-        ``0``: not at all).  Raises ``queue.Empty`` when none came, WorkerDied if the
-        process ended, ``RingClosed`` if this process shut the ring down.
+        `result_recorded`): one taken off the result ring earlier, else the next one there,
+        waiting up to ``timeout`` seconds (``None``: as long as the process lives; ``0``:
+        not at all).  Raises ``queue.Empty`` when none came, WorkerDied if the process
+        ended, ``RingClosed`` if this process shut the ring down.
 
         An entry stays here until the manager says it recorded it, so a ``KeyboardInterrupt``
         landing anywhere between its pop and the end of its recording loses nothing: the
@@ -521,7 +519,7 @@ class WorkerHandle:
         return entry
 
     def result_recorded(self):
-        """The entry :meth:`next_result` returned is recorded: drop it."""
+        """The entry `next_result` returned is recorded: drop it."""
         self._popped.popleft()
 
     # -- slots ----------------------------------------------------------------------------
@@ -548,7 +546,7 @@ class WorkerHandle:
 
     def slot_segments(self):
         """The segments of this process's slots mapped here (those a result of it can lie
-        in), for the device feed's registrations (see :mod:`unienv_mp._device.pins`)."""
+        in), for the device feed's registrations (see `unienv_mp._device.pins`)."""
         return [seg for _, seg in self._slot_maps.values()]
 
     def map_slot(self, slot, desc):

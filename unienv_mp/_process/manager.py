@@ -1,20 +1,19 @@
 """MultiProcessingSampleManager: tasks dealt to worker processes, their results collected in
 order, and dead workers replaced.
 
-Each worker is a :class:`~unienv_mp._process.handle.WorkerHandle`: its process, a pair of
-single-producer single-consumer rings (tasks in, results out) in a segment the parent
-creates, and its own result slots (segments it creates and grows).  The manager decides
-which worker and which slot each task uses; a result comes back as a small ring entry
-pointing at the slot, and is handed to the caller as zero-copy views of it.  The slot is
-given to a new task only after the last view is garbage collected.
+Each worker is a `WorkerHandle`: its process, a pair of single-producer single-consumer
+rings (tasks in, results out) in a segment the parent creates, and its own result slots
+(segments it creates and grows).  The manager decides which worker and which slot each task
+uses; a result comes back as a small ring entry pointing at the slot, and is handed to the
+caller as zero-copy views of it.  The slot is given to a new task only after the last view
+is garbage collected.
 
 Faults: a worker that raises sends the exception back (the caller gets
-:class:`~unienv_mp.WorkerError`, the worker carries on); a worker that dies is noticed
-within one ``doze_time`` of the caller waiting on it, replaced, and its unfinished tasks are
-given to the replacement (or :class:`~unienv_mp.WorkerDiedError` is raised); so is one that
-wrote a result entry it could not have written, which is killed first (a warning, or
-:class:`~unienv_mp.CodecError` instead).  Workers end with the parent however the parent
-ends (see :mod:`unienv_mp._os`).
+`WorkerError`, the worker carries on); a worker that dies is noticed within one
+``doze_time`` of the caller waiting on it, replaced, and its unfinished tasks are given to
+the replacement (or `WorkerDiedError` is raised); so is one that wrote a result entry it
+could not have written, which is killed first (a warning, or `CodecError` instead).  Workers
+end with the parent however the parent ends (see `unienv_mp._os`).
 """
 import functools
 import os
@@ -116,54 +115,55 @@ class _Task:
 class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
     """Run ``target_fn(work_info)`` in ``n_workers`` processes.
 
-    Same interface as UniEnv's ``MultiProcessingSampleManager``: :meth:`add_work` queues a
-    work item, :meth:`fetch` returns a result (``None`` if none arrives in time), and
-    :meth:`close` ends the workers.  ``worker_init_fn(seed)`` runs in each worker first,
-    with its entry of ``worker_seeds``.  ``done_event`` (optional, a multiprocessing Event)
-    stops the workers when set.  ``doze_time`` is how often a waiting side re-checks that
-    its peer is alive (nothing polls on the hot path: waits sleep on futexes).
+    Same interface as UniEnv's ``MultiProcessingSampleManager``: [`add_work`][] queues a
+    work item, [`fetch`][] returns a result (``None`` if none arrives in time), and
+    [`close`][] ends the workers.  ``worker_init_fn(seed)`` runs in each worker first, with
+    its entry of ``worker_seeds``.  ``done_event`` (optional, a multiprocessing Event) stops
+    the workers when set.  ``doze_time`` is how often a waiting side re-checks that its peer
+    is alive (nothing polls on the hot path: waits sleep on futexes).
 
-    Tickets, which UniEnv lacks: :meth:`submit` queues a work item and returns its ticket,
-    :meth:`result` waits for that ticket's result, :meth:`ready` says whether it arrived,
-    :meth:`wait_any` returns the first of several tickets to arrive, :meth:`cancel` drops
-    one, and :meth:`reset_order` restarts the round-robin deal.
+    Tickets, which UniEnv lacks: [`submit`][] queues a work item and returns its ticket,
+    [`result`][] waits for that ticket's result, [`ready`][] says whether it arrived,
+    [`wait_any`][] returns the first of several tickets to arrive, [`cancel`][] drops one,
+    and [`reset_order`][] restarts the round-robin deal.
 
     Options UniEnv lacks:
 
     * ``in_order=True``: results come back in the order the work was added, and work is
       dealt to workers round-robin, so a run is reproducible whatever the workers' timing.
-      ``False``: each task goes to the least busy worker and :meth:`fetch` returns whichever
+      ``False``: each task goes to the least busy worker and [`fetch`][] returns whichever
       result is ready first.
-    * ``copy=False``: results are zero-copy views of the worker's slot, which is reused
-      only once they are garbage collected (at most ``max_leases`` results are held that
-      way at once; beyond that they are copied).  ``True``: results are always copied.
-    * ``timeout``: seconds to wait for one result before raising :class:`TimeoutError`
-      (default: wait as long as the workers are alive).
+    * ``copy=False``: results are zero-copy views of the worker's slot, which is reused only
+      once they are garbage collected (at most ``max_leases`` results are held that way at
+      once; beyond that they are copied).  ``True``: results are always copied.
+    * ``timeout``: seconds to wait for one result before raising `TimeoutError` (default:
+      wait as long as the workers are alive).
     * ``spin``: seconds a waiting side polls before it sleeps on a futex.  Default: 20 µs
       where this process may run on more CPUs than there are workers; otherwise 0, since
       polling would take a CPU from a process that has work to do.
     * ``respawn=True``: a worker that dies is replaced (with a fresh seed) and its
-      unfinished work re-issued; after ``max_respawns`` replacements of one worker without
-      a result in between, its next death raises :class:`~unienv_mp.WorkerDiedError`.
-      ``False``: raise it at the first death.
-    * ``stall_timeout``: seconds a worker may spend on one task, or go without taking
-      the tasks waiting for it (default: no limit); beyond, it is killed and replaced,
-      with a warning carrying its stacks (see :class:`~unienv_mp._process.pool.WorkerPool`
-      for what becomes of its tasks).
+      unfinished work re-issued; after ``max_respawns`` replacements of one worker without a
+      result in between, its next death raises
+      [`WorkerDiedError`][unienv_mp.WorkerDiedError].  ``False``: raise it at the first
+      death.
+    * ``stall_timeout``: seconds a worker may spend on one task, or go without taking the
+      tasks waiting for it (default: no limit); beyond, it is killed and replaced, with a
+      warning carrying its stacks (see `WorkerPool` for what becomes of its tasks).
     * ``start_later``: None (default): all start now.  A function: worker 0 starts now, the
       others one at a time when the caller would wait (after the first result) while
       ``start_later()`` is True, and tasks skip one still starting while another is up
-      (:class:`~unienv_mp._process.pool.WorkerPool`); :meth:`start_all` starts them now.
+      (`WorkerPool`); [`start_all`][] starts them now.
 
-    :meth:`stats` says where the time goes (see :class:`~unienv_mp.SamplerStats`).
+    [`stats`][] says where the time goes (see [`SamplerStats`][unienv_mp.SamplerStats]).
 
-    Threads: every method may be called from any thread.  Calls are serialised (a lock,
-    held for the whole call: a second thread waits while the first waits for a result),
-    and :meth:`close` is safe at any moment, from any thread: a call it cuts short raises
+    Threads: every method may be called from any thread.  Calls are serialised (a lock, held
+    for the whole call: a second thread waits while the first waits for a result), and
+    [`close`][] is safe at any moment, from any thread: a call it cuts short raises
     ``RuntimeError``.  A forked child cannot use its parent's manager (``RuntimeError``).
 
-    The work function must be picklable under spawn and forkserver.  With a ``batches_in(work)``
-    method, :meth:`stats` counts that many batches per task (the sampler's chunks).
+    The work function must be picklable under spawn and forkserver.  With a
+    ``batches_in(work)`` method, [`stats`][] counts that many batches per task (the
+    sampler's chunks).
     """
 
     def __init__(
@@ -238,14 +238,14 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             _os.refuse_child(self, self._owner_pid)
 
     def submit(self, work_info, worker: Optional[int] = None, *, record=None) -> int:
-        """Queue ``work_info`` and return its ticket (see :meth:`result`).  ``worker``
-        picks the worker; by default the next one round-robin (``in_order``, see
-        :meth:`reset_order`) or the least busy one.
+        """Queue ``work_info`` and return its ticket (see [`result`][]).  ``worker`` picks
+        the worker; by default the next one round-robin (``in_order``, see
+        [`reset_order`][]) or the least busy one.
 
         ``record``: a list or deque to which the ticket is appended as the last step.  A
         caller that keeps its tickets there loses none to a ``KeyboardInterrupt``: either
-        the ticket is appended, or the work was not submitted (or is dropped when its
-        result arrives)."""
+        the ticket is appended, or the work was not submitted (or is dropped when its result
+        arrives)."""
         with self._lock:
             if self.closed or _os.pid != self._owner_pid:
                 self._ensure_open()   # raises
@@ -365,8 +365,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         return value
 
     def result(self, ticket: int, timeout: Optional[float] = None):
-        """The result of a :meth:`submit` ticket, waiting for it if needed.  Raises
-        :class:`~unienv_mp.WorkerError` if the work raised, ``TimeoutError`` after
+        """The result of a [`submit`][] ticket, waiting for it if needed.  Raises
+        [`WorkerError`][unienv_mp.WorkerError] if the work raised, ``TimeoutError`` after
         ``timeout`` (default: the manager's ``timeout``) seconds."""
         with self._lock:
             if self.closed or _os.pid != self._owner_pid:
@@ -396,7 +396,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             return task.arrived
 
     def wait_any(self, tickets, timeout: Optional[float] = None) -> int:
-        """One of ``tickets`` whose result has arrived (collect it with :meth:`result`),
+        """One of ``tickets`` whose result has arrived (collect it with [`result`][]),
         waiting for one if none has.  Raises ``TimeoutError`` after ``timeout`` (default:
         the manager's ``timeout``) seconds, ``KeyError`` if no ticket is pending."""
         with self._lock:
@@ -412,11 +412,11 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
     # -- UniEnv's interface (see unienv_queue.py) --------------------------------------------
 
     def add_work(self, work_info: TaskInfoT) -> None:
-        """Queue ``work_info``; its result is returned by a later :meth:`fetch`."""
+        """Queue ``work_info``; its result is returned by a later [`fetch`][]."""
         self._unienv.add_work(work_info)
 
     def fetch(self, block: bool = True, timeout: Optional[float] = None) -> Optional[ResultT]:
-        """Return the result of work added with :meth:`add_work`: the oldest one
+        """Return the result of work added with [`add_work`][]: the oldest one
         (``in_order``) or the first to finish.  Returns ``None`` if ``block`` is false or
         ``timeout`` expires before it arrives, as UniEnv's manager does."""
         with self._lock:
@@ -425,7 +425,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
 
     @property
     def remaining_work(self) -> int:
-        """Work added with :meth:`add_work` and not fetched yet."""
+        """Work added with [`add_work`][] and not fetched yet."""
         return self._unienv.remaining_work
 
     # -- the workers, and the end ------------------------------------------------------------
@@ -452,14 +452,14 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
 
     def slot_segments(self):
         """The result slots of the workers now, as mapped here (none once closed): what a
-        device feed page-locks (see :mod:`unienv_mp._device.pins`)."""
+        device feed page-locks (see `unienv_mp._device.pins`)."""
         return [] if self.closed else self._slots.slot_segments()
 
     def stats(self, reset: bool = False) -> _stats.SamplerStats:
         """Where the time went since the first request (or the last ``stats(reset=True)``):
-        see :class:`~unienv_mp.SamplerStats`.  ``reset=True``: the counters start again
-        from zero once this is read.  A result counts as ``batches_in(work)`` batches if
-        the work function has that method, else one."""
+        see [`SamplerStats`][unienv_mp.SamplerStats].  ``reset=True``: the counters start
+        again from zero once this is read.  A result counts as ``batches_in(work)`` batches
+        if the work function has that method, else one."""
         with self._lock:
             now = time.monotonic_ns()
             count = (lambda work: 1) if self._batches_in is None else self._batches_in

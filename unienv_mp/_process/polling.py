@@ -3,9 +3,8 @@
 A caller that waits for whichever of several tickets comes first (the manager's
 ``wait_any``, ``fetch`` without ``in_order``) or asks without blocking (``ready``)
 collects what every worker has published, and sleeps on the doorbell that every worker
-rings after publishing.  :class:`Poller`, which the manager owns, does that over the
-manager's pool; it keeps the rules against a Ctrl-C at the top of
-:mod:`unienv_mp._process.manager`.
+rings after publishing.  `Poller`, which the manager owns, does that over the manager's
+pool; it keeps the rules against a Ctrl-C at the top of `unienv_mp._process.manager`.
 """
 import queue as _queue
 import time

@@ -1,15 +1,14 @@
 """The worker pool a MultiProcessingSampleManager owns: its worker processes, started,
 checked, replaced, and at last stopped.
 
-A *lane* (:class:`Lane`) is the pool's record of one worker: its handle, the tickets in
-flight on its process, the tasks waiting for a new process, and its counters.
-:class:`Resources` is what must be released however the manager ends.
-:class:`WorkerPool` starts the workers left to start later, notices a worker that died or
-stalled, buries it (keeps what it published, stops and releases its process, and queues
-its unfinished tasks again) and restarts the lane with a new process.  It works on the
-manager's ticket table and slot ledger, which it is handed, and collects a worker's
-published results through the manager's ``take``; it keeps the rules against a Ctrl-C
-written at the top of :mod:`unienv_mp._process.manager`.
+A *lane* (`Lane`) is the pool's record of one worker: its handle, the tickets in flight on
+its process, the tasks waiting for a new process, and its counters.  `Resources` is what
+must be released however the manager ends.  `WorkerPool` starts the workers left to start
+later, notices a worker that died or stalled, buries it (keeps what it published, stops and
+releases its process, and queues its unfinished tasks again) and restarts the lane with a
+new process.  It works on the manager's ticket table and slot ledger, which it is handed,
+and collects a worker's published results through the manager's ``take``; it keeps the rules
+against a Ctrl-C written at the top of `unienv_mp._process.manager`.
 """
 import collections
 import queue as _queue
@@ -97,25 +96,23 @@ class WorkerPool:
     left to start later.
 
     ``tasks`` is the manager's ticket table, ``slots`` its slot ledger
-    (:class:`~unienv_mp._process.slots.SlotLedger`), ``encoder`` puts tasks on a ring;
-    ``take(lane, entry)`` records a result entry a worker published (the manager's, on
-    its per-batch path).  The settings (``respawn``, ``max_respawns``, ``timeout``,
-    ``stall_timeout``) and ``closed`` are the manager's, read each time through
-    ``manager``, a weak proxy (the pool holds no reference that keeps its manager
-    alive).
+    (`SlotLedger`), ``encoder`` puts tasks on a ring; ``take(lane, entry)`` records a result
+    entry a worker published (the manager's, on its per-batch path).  The settings
+    (``respawn``, ``max_respawns``, ``timeout``, ``stall_timeout``) and ``closed`` are the
+    manager's, read each time through ``manager``, a weak proxy (the pool holds no reference
+    that keeps its manager alive).
 
     ``stall_timeout``: when a caller waiting on a worker finds it on one task for longer,
     the worker's Python stacks are taken (faulthandler, from a signal handler: a worker
     stuck in C code has them too), and the worker is killed and replaced.  With
     ``respawn=True`` a ``RuntimeWarning`` carrying the stacks is issued and the task is
-    given to the replacement; the task's result is :class:`~unienv_mp.WorkerStalledError`
-    (raised by the call that collects it) if it stalls ``max_respawns + 1`` times in a row,
-    or at once with ``respawn=False``.  The other tasks of that worker go to the
-    replacement either way.  A worker that takes none of the tasks waiting for it for
-    longer (it was stopped, by SIGSTOP or a debugger, or has stopped responding after its
-    first task) is killed and replaced too, with the warning, whatever ``respawn`` says:
-    no task is to blame.  A stopped process cannot give its stacks, and is not waited on
-    for them.
+    given to the replacement; the task's result is `WorkerStalledError` (raised by the call
+    that collects it) if it stalls ``max_respawns + 1`` times in a row, or at once with
+    ``respawn=False``.  The other tasks of that worker go to the replacement either way.  A
+    worker that takes none of the tasks waiting for it for longer (it was stopped, by
+    SIGSTOP or a debugger, or has stopped responding after its first task) is killed and
+    replaced too, with the warning, whatever ``respawn`` says: no task is to blame.  A
+    stopped process cannot give its stacks, and is not waited on for them.
 
     ``start_later``: only worker 0 starts with the manager, so that a first result can
     come after one process start rather than ``n_workers`` of them (each start of a large
@@ -406,7 +403,7 @@ class WorkerPool:
     def worker_stats(self, count, now, reset):
         """``(ready, workers)``: how many batches are ready to hand out, collected or
         still on the workers' rings (``count(work)`` batches a task), and a
-        :class:`~unienv_mp.WorkerStats` of each worker started."""
+        `WorkerStats` of each worker started."""
         tasks = self.tasks
         ready = sum(count(task.work) for task in tasks.values()
                     if task.arrived and not task.cancelled and task.status == P.ST_OK

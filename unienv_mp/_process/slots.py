@@ -4,11 +4,11 @@ and when a slot may take new work.
 A worker writes each result into a slot, a segment of its own numbered per process; a
 slot number is given to one task at a time, and goes back to its worker once the task's
 result was read or dropped and no zero-copy view of it (a lease) is alive.
-:class:`SlotLedger` gives slots back and forgets tasks, and makes the leases the
-manager's delivery hands out (:meth:`SlotLedger.lease`).  The rule against a Ctrl-C it
-keeps: a slot number is given back only through ``give_back_slot``, which clears
-``task.slot`` first, so an interruption can at worst leak a slot number (the worker makes
-another slot), never give one back twice (two tasks writing into one slot).
+`SlotLedger` gives slots back and forgets tasks, and makes the leases the manager's delivery
+hands out (`SlotLedger.lease`).  The rule against a Ctrl-C it keeps: a slot number is given
+back only through ``give_back_slot``, which clears ``task.slot`` first, so an interruption
+can at worst leak a slot number (the worker makes another slot), never give one back twice
+(two tasks writing into one slot).
 """
 import collections
 
@@ -21,7 +21,7 @@ class SlotLedger:
     """The slots of one manager's tasks: ``tasks`` is its ticket table, ``lanes`` its
     pool's lanes, ``spills`` the segments that carry large work items.  ``leases`` counts
     the zero-copy results alive; ``released`` holds the tasks whose leases the garbage
-    collector gave back since (see :meth:`give_back_released`)."""
+    collector gave back since (see `give_back_released`)."""
 
     def __init__(self, tasks, lanes, spills):
         self.tasks = tasks
@@ -108,5 +108,5 @@ class SlotLedger:
 
     def slot_segments(self):
         """The result slots of the workers now, as mapped here: what a device feed
-        page-locks (see :mod:`unienv_mp._device.pins`)."""
+        page-locks (see `unienv_mp._device.pins`)."""
         return [seg for lane in self.lanes for seg in lane.worker.slot_segments()]

@@ -3,11 +3,11 @@ one task longer than ``stall_timeout``, or for having taken none of the tasks wa
 it for that long, and what it tells the caller.
 
 The handle finds the stall (``WorkerHandle.check_stall`` raises ``WorkerStalled``).  The
-manager then makes a :class:`Stall`, which takes the process's Python stacks, keeps it on
-the worker's lane, and only then kills the process: however a Ctrl-C cuts the burial
-short, the death that follows is known to be this stall.  The stalled task goes to the
-replacement, with a ``RuntimeWarning`` (:meth:`Stall.warn`), or is given up, its result
-being :meth:`Stall.error` (a :class:`~unienv_mp.WorkerStalledError`).
+manager then makes a `Stall`, which takes the process's Python stacks, keeps it on the
+worker's lane, and only then kills the process: however a Ctrl-C cuts the burial short, the
+death that follows is known to be this stall.  The stalled task goes to the replacement,
+with a ``RuntimeWarning`` (`Stall.warn`), or is given up, its result being `Stall.error` (a
+`WorkerStalledError`).
 """
 import warnings
 

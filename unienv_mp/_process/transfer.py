@@ -6,9 +6,9 @@ Under spawn and forkserver the work function (for the sampler: the wrapped sampl
 its ReplayBuffer) is pickled into each new process.  multiprocessing's pickler hands every
 torch tensor to torch's reductions, which move its storage into a file under ``/dev/shm``
 (a few MiB in a container by default); numpy arrays it copies into the pickle, once per
-worker.  Here the work function travels as a :class:`Parcel`, whose pickler takes every
-plain CPU tensor and array out of the pickle and copies its bytes into a segment of ours
-(``memfd``, see :class:`~unienv_mp._transport.ring.Segment`) instead:
+worker.  Here the work function travels as a `Parcel`, whose pickler takes every plain CPU
+tensor and array out of the pickle and copies its bytes into a segment of ours (``memfd``,
+see `Segment`) instead:
 
 * **Once.**  Each process start pickles the work function again: locks, shared values and
   tensors already in shared memory can only be pickled while that process is being
@@ -52,7 +52,7 @@ _ALIGN = 64   # each array's bytes start on a cache line (and on any dtype's ali
 
 class Parcel:
     """``target`` as an argument of a process started with spawn or forkserver (see the
-    module's docstring).  The arrays' copies live until :meth:`close`."""
+    module's docstring).  The arrays' copies live until `close`."""
 
     def __init__(self, target):
         self.target = target

@@ -1,10 +1,10 @@
 """UniEnv's interface of a MultiProcessingSampleManager: ``add_work`` queues work,
 ``fetch`` returns a result, on top of the manager's tickets.
 
-:class:`UniEnvQueue` is an adapter that holds a manager; the manager's ``add_work``,
-``fetch`` and ``remaining_work`` hand over to the one it owns.  The package itself uses
-this interface only in :mod:`unienv_mp.compat` (UniEnv's ``wrap_*`` helpers); it is kept
-on the manager for code written against UniEnv's manager.
+`UniEnvQueue` is an adapter that holds a manager; the manager's ``add_work``, ``fetch`` and
+``remaining_work`` hand over to the one it owns.  The package itself uses this interface
+only in `unienv_mp.compat` (UniEnv's ``wrap_*`` helpers); it is kept on the manager for code
+written against UniEnv's manager.
 """
 import collections
 
@@ -15,9 +15,9 @@ __all__ = ["UniEnvQueue"]
 
 class UniEnvQueue:
     """``add_work`` / ``fetch`` / ``remaining_work`` over ``manager``: the tickets of
-    :meth:`add_work` wait in ``order`` for :meth:`fetch`.  It works on the manager's
-    ticket table, slot ledger and poller, and delivers through it, under its lock: the
-    manager calls it with the lock held."""
+    `add_work` wait in ``order`` for `fetch`.  It works on the manager's ticket table, slot
+    ledger and poller, and delivers through it, under its lock: the manager calls it with
+    the lock held."""
 
     def __init__(self, manager, tasks, slots, poller):
         self.manager = manager
@@ -28,18 +28,18 @@ class UniEnvQueue:
 
     @property
     def remaining_work(self):
-        """Work added with :meth:`add_work` and not fetched yet."""
+        """Work added with `add_work` and not fetched yet."""
         tasks = self.tasks
         return sum(1 for t in self.order if t in tasks)
 
     def add_work(self, work_info):
-        """Queue ``work_info``; its result is returned by a later :meth:`fetch`."""
+        """Queue ``work_info``; its result is returned by a later `fetch`."""
         self.manager.submit(work_info, record=self.order)
 
     def fetch(self, block=True, timeout=None):
-        """The result of work added with :meth:`add_work`: the oldest one (``in_order``)
-        or the first to finish; ``None`` if ``block`` is false or ``timeout`` expires
-        before it arrives, as UniEnv's manager does."""
+        """The result of work added with `add_work`: the oldest one (``in_order``) or the
+        first to finish; ``None`` if ``block`` is false or ``timeout`` expires before it
+        arrives, as UniEnv's manager does."""
         m = self.manager
         order = self.order
         tasks = self.tasks

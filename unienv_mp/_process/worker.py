@@ -1,6 +1,6 @@
 """The worker process: take tasks from its ring, run the target, write results into its own
 slots, announce them on its result ring.  Started by the manager, through a
-:class:`~unienv_mp._process.handle.WorkerHandle`."""
+`WorkerHandle`."""
 import faulthandler
 import os
 import pickle

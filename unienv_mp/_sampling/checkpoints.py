@@ -1,6 +1,6 @@
 """Checkpoints of a sampler: what its ``state_dict`` holds, and a state read back and
-checked for ``load_state_dict`` (the format: :mod:`unienv_mp._sampling.state`; the
-positions of the streams in it: :mod:`unienv_mp._sampling.streams`).
+checked for ``load_state_dict`` (the format: `unienv_mp._sampling.state`; the positions of
+the streams in it: `unienv_mp._sampling.streams`).
 
 Functions of the sampler (``s``), called with its lock held: they read its state and
 change nothing.  The sampler then changes its state in one step that a Ctrl-C cannot cut

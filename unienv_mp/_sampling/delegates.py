@@ -1,7 +1,7 @@
 """Attributes a sampler passes on to one of its parts, declared in one line each:
-:class:`forwarded` (a property that reads, and may set, an attribute of a part, e.g. the
-wrapped sampler's spaces, backend, device, data and random number generators) and
-:func:`passed_on` (a method that calls the wrapped sampler's, e.g. ``get_at``)."""
+`forwarded` (a property that reads, and may set, an attribute of a part, e.g. the wrapped
+sampler's spaces, backend, device, data and random number generators) and `passed_on` (a
+method that calls the wrapped sampler's, e.g. ``get_at``)."""
 
 __all__ = ["forwarded", "passed_on"]
 

@@ -2,12 +2,10 @@
 this process, its batches requested ahead from a manager and handed out in order (or as they
 arrive, with ``in_order=False``), and which epoch closes the manager it ran on.
 
-:class:`Epochs` is owned by a :class:`unienv_mp._sampling.sampler.SamplerBase` (its
-``_epochs``): it holds the epochs being iterated and those restored by
-``load_state_dict``, and works on the sampler's managers (its
-:class:`~unienv_mp._sampling.pools.Pools`).  Each step of an epoch holds the sampler's
-lock, never across a ``yield`` (see "Threads" in
-:class:`~unienv_mp.MultiprocessingSampler`).
+`Epochs` is owned by a `unienv_mp._sampling.sampler.SamplerBase` (its ``_epochs``): it holds
+the epochs being iterated and those restored by ``load_state_dict``, and works on the
+sampler's managers (its `Pools`).  Each step of an epoch holds the sampler's lock, never
+across a ``yield`` (see "Threads" in `MultiprocessingSampler`).
 """
 import collections
 
@@ -109,8 +107,8 @@ class Epochs:
     @classmethod
     def _early(cls, s, manager, pending):
         """``(ticket, result)`` of the epoch's next batch if it has arrived, its copy
-        issued ahead (rule 6 of :mod:`unienv_mp._device.feed`), else None.  A result that
-        raises is raised when its batch is due."""
+        issued ahead (rule 6 of `unienv_mp._device.feed`), else None.  A result that raises
+        is raised when its batch is due."""
         if not (s.in_order and pending and s._feed.copying
                 and manager.ready(pending[0])):
             return None

@@ -3,11 +3,11 @@ fingerprint of everything the sampler's ``get*_at`` methods read, or None where 
 cannot be told.
 
 Workers hold a copy of data that is not shared between processes (fork's copy-on-write
-image, or the spawn transfer's snapshot, see :mod:`unienv_mp._process.transfer`) as it was when
+image, or the spawn transfer's snapshot, see `unienv_mp._process.transfer`) as it was when
 they started.  An epoch must cover the data as it is when the epoch starts, so it may run
 on workers that already exist only if nothing the epoch's batches depend on has changed
-since those workers started.  :func:`take` walks the sampler's object graph and records
-(about 0.25 ms for a ``DictStorage`` of three tensors, on a 2-core VM):
+since those workers started.  `take` walks the sampler's object graph and records (about
+0.25 ms for a ``DictStorage`` of three tensors, on a 2-core VM):
 
 * every torch tensor: its identity, data pointer, shape, strides, storage offset, dtype,
   and its version counter (``Tensor._version``, which torch moves on by one on every
@@ -17,8 +17,8 @@ since those workers started.  :func:`take` walks the sampler's object graph and 
   spaces' shapes) by value, and every object by identity (so a storage or tensor that
   was replaced is seen, even if the new one looks the same).
 
-Two fingerprints compare equal (:func:`same`) only if every object recorded in the older
-one is still alive and is the same object, and every value and version is the same.
+Two fingerprints compare equal (`same`) only if every object recorded in the older one is
+still alive and is the same object, and every value and version is the same.
 
 The walk is exact only for classes whose ``get*_at`` methods read nothing but their
 attributes: UniEnv's ``StepSampler``, ``ReplayBuffer`` (with its in-process ring state),
@@ -37,14 +37,14 @@ a change of the data.  What a view only caches (a ``CombinedBatch``'s thread poo
 memo of batched spaces) is left out.  Anything else (a custom sampler, storage or valid
 mask function, a memory-mapped tensor or numpy array, which torch does not version, an
 image or HDF5 storage reading files, a transformation holding a function) makes
-:func:`take` return None, and :func:`check` says why: the sampler then starts new workers
-for each epoch, as before.  What the version counter cannot see either: writes that bypass
-torch's counter: through a numpy view from ``Tensor.numpy()``, ctypes or another process;
-and within torch, through ``tensor.data`` (a tensor with a counter of its own), through
-the storage (``tensor.untyped_storage()``), or through another tensor made over the same
-memory (``set_``, DLPack).  That is why ``persistent_workers=False`` exists.
+`take` return None, and `check` says why: the sampler then starts new workers for each
+epoch, as before.  What the version counter cannot see either: writes that bypass torch's
+counter: through a numpy view from ``Tensor.numpy()``, ctypes or another process; and within
+torch, through ``tensor.data`` (a tensor with a counter of its own), through the storage
+(``tensor.untyped_storage()``), or through another tensor made over the same memory
+(``set_``, DLPack).  That is why ``persistent_workers=False`` exists.
 
-This module is one of those that know UniEnv's classes (see :mod:`unienv_mp._direct.gather`).
+This module is one of those that know UniEnv's classes (see `unienv_mp._direct.gather`).
 """
 import functools
 import weakref
@@ -61,9 +61,9 @@ _SCALARS = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis))
 
 
 class Fingerprint:
-    """What :func:`take` recorded: ``tokens`` (a tuple, compared by value) and weak
-    references to the objects whose identities the tokens hold (so that an identity cannot
-    be reused by a new object while the fingerprint lives without being noticed)."""
+    """What `take` recorded: ``tokens`` (a tuple, compared by value) and weak references to
+    the objects whose identities the tokens hold (so that an identity cannot be reused by a
+    new object while the fingerprint lives without being noticed)."""
     __slots__ = ("tokens", "refs")
 
     def __init__(self, tokens, refs):

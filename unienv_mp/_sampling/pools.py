@@ -1,11 +1,10 @@
-"""The managers of workers that a sampler owns (:class:`Pools`): the one its ``sample*``
-methods use, one kept for the next epochs, those of epochs that close with them, the
-fingerprints of the data each holds a copy of, and the ``persistent_workers`` rule that
-decides which of them an epoch runs on.
+"""The managers of workers that a sampler owns (`Pools`): the one its ``sample*`` methods
+use, one kept for the next epochs, those of epochs that close with them, the fingerprints of
+the data each holds a copy of, and the ``persistent_workers`` rule that decides which of
+them an epoch runs on.
 
-A manager is any :class:`~unienv_mp.backend.Manager`; new ones are made by the sampler's
-``new_manager()`` hook.  Every call here is made with the sampler's lock held (but
-:meth:`Pools.close`, as ``close()`` is).
+A manager is any `Manager`; new ones are made by the sampler's ``new_manager()`` hook.
+Every call here is made with the sampler's lock held (but `Pools.close`, as ``close()`` is).
 """
 import collections
 import multiprocessing as _mp
@@ -36,10 +35,10 @@ class Pools:
 
     ``sample``: the ``sample*`` manager (None until the first call); ``kept``: one kept for
     the next epochs (``persistent_workers``); ``own``: the managers epochs run on besides
-    those two, an epoch's own and managers no longer kept (see :meth:`retire`), each
-    closed by the last epoch on it; ``users``: how many epoch iterators run on each
-    manager.  ``sample_fp`` and ``kept_fp``: the fingerprints of the data that ``sample``
-    and ``kept`` hold a copy of (see :mod:`unienv_mp._sampling.fingerprint`)."""
+    those two, an epoch's own and managers no longer kept (see `retire`), each closed by the
+    last epoch on it; ``users``: how many epoch iterators run on each manager.
+    ``sample_fp`` and ``kept_fp``: the fingerprints of the data that ``sample`` and ``kept``
+    hold a copy of (see `unienv_mp._sampling.fingerprint`)."""
 
     def __init__(self, owner, sample=None):
         self.owner = owner
@@ -59,7 +58,7 @@ class Pools:
     # -- the sample* manager ---------------------------------------------------------------
 
     def sample_manager(self):
-        """The ``sample*`` manager, made now if there is none (see :meth:`_new_sample`)."""
+        """The ``sample*`` manager, made now if there is none (see `_new_sample`)."""
         sample = self.sample
         if sample is None:
             # (no worker seeds: every task carries the seed of its chunk)
@@ -87,9 +86,9 @@ class Pools:
 
     def data_now(self):
         """``(now, why)``: the fingerprint of the data as it is now (see
-        :mod:`unienv_mp._sampling.fingerprint`), or None where it cannot be told (``why``
-        says why) or ``persistent_workers=False``; with ``persistent_workers=True``, the
-        data's length (the caller promises the rest)."""
+        `unienv_mp._sampling.fingerprint`), or None where it cannot be told (``why`` says
+        why) or ``persistent_workers=False``; with ``persistent_workers=True``, the data's
+        length (the caller promises the rest)."""
         persistent = self._persistent()
         if persistent is None:
             return _fingerprint.check(self.owner.sampler)

@@ -2,15 +2,15 @@
 
     from unienv_mp import MultiprocessingSampler   # was: from unienv_data.samplers import ...
 
-With :mod:`unienv_mp._sampling.target` and :mod:`unienv_mp._direct.gather`, the only modules of the
-package that know UniEnv (with :mod:`unienv_mp._sampling.fingerprint`).  One manager of worker
+With `unienv_mp._sampling.target` and `unienv_mp._direct.gather`, the only modules of the
+package that know UniEnv (with `unienv_mp._sampling.fingerprint`).  One manager of worker
 processes serves every ``sample*`` method of the wrapped sampler (UniEnv starts one per
 method), and epochs too when the data is shared between processes, or when its copy of
 the data is still the data as it is now; otherwise an epoch runs on a manager started
 when the epoch starts, so that it sees the data as it is then (as UniEnv's epochs do),
 and kept for the next epochs while the data does not change (``persistent_workers``).  Batches come
 back through shared-memory slots as zero-copy views (see
-:class:`~unienv_mp._process.manager.MultiProcessingSampleManager`).
+`MultiProcessingSampleManager`).
 """
 import dataclasses
 import os
@@ -72,8 +72,8 @@ def _check_cpu(sampler, who):
 def _set_up_device(s):
     """The device feed of sampler ``s``, where batches are handed out on a device or
     page-locked (then the instance's ``_sample``, and the epochs' hand-out, are a
-    DeviceHandOut's: see :mod:`unienv_mp._device.handout`); a sampler with no placement
-    (Ray's) takes CPU batches only."""
+    DeviceHandOut's: see `unienv_mp._device.handout`); a sampler with no placement (Ray's)
+    takes CPU batches only."""
     if s._placement is None:
         _check_cpu(s.sampler, type(s).__name__)
     if s.pin_memory and s.copy:
@@ -177,7 +177,8 @@ def _epoch_of(name, getter):
     def method(self):
         return self._epoch(getter)
     method.__name__ = method.__qualname__ = name
-    method.__doc__ = f"As :meth:`epoch_iter`, with ``{getter}``."
+    method.__doc__ = (f"As [`epoch_iter`][unienv_mp.sampler.SamplerBase.epoch_iter], with "
+                      f"``{getter}``.")
     return method
 
 
@@ -201,28 +202,32 @@ def _check_memory(s):
 
 class SamplerBase(BatchSampler):
     """The training process's side of a sampler whose batches are made by workers: the
-    ``sample*`` streams and their chunks, epochs, seeds and checkpoints, :meth:`stats`
-    and the lifecycle.  It owns its parts: its managers of workers (a
-    :class:`~unienv_mp._sampling.pools.Pools`), its epochs (an
-    :class:`~unienv_mp._sampling.epochs.Epochs`), and the wrapped sampler, whose
-    properties it passes on.  A manager runs the workers: a
-    :class:`~unienv_mp._process.manager.MultiProcessingSampleManager`, or any
-    :class:`~unienv_mp.backend.Manager`.  :class:`MultiprocessingSampler` runs them as
-    processes, :class:`unienv_mp.ray.RaySampler` as Ray actors; both give the same stream
-    of batches for the same seed.
+    ``sample*`` streams and their chunks, epochs, seeds and checkpoints,
+    [`stats`][unienv_mp.sampler.SamplerBase.stats] and the lifecycle.  It owns its parts:
+    its managers of workers (a `Pools`), its epochs (an `Epochs`), and the wrapped sampler,
+    whose properties it passes on.  A manager runs the workers: a
+    [`MultiProcessingSampleManager`][unienv_mp.MultiProcessingSampleManager], or any
+    [`Manager`][unienv_mp.backend.Manager].
+    [`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler] runs them as processes,
+    [`unienv_mp.ray.RaySampler`][unienv_mp.ray.RaySampler] as Ray actors; both give the same
+    stream of batches for the same seed.
 
     Subclasses call ``SamplerBase.__init__`` with the options every backend has (see
-    :class:`MultiprocessingSampler` for what they mean) and ``not_direct``: None if the
-    workers gather batches directly (see :mod:`unienv_mp._direct.gather`), else why not;
-    ``manager``: the manager of the ``sample*`` workers, if the subclass made it already
-    (any :class:`~unienv_mp.backend.Manager`).
+    [`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler] for what they mean) and
+    ``not_direct``: None if the workers gather batches directly (see
+    `unienv_mp._direct.gather`), else why not; ``manager``: the manager of the ``sample*``
+    workers, if the subclass made it already (any [`Manager`][unienv_mp.backend.Manager]).
 
     Extending (the methods a backend overrides; nothing else is meant to be):
-    :meth:`new_manager` returns a new manager of workers running
-    ``SamplerTarget(self.sampler)`` (required); :meth:`sampler_methods` the wrapped
-    sampler's method names; :meth:`row_nbytes` a batch row's size in bytes, or None;
-    :meth:`configuration` what a saved state must match; :meth:`epoch_manager` the
-    manager an epoch runs on; :meth:`check_epoch` refuses an epoch (by raising).
+    [`new_manager`][unienv_mp.sampler.SamplerBase.new_manager] returns a new manager of
+    workers running ``SamplerTarget(self.sampler)`` (required);
+    [`sampler_methods`][unienv_mp.sampler.SamplerBase.sampler_methods] the wrapped sampler's
+    method names; [`row_nbytes`][unienv_mp.sampler.SamplerBase.row_nbytes] a batch row's
+    size in bytes, or None; [`configuration`][unienv_mp.sampler.SamplerBase.configuration]
+    what a saved state must match;
+    [`epoch_manager`][unienv_mp.sampler.SamplerBase.epoch_manager] the manager an epoch runs
+    on; [`check_epoch`][unienv_mp.sampler.SamplerBase.check_epoch] refuses an epoch (by
+    raising).
     """
 
     def __init__(self, sampler, n_workers, n_buffers, *, in_order, copy, timeout, respawn,
@@ -277,7 +282,8 @@ class SamplerBase(BatchSampler):
 
     def new_manager(self):
         """A new manager of workers running ``SamplerTarget(self.sampler)``, which keeps
-        the :class:`unienv_mp.backend.Manager` protocol (see the class docstring)."""
+        the [`unienv_mp.backend.Manager`][unienv_mp.backend.Manager] protocol (see the class
+        docstring)."""
         raise NotImplementedError
 
     def sampler_methods(self):
@@ -290,12 +296,13 @@ class SamplerBase(BatchSampler):
 
     def row_nbytes(self, name):
         """Bytes per batch row of ``name``'s batches if they can be gathered directly,
-        else None (see :func:`unienv_mp._direct.gather.row_nbytes`): what the default
-        chunk size is made from."""
+        else None (see [`unienv_mp.gather.row_nbytes`][unienv_mp.gather.row_nbytes]): what
+        the default chunk size is made from."""
         return _gather.row_nbytes(self.sampler, name)
 
     def configuration(self, methods):
-        """What a state must match to be loaded (see :meth:`load_state_dict`): the wrapped
+        """What a state must match to be loaded (see
+        [`load_state_dict`][unienv_mp.sampler.SamplerBase.load_state_dict]): the wrapped
         sampler's configuration and the batches per task of ``methods`` and of every
         ``sample*`` method."""
         return _checkpoints.configuration(self, methods)
@@ -303,7 +310,8 @@ class SamplerBase(BatchSampler):
     def epoch_manager(self):
         """``(manager, own)``: the manager an epoch starting now runs on, and whether it
         is the epoch's own (closed when the epoch ends) or one that outlives it.  It
-        notes why (see :attr:`epoch_workers`).  Here: the ``sample*`` manager."""
+        notes why (see [`epoch_workers`][unienv_mp.sampler.SamplerBase.epoch_workers]).
+        Here: the ``sample*`` manager."""
         return self._pools.every_epoch_on_sample_workers()
 
     def check_epoch(self, getter):
@@ -378,14 +386,14 @@ class SamplerBase(BatchSampler):
                 raise
 
     def _chunk_size(self, name):
-        """Batches per task of ``name``'s stream (see :func:`_chunk_size`)."""
+        """Batches per task of ``name``'s stream (see `_chunk_size`)."""
         return _chunk_size(self, name)
 
     def stats(self, reset: bool = False):
         """Where the time went since the first request (or the last ``stats(reset=True)``),
-        as a :class:`~unienv_mp.SamplerStats`: batches handed out, the time spent waiting
-        for them, the batches ready, each worker's counters, and the bottleneck.  The
-        workers are the ``sample*`` workers (or, before there are any, those kept for
+        as a [`SamplerStats`][unienv_mp.SamplerStats]: batches handed out, the time spent
+        waiting for them, the batches ready, each worker's counters, and the bottleneck.
+        The workers are the ``sample*`` workers (or, before there are any, those kept for
         epochs, or those of the epoch being iterated).  ``reset=True``: the counters start
         again from zero once this is read."""
         with self._lock:
@@ -410,8 +418,10 @@ class SamplerBase(BatchSampler):
     def gather_path(self):
         """``"direct"``: workers gather ``sample()`` and epoch batches straight into the
         shared slots (see ``direct_gather``); ``"generic"``: they call the wrapped
-        sampler's methods (:attr:`gather_path_reason` says why); ``"in_process"``: the
-        data is on a GPU, and batches are made in this process (no workers)."""
+        sampler's methods
+        ([`gather_path_reason`][unienv_mp.sampler.SamplerBase.gather_path_reason] says why);
+        ``"in_process"``: the data is on a GPU, and batches are made in this process (no
+        workers)."""
         placement = self._placement
         if placement is not None and placement.kind == "in_process":
             return "in_process"
@@ -419,7 +429,8 @@ class SamplerBase(BatchSampler):
 
     @property
     def gather_path_reason(self):
-        """Why :attr:`gather_path` is ``"generic"`` (None when it is ``"direct"``)."""
+        """Why [`gather_path`][unienv_mp.sampler.SamplerBase.gather_path] is ``"generic"``
+        (None when it is ``"direct"``)."""
         return self._not_direct
 
     # -- sampling -------------------------------------------------------------------------
@@ -461,15 +472,17 @@ class SamplerBase(BatchSampler):
         """Which workers the latest epoch began on: ``"kept"`` (workers that were already
         running: the ``sample*`` workers, or those of an earlier epoch), ``"new"``
         (workers started for it), ``"in_process"`` (no workers: the data is on a GPU), or
-        None before the first epoch.  :attr:`epoch_workers_reason` says why (see
-        ``persistent_workers``)."""
+        None before the first epoch.
+        [`epoch_workers_reason`][unienv_mp.sampler.SamplerBase.epoch_workers_reason] says
+        why (see ``persistent_workers``)."""
         return self._pools.epoch_workers[0]
 
     @property
     def epoch_workers_reason(self):
-        """Why the latest epoch began on :attr:`epoch_workers`, in words: for example
-        ``"the data is unchanged since they started"``, ``"the data changed since the
-        workers started"``, or ``"whether the data changed cannot be told: a custom
+        """Why the latest epoch began on
+        [`epoch_workers`][unienv_mp.sampler.SamplerBase.epoch_workers], in words: for
+        example ``"the data is unchanged since they started"``, ``"the data changed since
+        the workers started"``, or ``"whether the data changed cannot be told: a custom
         function (my_mask), which may read anything (persistent_workers=True promises that
         it does not)"``.  None before the first epoch."""
         return self._pools.epoch_workers[1]
@@ -504,21 +517,23 @@ class SamplerBase(BatchSampler):
         RNGs (from which the next epochs' permutations are drawn), and the epochs being
         iterated, in the order they started (each one's permutation and which of its
         batches were handed out).  Batches requested ahead but not handed out yet are not
-        part of it.  See :meth:`load_state_dict`."""
+        part of it.  See
+        [`load_state_dict`][unienv_mp.sampler.SamplerBase.load_state_dict]."""
         with self._lock:
             return _checkpoints.state_of(self)
 
     def load_state_dict(self, state):
-        """Go on from ``state`` (from :meth:`state_dict` of a sampler built the same way:
-        the same kind of wrapped sampler, batch size, data length, batch structure and
+        """Go on from ``state`` (from
+        [`state_dict`][unienv_mp.sampler.SamplerBase.state_dict] of a sampler built the same
+        way: the same kind of wrapped sampler, batch size, data length, batch structure and
         ``batches_per_task``; ``n_workers``, ``n_buffers``, the start method and
-        ``direct_gather`` may differ, in this process or another).  The next batches of
-        each ``sample*`` method are those the original sampler would have handed out
-        next.  If epochs were being iterated, the next epoch iterators of the same kind
-        yield exactly the rest of each, in the order they started, and the one after
-        them starts a new epoch as the original's would have.  Raises ``ValueError``
-        (saying what differs) for a state of another configuration, or one that is not a
-        whole state; the sampler is then as it was."""
+        ``direct_gather`` may differ, in this process or another).  The next batches of each
+        ``sample*`` method are those the original sampler would have handed out next.  If
+        epochs were being iterated, the next epoch iterators of the same kind yield exactly
+        the rest of each, in the order they started, and the one after them starts a new
+        epoch as the original's would have.  Raises ``ValueError`` (saying what differs) for
+        a state of another configuration, or one that is not a whole state; the sampler is
+        then as it was."""
         with self._lock:
             base, rngs, streams, resume = _checkpoints.read_state(self, state)
             with _os.interrupts_deferred():   # (one step: a Ctrl-C cannot cut it in two)
@@ -541,11 +556,13 @@ class SamplerBase(BatchSampler):
     data = forwarded("sampler", "data", "The wrapped sampler's data (e.g. the ReplayBuffer).")
     rng = forwarded("sampler", "rng", """The wrapped sampler's RNG in this process.  The
         ``sample*`` streams' seed is read from its state when this sampler is made and by
-        :meth:`manual_seed`; setting it does not change the streams.""", settable=True)
+        [`manual_seed`][unienv_mp.sampler.SamplerBase.manual_seed]; setting it does not
+        change the streams.""", settable=True)
     data_rng = forwarded("sampler", "data_rng", """The wrapped sampler's data RNG in this
         process: epoch permutations are drawn from it.  The ``sample*`` streams' seed is
-        read from its state when this sampler is made and by :meth:`manual_seed`; setting
-        it does not change the streams.""", settable=True)
+        read from its state when this sampler is made and by
+        [`manual_seed`][unienv_mp.sampler.SamplerBase.manual_seed]; setting it does not
+        change the streams.""", settable=True)
     get_at = passed_on("get_at", "``get_at`` of the wrapped sampler, in this process.")
     get_at_with_metadata = passed_on("get_at_with_metadata", "``get_at_with_metadata`` of "
                                      "the wrapped sampler, in this process.")
@@ -559,7 +576,7 @@ class SamplerBase(BatchSampler):
 
     @property
     def closed(self):
-        """True once :meth:`close` was called."""
+        """True once [`close`][unienv_mp.sampler.SamplerBase.close] was called."""
         return self._closed
 
     def close(self):
@@ -624,11 +641,12 @@ class MultiprocessingSampler(SamplerBase):
             bit; ``sample_index()`` stays on the data's device, as UniEnv's does.  Data
             already on a GPU (a ReplayBuffer over CUDA storages): no workers; batches are
             made in this process, with one ``index_select`` per array where the data is
-            a ReplayBuffer of tensors (:attr:`gather_path` ``"in_process"``).  Other
-            samplers whose ``device`` is a GPU are refused with ``ValueError``, and
-            ``device="cuda"`` without CUDA here with a ``RuntimeError`` that says why.
-            A device error (out of memory) in ``sample*`` puts the batch back for the
-            next call; in an epoch it ends the epoch, as a worker's error does.
+            a ReplayBuffer of tensors
+            ([`gather_path`][unienv_mp.MultiprocessingSampler.gather_path]
+            ``"in_process"``).  Other samplers whose ``device`` is a GPU are refused with
+            ``ValueError``, and ``device="cuda"`` without CUDA here with a ``RuntimeError``
+            that says why.  A device error (out of memory) in ``sample*`` puts the batch
+            back for the next call; in an epoch it ends the epoch, as a worker's error does.
             ``copy`` has no effect on device batches (they are copies).
         n_workers: worker processes.
         n_buffers: batches requested ahead of the caller, per method.
@@ -643,7 +661,7 @@ class MultiprocessingSampler(SamplerBase):
         in_order: ``True`` (default): batches come back in the order of the stream (the
             ``j``-th batch of a ``sample*`` method depends only on the seed and ``j``:
             not on ``n_workers``, ``n_buffers``, the start method, ``direct_gather`` or
-            workers dying; see :mod:`unienv_mp._sampling.streams`).  ``False``: each call returns
+            workers dying; see `unienv_mp._sampling.streams`).  ``False``: each call returns
             the first batch ready; the same batches come, possibly in another order.
         copy: ``False`` (default): arrays of a batch are zero-copy views of a shared slot.
             They are safe to keep: the slot is reused only after every array of the batch
@@ -654,17 +672,18 @@ class MultiprocessingSampler(SamplerBase):
             wait as long as the workers are alive).
         respawn: ``True`` (default): a worker that dies is replaced and its unfinished
             batches are requested again, so the caller sees no gap; ``False``: raise
-            :class:`~unienv_mp.WorkerDiedError`.
+            [`WorkerDiedError`][unienv_mp.WorkerDiedError].
         direct_gather: ``None`` (default): where the wrapped sampler's batches are rows of
             tensors held in memory (a ``StepSampler`` over a ``ReplayBuffer`` of
             ``PytorchTensorStorage``, ``DictStorage`` or ``FlattenedStorage``; see
-            :mod:`unienv_mp._direct.gather`), workers draw the indices with the wrapped sampler's
+            `unienv_mp._direct.gather`), workers draw the indices with the wrapped sampler's
             own RNG and gather the rows straight into the shared slot, with no
             intermediate batch; everything else runs the wrapped sampler's methods.
             ``True``: require that, raising ``ValueError`` (saying why) if it does not
             apply.  ``False``: always run the wrapped sampler's methods.  Both paths give
-            the same batches, bit for bit, for the same seed; :attr:`gather_path` says
-            which one ``sample()`` and ``epoch_iter()`` take.
+            the same batches, bit for bit, for the same seed;
+            [`gather_path`][unienv_mp.MultiprocessingSampler.gather_path] says which one
+            ``sample()`` and ``epoch_iter()`` take.
         batches_per_task: how many batches of a ``sample*`` method one task makes: a
             chunk of the method's stream, which the worker draws one batch after the
             other after seeding the wrapped sampler for that chunk.  ``None`` (default):
@@ -684,32 +703,33 @@ class MultiprocessingSampler(SamplerBase):
         stall_timeout: seconds a worker may spend on one task (default: no limit).  A
             worker found on one task for longer is killed and replaced, after its Python
             stacks are taken; with ``respawn`` a ``RuntimeWarning`` carries them and the
-            task is made again (given up, with :class:`~unienv_mp.WorkerStalledError`,
-            after ``max_respawns + 1`` stalls in a row), without, the call raises
-            ``WorkerStalledError``.  One that takes none of the tasks waiting for it for
-            longer (stopped, say) is replaced, with the warning (see the manager's
-            ``stall_timeout``).
+            task is made again (given up, with
+            [`WorkerStalledError`][unienv_mp.WorkerStalledError], after ``max_respawns + 1``
+            stalls in a row), without, the call raises ``WorkerStalledError``.  One that
+            takes none of the tasks waiting for it for longer (stopped, say) is replaced,
+            with the warning (see the manager's ``stall_timeout``).
         persistent_workers: whether epochs over data not shared between processes run on
             workers that already exist (DataLoader's name).  Workers hold a copy of such
             data as it was when they started, and an epoch covers the data as it is when
             it starts.  ``None`` (default): an epoch runs on existing workers (the
             ``sample*`` workers, or those of an earlier epoch, which are kept for the
             next) exactly when their copy is still the data as it is now, which is told
-            by an exact fingerprint of the data (see :mod:`unienv_mp._sampling.fingerprint`:
+            by an exact fingerprint of the data (see `unienv_mp._sampling.fingerprint`:
             torch tensors' identities, data pointers and version counters, the
-            ReplayBuffer's count and offset); where it cannot be told (a custom sampler
-            or storage, memory-mapped or file-backed data), each epoch starts workers of
-            its own; :attr:`epoch_workers_reason` says which.  UniEnv's views of such
-            buffers are told too.  Writes that bypass a tensor's version counter
-            (through ``tensor.numpy()``, ``tensor.data``, ``tensor.untyped_storage()``)
-            are not seen: pass ``False`` if the data is written that way.  ``True``: the caller
-            promises that the data does not change: epochs run on the existing workers
-            whatever the storage, unless the data's length changed (then on new ones).
-            ``False``: each epoch over unshared data starts workers of its own, and they
-            end with it (UniEnv's behaviour).  The
+            ReplayBuffer's count and offset); where it cannot be told (a custom sampler or
+            storage, memory-mapped or file-backed data), each epoch starts workers of its
+            own;
+            [`epoch_workers_reason`][unienv_mp.MultiprocessingSampler.epoch_workers_reason]
+            says which.  UniEnv's views of such buffers are told too.  Writes that bypass a
+            tensor's version counter (through ``tensor.numpy()``, ``tensor.data``,
+            ``tensor.untyped_storage()``) are not seen: pass ``False`` if the data is
+            written that way.  ``True``: the caller promises that the data does not change:
+            epochs run on the existing workers whatever the storage, unless the data's
+            length changed (then on new ones).  ``False``: each epoch over unshared data
+            starts workers of its own, and they end with it (UniEnv's behaviour).  The
             batches are the same in every case, bit for bit, as long as the promise of
-            ``True`` holds.  The ``sample*`` workers started at the first ``sample*``
-            call are those kept for epochs, if their copy is current then.
+            ``True`` holds.  The ``sample*`` workers started at the first ``sample*`` call
+            are those kept for epochs, if their copy is current then.
         pin_memory: ``True``: CPU batches are handed out from page-locked slots (each
             slot registered with CUDA once), as torch's ``DataLoader(pin_memory=True)``
             hands out pinned batches, so that the caller's own ``.to("cuda",
@@ -723,9 +743,9 @@ class MultiprocessingSampler(SamplerBase):
             (``ValueError``).  A batch that is not in a slot is not page-locked: a small
             one (4 KiB or less travels inside its ring entry), or one copied out because
             the caller holds more than ``2 * n_workers + 8`` slots' batches at once
-            (``stats().device.pageable_leaves`` counts them).  :meth:`close` waits for
-            the work queued on the GPU, then unregisters the slots: batches held after
-            it are ordinary memory.
+            (``stats().device.pageable_leaves`` counts them).
+            [`close`][unienv_mp.MultiprocessingSampler.close] waits for the work queued on
+            the GPU, then unregisters the slots: batches held after it are ordinary memory.
 
     Limits (each refused with a ``ValueError`` that names the bound and its number here):
     ``n_workers`` at most ``max(64, 8 * CPUs)``, the CPUs this process may run on;
@@ -737,24 +757,27 @@ class MultiprocessingSampler(SamplerBase):
     ``n_workers``, ``doze_time``, ``timeout`` and ``stall_timeout``, and ``max_respawns``
     up to 1e9, ``max_leases`` up to 1,000,000.
 
-    :meth:`stats` says where the time goes.  :meth:`state_dict` and
-    :meth:`load_state_dict` save and restore the position of every
-    stream and of an epoch in progress.  A call cut short (Ctrl-C, ``timeout``) does not
-    move the position.  A worker that raises does not end the sampler: the call that
-    needed that batch raises :class:`~unienv_mp.WorkerError` (with the worker's
-    traceback) and later calls work.
-    After :meth:`close` every method raises ``RuntimeError``.
+    [`stats`][unienv_mp.MultiprocessingSampler.stats] says where the time goes.
+    [`state_dict`][unienv_mp.MultiprocessingSampler.state_dict] and
+    [`load_state_dict`][unienv_mp.MultiprocessingSampler.load_state_dict] save and restore
+    the position of every stream and of an epoch in progress.  A call cut short (Ctrl-C,
+    ``timeout``) does not move the position.  A worker that raises does not end the sampler:
+    the call that needed that batch raises [`WorkerError`][unienv_mp.WorkerError] (with the
+    worker's traceback) and later calls work.  After
+    [`close`][unienv_mp.MultiprocessingSampler.close] every method raises ``RuntimeError``.
 
-    Threads: the ``sample*`` methods, :meth:`stats`, :meth:`state_dict`,
-    :meth:`load_state_dict` and :meth:`manual_seed` may be called from any thread; calls
-    are serialised (a lock: a second thread waits while the first waits for its batch),
-    and every batch goes to exactly one caller.  An epoch iterator is a generator: one
-    thread at a time may advance it (Python raises ``ValueError`` otherwise), while other
-    threads sample or run epochs of their own.  :meth:`close` is safe from any thread at
-    any moment: a call running meanwhile raises ``RuntimeError``, and no worker starts
-    after it returns.  A forked child cannot use its parent's sampler: its first call
-    raises ``RuntimeError``, before any batch (see the README on batches held across a
-    fork).
+    Threads: the ``sample*`` methods, [`stats`][unienv_mp.MultiprocessingSampler.stats],
+    [`state_dict`][unienv_mp.MultiprocessingSampler.state_dict],
+    [`load_state_dict`][unienv_mp.MultiprocessingSampler.load_state_dict] and
+    [`manual_seed`][unienv_mp.MultiprocessingSampler.manual_seed] may be called from any
+    thread; calls are serialised (a lock: a second thread waits while the first waits for
+    its batch), and every batch goes to exactly one caller.  An epoch iterator is a
+    generator: one thread at a time may advance it (Python raises ``ValueError`` otherwise),
+    while other threads sample or run epochs of their own.
+    [`close`][unienv_mp.MultiprocessingSampler.close] is safe from any thread at any moment:
+    a call running meanwhile raises ``RuntimeError``, and no worker starts after it returns.
+    A forked child cannot use its parent's sampler: its first call raises ``RuntimeError``,
+    before any batch (see the README on batches held across a fork).
     """
 
     def __init__(

@@ -71,8 +71,8 @@ def configuration(sampler, chunk_sizes):
 
 def check(state, here):
     """Raise Refused (a ``ValueError``) unless ``state`` is a state of this format whose
-    configuration matches ``here`` (see :func:`configuration`) and whose base seed is a
-    64-bit number; the message says what differs."""
+    configuration matches ``here`` (see `configuration`) and whose base seed is a 64-bit
+    number; the message says what differs."""
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise Refused(f"not a state_dict() of a unienv_mp MultiprocessingSampler: "
                       f"{type(state).__name__} without format {FORMAT!r}")
@@ -105,10 +105,10 @@ def capture_rngs(sampler):
 
 
 def rebuilt_rngs(rngs, sampler=None):
-    """``{name: RNG}`` in the states of ``rngs`` (see :func:`capture_rngs`), for
-    :func:`give_rngs`; raises (and changes nothing) for what is not such a value, or,
-    given the wrapped ``sampler``, an RNG of another type than the one it has (or one
-    where it has none, or none where it has one)."""
+    """``{name: RNG}`` in the states of ``rngs`` (see `capture_rngs`), for `give_rngs`;
+    raises (and changes nothing) for what is not such a value, or, given the wrapped
+    ``sampler``, an RNG of another type than the one it has (or one where it has none, or
+    none where it has one)."""
     if not isinstance(rngs, dict):
         raise TypeError(f"rngs is a {type(rngs).__name__}, not a dict")
     out = {name: _restored_rng(rngs[name]) for name in _RNGS if name in rngs}
@@ -123,20 +123,20 @@ def rebuilt_rngs(rngs, sampler=None):
 
 
 def give_rngs(sampler, rebuilt):
-    """Give the wrapped sampler the RNGs of :func:`rebuilt_rngs`."""
+    """Give the wrapped sampler the RNGs of `rebuilt_rngs`."""
     for name, rng in rebuilt.items():
         setattr(sampler, name, rng)
 
 
 def restore_rngs(sampler, rngs):
-    """Give the wrapped sampler RNGs in the states of ``rngs`` (see :func:`capture_rngs`)."""
+    """Give the wrapped sampler RNGs in the states of ``rngs`` (see `capture_rngs`)."""
     give_rngs(sampler, rebuilt_rngs(rngs))
 
 
 def check_stream(name, position, methods, k, ahead):
     """Raise Refused unless ``position`` (a stream's, read from a state) is one of a
     ``sample*`` method in ``methods`` that makes ``k`` batches per task: chunk numbers
-    and counts that can be (see :meth:`unienv_mp._sampling.streams.Stream.position`), chunks
+    and counts that can be (see `unienv_mp._sampling.streams.Stream.position`), chunks
     handed out ahead of the first one not handed out at most ``ahead`` chunks on."""
     if name not in methods:
         raise Refused(f"the state has a stream of {name!r}, which the wrapped sampler "

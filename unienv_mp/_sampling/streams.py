@@ -11,28 +11,27 @@ whether one died and its chunk was made again, how many batches are requested ah
 which path (direct or generic) made it.
 
 **Seeds.**  The base is taken from the wrapped sampler's RNG state without drawing from it
-(:func:`base_seed`), so a sampler's epochs, drawn from that RNG in the parent, stay
-UniEnv's.  A stream's key is ``mix(mix(base) ^ crc32(method))``, with ``mix`` SplitMix64's
-finaliser (Steele, Lea and Flood, "Fast splittable pseudorandom number generators",
-OOPSLA 2014).  Chunk ``c``'s seed (:func:`chunk_seed`) is a 32-bit number: a keyed
-bijection of ``c`` modulo 2**32 (the key's low half added, MurmurHash3's 32-bit finaliser,
-the key's high half xored in).  32 bits because torch's CPU generator, which UniEnv's
-torch samplers use, keeps only the low 32 bits of a seed (mt19937's seeding): with wider
-seeds, two chunks of a long stream would share a seed by the birthday bound (one pair
-expected among some 77,000 chunks) and repeat each other's batches.  A bijection gives the
-first 2**32 chunks of a stream distinct seeds; the finaliser decorrelates the seeds of
-neighbouring chunks, and the key those of different methods and base seeds.
+(`base_seed`), so a sampler's epochs, drawn from that RNG in the parent, stay UniEnv's.  A
+stream's key is ``mix(mix(base) ^ crc32(method))``, with ``mix`` SplitMix64's finaliser
+(Steele, Lea and Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014).
+Chunk ``c``'s seed (`chunk_seed`) is a 32-bit number: a keyed bijection of ``c`` modulo
+2**32 (the key's low half added, MurmurHash3's 32-bit finaliser, the key's high half xored
+in).  32 bits because torch's CPU generator, which UniEnv's torch samplers use, keeps only
+the low 32 bits of a seed (mt19937's seeding): with wider seeds, two chunks of a long stream
+would share a seed by the birthday bound (one pair expected among some 77,000 chunks) and
+repeat each other's batches.  A bijection gives the first 2**32 chunks of a stream distinct
+seeds; the finaliser decorrelates the seeds of neighbouring chunks, and the key those of
+different methods and base seeds.
 
 **Position.** What the caller has been handed is a set of whole chunks and a part of one:
 every chunk below ``low``, the chunks in ``done`` (above ``low``: handed out out of order,
 with ``in_order=False``), and the first ``k - len(ready)`` batches of ``ready_chunk``.
 Chunks whose task raised count as handed out (their batches are skipped).  Batches
-requested ahead are not part of the position: :meth:`Stream.position` and
-:meth:`Stream.from_position` save and restore it, and :meth:`Stream.reset` forgets what
-was requested, to be asked for again.
+requested ahead are not part of the position: `Stream.position` and `Stream.from_position`
+save and restore it, and `Stream.reset` forgets what was requested, to be asked for again.
 
-**With a manager.**  :func:`forget_requests` drops every request of a call cut short, to
-be asked for again.
+**With a manager.**  `forget_requests` drops every request of a call cut short, to be asked
+for again.
 """
 import collections
 import hashlib
@@ -105,12 +104,12 @@ def base_seed(sampler):
 class Stream:
     """The chunks of ``method``'s stream (``k`` batches each) for base seed ``base``: what
     was requested (``tickets``, in the order of their chunks, and ``chunk_of``; see
-    :meth:`top_up`), the batches of the chunk being handed out (``ready``, from
-    ``ready_chunk``), and the position (see the module's docstring).
+    `top_up`), the batches of the chunk being handed out (``ready``, from ``ready_chunk``),
+    and the position (see the module's docstring).
 
     Cut short anywhere by a Ctrl-C, the requests may be out of step with ``tickets``: the
-    caller then cancels ``tickets`` and calls :meth:`reset`.  The position is safe at
-    every step: it is read from ``low``, ``done`` and what is left in ``ready``."""
+    caller then cancels ``tickets`` and calls `reset`.  The position is safe at every step:
+    it is read from ``low``, ``done`` and what is left in ``ready``."""
     __slots__ = ("method", "k", "key", "tickets", "chunk_of", "ready", "ready_chunk", "low",
                  "done", "next_new", "retry", "skip", "filling")
 
@@ -218,7 +217,7 @@ class Stream:
             self.filling = None
 
     def position(self):
-        """The position as plain data (see :meth:`from_position`)."""
+        """The position as plain data (see `from_position`)."""
         self._drop_filling()
         self.finish_ready()
         partial = dict(self.skip)
@@ -229,7 +228,7 @@ class Stream:
     @classmethod
     def from_position(cls, method, base, position):
         """A stream of ``method`` for ``base`` whose caller has been handed what
-        ``position`` (from :meth:`position`) says; nothing requested yet."""
+        ``position`` (from `position`) says; nothing requested yet."""
         s = cls(method, position["k"], base)
         s.low = position["low"]
         s.done = set(position["done"])

@@ -1,6 +1,6 @@
-"""What the sampler and UniEnv's helpers (:mod:`unienv_mp.compat`) share: the work function
-their workers run, and what they draw in the parent with the wrapped sampler's RNG (the
-workers' seeds, an epoch's permutation)."""
+"""What the sampler and UniEnv's helpers (`unienv_mp.compat`) share: the work function their
+workers run, and what they draw in the parent with the wrapped sampler's RNG (the workers'
+seeds, an epoch's permutation)."""
 import copy as _copy
 import sys
 
@@ -22,18 +22,19 @@ class SamplerTarget:
     ``fn``, for a method name of ``None``).  A work item is either
 
     * ``(method, seed, k)``: a chunk of a ``sample*`` method's stream (see
-      :mod:`unienv_mp._sampling.streams`): the sampler's RNGs are seeded with ``seed``, as
+      `unienv_mp._sampling.streams`): the sampler's RNGs are seeded with ``seed``, as
       ``manual_seed(seed)`` would seed them, then ``k`` batches are drawn one after the
       other and come back as a tuple; or
     * ``(method, argument)``: one call, ``method()`` for an argument of ``NO_ARG`` or
       ``method(argument)`` (e.g. the indices of a ``get*_at`` method).
 
-    With ``direct=True`` the methods a direct plan serves (see :mod:`unienv_mp._direct.gather`)
+    With ``direct=True`` the methods a direct plan serves (see `unienv_mp._direct.gather`)
     return a batch that the worker gathers straight into its slot; the plan is made in the
     worker, from the worker's own sampler, at the first such task.
 
     Picklable for spawn and forkserver: the sampler travels as a shallow copy without its
-    random number generators (made again in the worker by :meth:`reseed`).
+    random number generators (made again in the worker by
+    [`reseed`][unienv_mp.sampler.SamplerTarget.reseed]).
     """
     _RNG_ATTRS = ("rng", "data_rng")
 
@@ -161,8 +162,7 @@ def epoch_order(sampler):
 
 
 def epoch_batches(sampler):
-    """:func:`epoch_order` split into batches of ``sampler.batch_size``, the last one
-    partial."""
+    """`epoch_order` split into batches of ``sampler.batch_size``, the last one partial."""
     return split_epoch(epoch_order(sampler), sampler.batch_size)
 
 

@@ -1,13 +1,12 @@
 """The transport: how bytes cross between processes.  Nothing here knows UniEnv or a
 sampler.
 
-* :mod:`.ring`: single-producer single-consumer rings, events and shared-memory segments
-  (the Cython face of ``csrc/umr_ring.c`` and ``csrc/umr_shm.c``).
-* :mod:`.codec`: the slot codec, pytrees of arrays in one flat frame.
-* :mod:`.protocol`: the wire format of a ring entry, shared by both users of the rings.
-* :mod:`.headroom`: the memory left for a new segment.
-* :mod:`.shm_queue`: ``ShmQueue``, a ``multiprocessing.Queue`` on a ring.
+* `.ring`: single-producer single-consumer rings, events and shared-memory segments (the
+  Cython face of ``csrc/umr_ring.c`` and ``csrc/umr_shm.c``).
+* `.codec`: the slot codec, pytrees of arrays in one flat frame.
+* `.protocol`: the wire format of a ring entry, shared by both users of the rings.
+* `.headroom`: the memory left for a new segment.
+* `.shm_queue`: ``ShmQueue``, a ``multiprocessing.Queue`` on a ring.
 
-May import: :mod:`unienv_mp.errors` and :mod:`unienv_mp._validate`, nothing else of the
-package.
+May import: `unienv_mp.errors` and `unienv_mp._validate`, nothing else of the package.
 """

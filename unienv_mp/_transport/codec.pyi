@@ -27,8 +27,8 @@ The description holds shapes and offsets but no data, so a stream of same-shaped
 repeats the same description byte for byte: the decoder keys its cache of parsed plans on
 those bytes and, on a hit, only makes the views.  Everything read from a slot is checked
 against the slot's bounds before use; a slot that is not a valid encoding raises
-:class:`~unienv_mp.CodecError`.  (The blob is unpickled: like ``multiprocessing``, the
-codec trusts the processes it shares memory with not to send hostile pickles.)
+`CodecError`.  (The blob is unpickled: like ``multiprocessing``, the codec trusts the
+processes it shares memory with not to send hostile pickles.)
 """
 from collections.abc import Callable
 from typing import Any, Final
@@ -53,13 +53,13 @@ class Prepared:
     def nbytes(self) -> int: ...
     def array_layout(self) -> list[tuple[Any, int, int]]:
         """``[(leaf, offset, nbytes)]`` for every array leaf, in encoding order: where
-        :func:`write` copies each leaf, and where :func:`write_frame` leaves room for it
-        (``leaf`` is the object given to :func:`prepare`)."""
+        `write` copies each leaf, and where `write_frame` leaves room for it (``leaf`` is
+        the object given to `prepare`)."""
 
 def prepare(obj: object) -> Prepared:
-    """Walk ``obj`` and lay out its encoding; returns a :class:`Prepared` whose ``nbytes``
-    says how large a slot must be.  Raises :class:`CodecError` for tensors that are not on
-    the CPU, and whatever pickling raises for an unpicklable non-array leaf."""
+    """Walk ``obj`` and lay out its encoding; returns a `Prepared` whose ``nbytes`` says how
+    large a slot must be.  Raises `CodecError` for tensors that are not on the CPU, and
+    whatever pickling raises for an unpicklable non-array leaf."""
 
 def write(p: Prepared, buffer: WriteableBuffer) -> int:
     """Write a prepared encoding at the start of the writable ``buffer`` (at least
@@ -68,8 +68,8 @@ def write(p: Prepared, buffer: WriteableBuffer) -> int:
 def write_frame(p: Prepared, buffer: WriteableBuffer) -> int:
     """Write everything of a prepared encoding but its array data: the header, the tree
     description and the pickled leaves.  The caller fills each array's bytes itself, at
-    the offsets of :meth:`Prepared.array_layout` (e.g. gathering rows straight into the
-    slot); until it has, the encoding decodes to whatever those bytes hold."""
+    the offsets of `Prepared.array_layout` (e.g. gathering rows straight into the slot);
+    until it has, the encoding decodes to whatever those bytes hold."""
 
 def encode_prepared(p: Prepared) -> bytearray:
     """Write a prepared encoding into a new ``bytearray`` of ``p.nbytes``."""
@@ -101,14 +101,14 @@ class SlotLease:
     def __release_buffer__(self, buffer: memoryview, /) -> None: ...
 
 def decode(buffer: ReadableBuffer, copy: bool = False) -> Any:
-    """Decode the encoding at the start of ``buffer`` (a :class:`SlotLease`, or any
-    bytes-like object).
+    """Decode the encoding at the start of ``buffer`` (a `SlotLease`, or any bytes-like
+    object).
 
     With ``copy=False`` every array of the result is a view of ``buffer`` and holds it (its
     ``base``, through ``torch.from_numpy`` for tensors): a lease is released only when the
     last view is gone.  With ``copy=True`` the arrays own their memory and nothing refers to
-    ``buffer`` afterwards.  Raises :class:`CodecError` when the bytes are not a valid
-    encoding; never reads outside ``buffer``.
+    ``buffer`` afterwards.  Raises `CodecError` when the bytes are not a valid encoding;
+    never reads outside ``buffer``.
     """
 
 def clear_plan_cache() -> None:

@@ -28,8 +28,8 @@ The description holds shapes and offsets but no data, so a stream of same-shaped
 repeats the same description byte for byte: the decoder keys its cache of parsed plans on
 those bytes and, on a hit, only makes the views.  Everything read from a slot is checked
 against the slot's bounds before use; a slot that is not a valid encoding raises
-:class:`~unienv_mp.CodecError`.  (The blob is unpickled: like ``multiprocessing``, the
-codec trusts the processes it shares memory with not to send hostile pickles.)
+`CodecError`.  (The blob is unpickled: like ``multiprocessing``, the codec trusts the
+processes it shares memory with not to send hostile pickles.)
 """
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int64_t
 from libc.string cimport memcmp, memcpy, memset
@@ -147,8 +147,8 @@ cdef class Prepared:
 
     def array_layout(self):
         """``[(leaf, offset, nbytes)]`` for every array leaf, in encoding order: where
-        :func:`write` copies each leaf, and where :func:`write_frame` leaves room for it
-        (``leaf`` is the object given to :func:`prepare`)."""
+        `write` copies each leaf, and where `write_frame` leaves room for it (``leaf`` is
+        the object given to `prepare`)."""
         if self.arrays is None:
             raise CodecError("not a prepared encoding: use prepare()")
         return [(source, off, nbytes) for source, kind, off, nbytes in self.arrays]
@@ -287,9 +287,9 @@ cdef object _class_name(type t):
 
 
 def prepare(obj):
-    """Walk ``obj`` and lay out its encoding; returns a :class:`Prepared` whose ``nbytes``
-    says how large a slot must be.  Raises :class:`CodecError` for tensors that are not on
-    the CPU, and whatever pickling raises for an unpicklable non-array leaf."""
+    """Walk ``obj`` and lay out its encoding; returns a `Prepared` whose ``nbytes`` says how
+    large a slot must be.  Raises `CodecError` for tensors that are not on the CPU, and
+    whatever pickling raises for an unpicklable non-array leaf."""
     cdef _Walker w = _Walker()
     w.walk(obj, 0)
     cdef Prepared p = Prepared.__new__(Prepared)
@@ -376,8 +376,8 @@ def write(Prepared p, buffer):
 def write_frame(Prepared p, buffer):
     """Write everything of a prepared encoding but its array data: the header, the tree
     description and the pickled leaves.  The caller fills each array's bytes itself, at
-    the offsets of :meth:`Prepared.array_layout` (e.g. gathering rows straight into the
-    slot); until it has, the encoding decodes to whatever those bytes hold."""
+    the offsets of `Prepared.array_layout` (e.g. gathering rows straight into the slot);
+    until it has, the encoding decodes to whatever those bytes hold."""
     return _write(p, buffer, False)
 
 
@@ -813,14 +813,14 @@ cdef object _build(tuple node, char *base, bint readonly, object owner, bint cop
 
 
 def decode(buffer, copy=False):
-    """Decode the encoding at the start of ``buffer`` (a :class:`SlotLease`, or any
-    bytes-like object).
+    """Decode the encoding at the start of ``buffer`` (a `SlotLease`, or any bytes-like
+    object).
 
     With ``copy=False`` every array of the result is a view of ``buffer`` and holds it (its
     ``base``, through ``torch.from_numpy`` for tensors): a lease is released only when the
     last view is gone.  With ``copy=True`` the arrays own their memory and nothing refers to
-    ``buffer`` afterwards.  Raises :class:`CodecError` when the bytes are not a valid
-    encoding; never reads outside ``buffer``.
+    ``buffer`` afterwards.  Raises `CodecError` when the bytes are not a valid encoding;
+    never reads outside ``buffer``.
     """
     cdef Py_buffer view
     cdef uint32_t magic, meta_len, n_arrays, n_objects

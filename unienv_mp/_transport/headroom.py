@@ -4,8 +4,8 @@ A segment's memory is reserved when it is made (``fallocate``, see ``csrc/umr_sh
 Under Linux's default overcommit policy the kernel does not refuse a reservation that is
 larger than the memory left: it reclaims, then calls the OOM killer, which kills the
 largest process on the machine (or in the memory cgroup), perhaps not this one.  So
-:func:`check` refuses, with a ``MemoryError`` that says how much was asked for and how much
-is left, a segment larger than the kernel's own estimate of what is available:
+`check` refuses, with a ``MemoryError`` that says how much was asked for and how much is
+left, a segment larger than the kernel's own estimate of what is available:
 
 * the machine's ``MemAvailable`` plus free swap (``/proc/meminfo``), and
 * for each memory cgroup above this process that has a limit (a container's, a job's):

@@ -1,6 +1,6 @@
 """The wire format of both transports: what goes into their shared segments and ring entries.
 
-Both transports speak in *tagged entries* (:meth:`RingBuffer.push_tagged`): a header of
+Both transports speak in *tagged entries* (`RingBuffer.push_tagged`): a header of
 ``ENTRY_HEADER`` bytes (``tag`` u32, ``aux`` u32, ``value`` u64), then a payload.  The tag
 says where the bytes of the message are and what kind of message it is::
 
@@ -14,13 +14,13 @@ says where the bytes of the message are and what kind of message it is::
             task entries:    ENC_PICKLE, ENC_CODEC (how the work info is encoded), OP_STOP
             result entries:  ST_OK, ST_ERROR, ST_FATAL           (how the task ended)
 
-**ShmQueue** (:mod:`unienv_mp._transport.shm_queue`): one segment holds a header (``QUEUE_HEADER``), the
+**ShmQueue** (`unienv_mp._transport.shm_queue`): one segment holds a header (``QUEUE_HEADER``), the
 message ring, the free ring of slot numbers and the slots.  A message entry is
 ``(tag(enc, where), slot, nbytes, payload)``.  A spill's payload is ``QUEUE_SPILL_DESC``;
 the spill segment holds ``QUEUE_SPILL_ACK``, set by the receiver once it has mapped it,
 and the data from ``QUEUE_SPILL_DATA`` on.
 
-**Manager and workers** (:mod:`unienv_mp._process.manager`, :mod:`unienv_mp._process.worker`): each worker
+**Manager and workers** (`unienv_mp._process.manager`, `unienv_mp._process.worker`): each worker
 owns one segment, created by the parent::
 
     0          header (WORKER_HEADER)
@@ -30,15 +30,15 @@ owns one segment, created by the parent::
 
 A task entry is ``(tag(enc, where), slot, ticket, payload)``: run the target on the work
 info and write the result into the worker's slot number ``slot``.  The work info is a
-pickle (``ENC_PICKLE``, inline: the small immutable items of :func:`is_simple`, such as a
+pickle (``ENC_PICKLE``, inline: the small immutable items of `is_simple`, such as a
 sampler's ``(method, seed, k)``) or encoded with the slot codec (``ENC_CODEC``, arrays
-zero-copy), inline or in a spill segment of the parent's (payload: ``TASK_SPILL_DESC``).  A result
-entry is ``(tag(status, where), slot, ticket, payload)``: the encoded result inline, or
-``SLOT_DESC``, the slot segment it was written into (the worker creates and grows its own
+zero-copy), inline or in a spill segment of the parent's (payload: ``TASK_SPILL_DESC``).  A
+result entry is ``(tag(status, where), slot, ticket, payload)``: the encoded result inline,
+or ``SLOT_DESC``, the slot segment it was written into (the worker creates and grows its own
 slots; the parent maps each through ``/proc/<worker>/fd`` the first time it sees it).  With
 ``ST_ERROR`` (and ``ST_FATAL``: the worker could not start and exits) the result is the
-error description made by :func:`unienv_mp.errors.error_payload`.  A work function may return
-a :class:`SlotWriter`, which writes its result into the slot itself.
+error description made by `unienv_mp.errors.error_payload`.  A work function may return a
+`SlotWriter`, which writes its result into the slot itself.
 """
 import struct
 
@@ -100,11 +100,11 @@ TASK_SPILL_DESC = struct.Struct("<qiQQQ")
 class SlotWriter:
     """A result that writes itself into the worker's memory, instead of being encoded by
     the codec: what a work function returns to gather a batch straight into a slot (see
-    :mod:`unienv_mp._direct.gather`).
+    `unienv_mp._direct.gather`).
 
     ``nbytes``: the bytes it needs.  ``write_into(buffer, cache)`` writes a complete slot
-    encoding (as :func:`_codec.write` would) at the start of ``buffer``, a writable buffer
-    of at least ``nbytes``; ``cache`` is a dict that lives as long as that buffer does, for
+    encoding (as `_codec.write` would) at the start of ``buffer``, a writable buffer of at
+    least ``nbytes``; ``cache`` is a dict that lives as long as that buffer does, for
     whatever the writer keeps per buffer (views of it, typically).
     """
     __slots__ = ()

@@ -36,25 +36,26 @@ def segment_from_peer(pid: int, fd: int, ino: int, size: int, name: str,
     """Attach the segment that live process ``pid`` holds as its descriptor ``fd``
     (through ``/proc/<pid>/fd``), checking that it is the one of inode ``ino`` and at least
     ``size`` bytes; ``name`` names it in errors.  This is how a process maps a segment that
-    another one described in a message, and how a pickled :class:`Segment` is unpickled
-    while its sender lives.  Raises :class:`~unienv_mp.PeerGoneError` if that
-    process has exited or closed the descriptor.  ``copy_on_write``: map it copy-on-write
-    (see :meth:`Segment.create`)."""
+    another one described in a message, and how a pickled `Segment` is unpickled while its
+    sender lives.  Raises `PeerGoneError` if that process has exited or closed the
+    descriptor.  ``copy_on_write``: map it copy-on-write (see `Segment.create`)."""
 
 @disjoint_base
 class Segment:
     """A block of shared memory that other processes can map: an anonymous ``memfd``.
 
-    Lifecycle, as for :class:`multiprocessing.shared_memory.SharedMemory`:
-    ``Segment.create(size)`` makes one; pickling it (as a Process argument, or through a
-    queue while this process lives) lets another process attach; :meth:`close` releases it
-    in this process; :meth:`unlink` stops new processes from attaching.  Nothing is ever
-    created under ``/dev/shm``: the memory is returned to the system when the last process
-    that maps it is gone, however it ended (normal exit, exception or SIGKILL).
+    Lifecycle, as for `multiprocessing.shared_memory.SharedMemory`: ``Segment.create(size)``
+    makes one; pickling it (as a Process argument, or through a queue while this process
+    lives) lets another process attach; [`close`][unienv_mp.Segment.close] releases it in
+    this process; [`unlink`][unienv_mp.Segment.unlink] stops new processes from attaching.
+    Nothing is ever created under ``/dev/shm``: the memory is returned to the system when
+    the last process that maps it is gone, however it ended (normal exit, exception or
+    SIGKILL).
 
     The segment exports the buffer protocol.  While a ``memoryview`` (or an array built on
-    one) is alive, :meth:`close` only marks the segment closed and the memory stays mapped
-    until the last view is released, so a view can never outlive its memory.
+    one) is alive, [`close`][unienv_mp.Segment.close] only marks the segment closed and the
+    memory stays mapped until the last view is released, so a view can never outlive its
+    memory.
     """
 
     @property
@@ -86,11 +87,11 @@ class Segment:
         """Address of the mapping in this process (0 once unmapped)."""
     @property
     def closed(self) -> bool:
-        """True once :meth:`close` was called in this process."""
+        """True once [`close`][unienv_mp.Segment.close] was called in this process."""
     @property
     def users(self) -> int:
         """Buffer views (and C-level users) of the mapping alive now: while there is one,
-        the mapping stays (see :mod:`unienv_mp._device.pins`)."""
+        the mapping stays (see `unienv_mp._device.pins`)."""
     def close(self) -> None:
         """Release the segment in this process: close its descriptor and unmap it (at once,
         or when the last view of it is released).  Idempotent."""
@@ -105,10 +106,10 @@ class Segment:
 
 @disjoint_base
 class Event:
-    """A futex-backed wake-up signal at a 64-byte line of a :class:`Segment`.
+    """A futex-backed wake-up signal at a 64-byte line of a `Segment`.
 
-    Waiters call :meth:`wait_until` with a condition; notifiers call :meth:`notify` after
-    making the condition true.  Used as the "any result is ready" doorbell of the manager.
+    Waiters call `wait_until` with a condition; notifiers call `notify` after making the
+    condition true.  Used as the "any result is ready" doorbell of the manager.
     """
 
     SIZE: ClassVar[int]
@@ -142,10 +143,11 @@ class RingBuffer:
     without the GIL; they wake when the other side acts, and at least every
     ``poll_interval`` seconds to run ``check`` (if given) and to notice signals.
 
-    :meth:`shutdown` marks the ring closed for every process: further pushes raise
-    :class:`~unienv_mp.RingClosed`; pops return what is left, then raise it.  :meth:`close`
-    detaches only this process; :meth:`unlink` stops new processes attaching through this
-    one.  Used as a context manager, the ring is closed (detached) on exit.
+    [`shutdown`][unienv_mp.RingBuffer.shutdown] marks the ring closed for every process:
+    further pushes raise [`RingClosed`][unienv_mp.RingClosed]; pops return what is left,
+    then raise it.  [`close`][unienv_mp.RingBuffer.close] detaches only this process;
+    [`unlink`][unienv_mp.RingBuffer.unlink] stops new processes attaching through this one.
+    Used as a context manager, the ring is closed (detached) on exit.
     """
 
     def __init__(self, capacity: int, entry_size: int, *, poll_interval: float = 0.1,
@@ -157,15 +159,15 @@ class RingBuffer:
     def create_in(segment: Segment, offset: int, capacity: int, entry_size: int,
                   poll_interval: float = 0.1, spin: float = 20e-6) -> RingBuffer:
         """Lay out a new, empty ring at ``offset`` (a multiple of 64) of ``segment``, which
-        must hold :meth:`footprint` bytes from there, and return it.  Several rings (and
-        other data) can share one segment this way; processes handed the segment attach to
-        the ring with :meth:`attach`."""
+        must hold [`footprint`][unienv_mp.RingBuffer.footprint] bytes from there, and return
+        it.  Several rings (and other data) can share one segment this way; processes handed
+        the segment attach to the ring with [`attach`][unienv_mp.RingBuffer.attach]."""
     @staticmethod
     def attach(segment: Segment, offset: int, poll_interval: float = 0.1,
                spin: float = 20e-6) -> RingBuffer:
-        """The ring that :meth:`create_in` laid out at ``offset`` of ``segment`` (in this
-        process or another one that handed the segment over).  Raises ``ValueError`` if no
-        ring lies there."""
+        """The ring that [`create_in`][unienv_mp.RingBuffer.create_in] laid out at
+        ``offset`` of ``segment`` (in this process or another one that handed the segment
+        over).  Raises ``ValueError`` if no ring lies there."""
     @property
     def segment(self) -> Segment: ...
     @property
@@ -181,10 +183,10 @@ class RingBuffer:
         """Longest sleep, in seconds, before a blocked call re-checks ``check`` and signals."""
     @property
     def is_shutdown(self) -> bool:
-        """True once any process called :meth:`shutdown`."""
+        """True once any process called [`shutdown`][unienv_mp.RingBuffer.shutdown]."""
     @property
     def closed(self) -> bool:
-        """True once this process called :meth:`close`."""
+        """True once this process called [`close`][unienv_mp.RingBuffer.close]."""
     def __len__(self) -> int: ...
     def empty(self) -> bool:
         """True if the ring holds no entry (a snapshot: others may push meanwhile)."""
@@ -194,11 +196,11 @@ class RingBuffer:
              *, check: Callable[[], object] | None = None) -> None:
         """Append ``data`` (any bytes-like object of at most ``entry_size`` bytes).
 
-        Blocks while the ring is full (``block=False``: raises :class:`queue.Full` at once;
-        ``timeout``: raises :class:`queue.Full` after that many seconds).  Raises
-        :class:`RingClosed` if the ring was shut down, ``ValueError`` if ``data`` is longer
-        than ``entry_size``.  ``check``, if given, is called every ``poll_interval``
-        seconds while blocked; an exception from it ends the wait.
+        Blocks while the ring is full (``block=False``: raises `queue.Full` at once;
+        ``timeout``: raises `queue.Full` after that many seconds).  Raises
+        [`RingClosed`][unienv_mp.RingClosed] if the ring was shut down, ``ValueError`` if
+        ``data`` is longer than ``entry_size``.  ``check``, if given, is called every
+        ``poll_interval`` seconds while blocked; an exception from it ends the wait.
         """
     def push_nowait(self, data: ReadableBuffer) -> None:
         """``push(data, block=False)``."""
@@ -207,17 +209,18 @@ class RingBuffer:
                   check: Callable[[], object] | None = None) -> int:
         """Append every bytes-like object of the sequence ``items`` in order, claiming as
         many cells as are free with one atomic operation.  Returns how many were pushed:
-        all of them when ``block`` (raising :class:`queue.Full` if ``timeout`` expires
-        first), possibly fewer (even 0) when not.  If it raises part-way (timeout, shutdown,
-        an exception from ``check``), the items before the failure were pushed: the
-        exception's ``pushed`` attribute says how many."""
+        all of them when ``block`` (raising `queue.Full` if ``timeout`` expires first),
+        possibly fewer (even 0) when not.  If it raises part-way (timeout, shutdown, an
+        exception from ``check``), the items before the failure were pushed: the exception's
+        ``pushed`` attribute says how many."""
     def pop(self, block: bool = True, timeout: float | None = None, *,
             check: Callable[[], object] | None = None) -> bytes:
         """Remove and return the oldest entry as ``bytes``.
 
-        Blocks while the ring is empty (``block=False``: raises :class:`queue.Empty` at
-        once; ``timeout``: after that many seconds).  Raises :class:`RingClosed` once the
-        ring is shut down and empty.  ``check`` as for :meth:`push`.
+        Blocks while the ring is empty (``block=False``: raises `queue.Empty` at once;
+        ``timeout``: after that many seconds).  Raises [`RingClosed`][unienv_mp.RingClosed]
+        once the ring is shut down and empty.  ``check`` as for
+        [`push`][unienv_mp.RingBuffer.push].
         """
     def pop_nowait(self) -> bytes:
         """``pop(block=False)``."""
@@ -225,16 +228,17 @@ class RingBuffer:
                  *, check: Callable[[], object] | None = None) -> list[bytes]:
         """Remove up to ``max_items`` of the oldest entries with one atomic claim and return
         them as a list of ``bytes``.  When ``block``, waits until at least one is there
-        (raising :class:`queue.Empty` if ``timeout`` expires); otherwise the list may be
-        empty.  Raises :class:`RingClosed` once the ring is shut down and empty."""
+        (raising `queue.Empty` if ``timeout`` expires); otherwise the list may be empty.
+        Raises [`RingClosed`][unienv_mp.RingClosed] once the ring is shut down and empty."""
     def push_tagged(self, tag: int, aux: int, value: int, payload: ReadableBuffer = b"",
                     block: bool = True, timeout: float | None = None, *,
                     check: Callable[[], object] | None = None,
                     record: _Appendable[int] | None = None) -> None:
         """Push one entry made of a header of ``ENTRY_HEADER`` bytes (``tag``, ``aux``,
         ``value``) followed by ``payload`` (bytes-like, at most ``entry_size -
-        ENTRY_HEADER`` bytes).  Same blocking rules as :meth:`push`.  The queue and the sampler describe messages this way: what kind,
-        which slot, how many bytes, and small payloads inline.
+        ENTRY_HEADER`` bytes).  Same blocking rules as [`push`][unienv_mp.RingBuffer.push].
+        The queue and the sampler describe messages this way: what kind, which slot, how
+        many bytes, and small payloads inline.
 
         ``record``: if given (a list or deque), ``record.append(value)`` runs inside this
         call once the entry is in the ring, and only then.  A Python caller can be
@@ -244,17 +248,19 @@ class RingBuffer:
                    check: Callable[[], object] | None = None,
                    into: _Appendable[tuple[int, int, int, bytes]] | None = None,
                    ) -> tuple[int, int, int, bytes]:
-        """Pop one entry pushed by :meth:`push_tagged`; returns ``(tag, aux, value,
-        payload)`` with ``payload`` as ``bytes``.
+        """Pop one entry pushed by [`push_tagged`][unienv_mp.RingBuffer.push_tagged];
+        returns ``(tag, aux, value, payload)`` with ``payload`` as ``bytes``.
 
         ``into``: if given (a list or deque), the entry is also appended to it inside this
         call, so that an entry taken off the ring is never lost to a ``KeyboardInterrupt``
-        landing right after the call returns (see ``record`` of :meth:`push_tagged`)."""
+        landing right after the call returns (see ``record`` of
+        [`push_tagged`][unienv_mp.RingBuffer.push_tagged])."""
     def push_while_mapped(self, data: ReadableBuffer) -> None:
         """Push ``data`` without waiting (``queue.Full`` if the ring is full) as long as the
-        ring's memory is mapped in this process, even after :meth:`close`: a close while
-        views of the segment are alive leaves it mapped until they are released, and what
-        they held (a queue's slot) can still be handed back to the other processes."""
+        ring's memory is mapped in this process, even after
+        [`close`][unienv_mp.RingBuffer.close]: a close while views of the segment are alive
+        leaves it mapped until they are released, and what they held (a queue's slot) can
+        still be handed back to the other processes."""
     def shutdown(self) -> None:
         """Mark the ring closed for every process and wake every blocked caller."""
     def close(self) -> None:
@@ -262,7 +268,7 @@ class RingBuffer:
         this process created the ring and no other process attached, its memory is freed."""
     def unlink(self) -> None:
         """Stop new processes from attaching through this process (see
-        :meth:`Segment.unlink`)."""
+        [`Segment.unlink`][unienv_mp.Segment.unlink])."""
     def __enter__(self) -> Self: ...
     def __exit__(self, *exc: object) -> None: ...
     def __reduce__(self) -> tuple[Any, ...]: ...

@@ -114,10 +114,9 @@ def segment_from_peer(pid, fd, ino, size, name, copy_on_write=False):
     """Attach the segment that live process ``pid`` holds as its descriptor ``fd``
     (through ``/proc/<pid>/fd``), checking that it is the one of inode ``ino`` and at least
     ``size`` bytes; ``name`` names it in errors.  This is how a process maps a segment that
-    another one described in a message, and how a pickled :class:`Segment` is unpickled
-    while its sender lives.  Raises :class:`~unienv_mp.PeerGoneError` if that
-    process has exited or closed the descriptor.  ``copy_on_write``: map it copy-on-write
-    (see :meth:`Segment.create`)."""
+    another one described in a message, and how a pickled `Segment` is unpickled while its
+    sender lives.  Raises `PeerGoneError` if that process has exited or closed the
+    descriptor.  ``copy_on_write``: map it copy-on-write (see `Segment.create`)."""
     cdef int ours = umr_shm_open_peer(pid, fd, ino, size)
     if ours < 0:
         if -ours in (_errno.ENOENT, _errno.ESRCH, _errno.ESTALE):
@@ -141,16 +140,18 @@ cdef str _mib(uint64_t size):
 cdef class Segment:
     """A block of shared memory that other processes can map: an anonymous ``memfd``.
 
-    Lifecycle, as for :class:`multiprocessing.shared_memory.SharedMemory`:
-    ``Segment.create(size)`` makes one; pickling it (as a Process argument, or through a
-    queue while this process lives) lets another process attach; :meth:`close` releases it
-    in this process; :meth:`unlink` stops new processes from attaching.  Nothing is ever
-    created under ``/dev/shm``: the memory is returned to the system when the last process
-    that maps it is gone, however it ended (normal exit, exception or SIGKILL).
+    Lifecycle, as for `multiprocessing.shared_memory.SharedMemory`: ``Segment.create(size)``
+    makes one; pickling it (as a Process argument, or through a queue while this process
+    lives) lets another process attach; [`close`][unienv_mp.Segment.close] releases it in
+    this process; [`unlink`][unienv_mp.Segment.unlink] stops new processes from attaching.
+    Nothing is ever created under ``/dev/shm``: the memory is returned to the system when
+    the last process that maps it is gone, however it ended (normal exit, exception or
+    SIGKILL).
 
     The segment exports the buffer protocol.  While a ``memoryview`` (or an array built on
-    one) is alive, :meth:`close` only marks the segment closed and the memory stays mapped
-    until the last view is released, so a view can never outlive its memory.
+    one) is alive, [`close`][unienv_mp.Segment.close] only marks the segment closed and the
+    memory stays mapped until the last view is released, so a view can never outlive its
+    memory.
     """
 
     def __cinit__(self):
@@ -234,13 +235,13 @@ cdef class Segment:
 
     @property
     def closed(self):
-        """True once :meth:`close` was called in this process."""
+        """True once [`close`][unienv_mp.Segment.close] was called in this process."""
         return self._closing or self.addr == NULL
 
     @property
     def users(self):
         """Buffer views (and C-level users) of the mapping alive now: while there is one,
-        the mapping stays (see :mod:`unienv_mp._device.pins`)."""
+        the mapping stays (see `unienv_mp._device.pins`)."""
         return self._users
 
     cdef unsigned char *enter(self, uint64_t offset, uint64_t length) except NULL:
@@ -346,10 +347,10 @@ cdef class Segment:
 # ---------------------------------------------------------------------------------------
 
 cdef class Event:
-    """A futex-backed wake-up signal at a 64-byte line of a :class:`Segment`.
+    """A futex-backed wake-up signal at a 64-byte line of a `Segment`.
 
-    Waiters call :meth:`wait_until` with a condition; notifiers call :meth:`notify` after
-    making the condition true.  Used as the "any result is ready" doorbell of the manager.
+    Waiters call `wait_until` with a condition; notifiers call `notify` after making the
+    condition true.  Used as the "any result is ready" doorbell of the manager.
     """
     cdef readonly Segment segment
     cdef readonly uint64_t offset
@@ -500,10 +501,11 @@ cdef class RingBuffer:
     without the GIL; they wake when the other side acts, and at least every
     ``poll_interval`` seconds to run ``check`` (if given) and to notice signals.
 
-    :meth:`shutdown` marks the ring closed for every process: further pushes raise
-    :class:`~unienv_mp.RingClosed`; pops return what is left, then raise it.  :meth:`close`
-    detaches only this process; :meth:`unlink` stops new processes attaching through this
-    one.  Used as a context manager, the ring is closed (detached) on exit.
+    [`shutdown`][unienv_mp.RingBuffer.shutdown] marks the ring closed for every process:
+    further pushes raise [`RingClosed`][unienv_mp.RingClosed]; pops return what is left,
+    then raise it.  [`close`][unienv_mp.RingBuffer.close] detaches only this process;
+    [`unlink`][unienv_mp.RingBuffer.unlink] stops new processes attaching through this one.
+    Used as a context manager, the ring is closed (detached) on exit.
     """
 
     def __init__(self, capacity, entry_size, *, poll_interval=DEFAULT_POLL_INTERVAL,
@@ -528,9 +530,9 @@ cdef class RingBuffer:
     def create_in(Segment segment not None, offset, capacity, entry_size,
                   poll_interval=DEFAULT_POLL_INTERVAL, spin=DEFAULT_SPIN):
         """Lay out a new, empty ring at ``offset`` (a multiple of 64) of ``segment``, which
-        must hold :meth:`footprint` bytes from there, and return it.  Several rings (and
-        other data) can share one segment this way; processes handed the segment attach to
-        the ring with :meth:`attach`."""
+        must hold [`footprint`][unienv_mp.RingBuffer.footprint] bytes from there, and return
+        it.  Several rings (and other data) can share one segment this way; processes handed
+        the segment attach to the ring with [`attach`][unienv_mp.RingBuffer.attach]."""
         cdef RingBuffer self = RingBuffer.__new__(RingBuffer)
         self._set_timing(poll_interval, spin)
         self._init_in(segment, offset, capacity, entry_size)
@@ -539,9 +541,9 @@ cdef class RingBuffer:
     @staticmethod
     def attach(Segment segment not None, offset, poll_interval=DEFAULT_POLL_INTERVAL,
                spin=DEFAULT_SPIN):
-        """The ring that :meth:`create_in` laid out at ``offset`` of ``segment`` (in this
-        process or another one that handed the segment over).  Raises ``ValueError`` if no
-        ring lies there."""
+        """The ring that [`create_in`][unienv_mp.RingBuffer.create_in] laid out at
+        ``offset`` of ``segment`` (in this process or another one that handed the segment
+        over).  Raises ``ValueError`` if no ring lies there."""
         cdef RingBuffer self = RingBuffer.__new__(RingBuffer)
         self._set_timing(poll_interval, spin)
         if offset < 0 or offset % 64 or offset >= segment.size:
@@ -604,13 +606,13 @@ cdef class RingBuffer:
 
     @property
     def is_shutdown(self):
-        """True once any process called :meth:`shutdown`."""
+        """True once any process called [`shutdown`][unienv_mp.RingBuffer.shutdown]."""
         self._ensure_open()
         return bool(umr_ring_is_closed(&self.r))
 
     @property
     def closed(self):
-        """True once this process called :meth:`close`."""
+        """True once this process called [`close`][unienv_mp.RingBuffer.close]."""
         return self.segment is None or self.segment.closed
 
     def __len__(self):
@@ -635,11 +637,11 @@ cdef class RingBuffer:
     def push(self, data, block=True, timeout=None, *, check=None):
         """Append ``data`` (any bytes-like object of at most ``entry_size`` bytes).
 
-        Blocks while the ring is full (``block=False``: raises :class:`queue.Full` at once;
-        ``timeout``: raises :class:`queue.Full` after that many seconds).  Raises
-        :class:`RingClosed` if the ring was shut down, ``ValueError`` if ``data`` is longer
-        than ``entry_size``.  ``check``, if given, is called every ``poll_interval``
-        seconds while blocked; an exception from it ends the wait.
+        Blocks while the ring is full (``block=False``: raises `queue.Full` at once;
+        ``timeout``: raises `queue.Full` after that many seconds).  Raises
+        [`RingClosed`][unienv_mp.RingClosed] if the ring was shut down, ``ValueError`` if
+        ``data`` is longer than ``entry_size``.  ``check``, if given, is called every
+        ``poll_interval`` seconds while blocked; an exception from it ends the wait.
         """
         cdef Py_buffer view
         cdef const char *p
@@ -695,10 +697,10 @@ cdef class RingBuffer:
     def push_many(self, items, block=True, timeout=None, *, check=None):
         """Append every bytes-like object of the sequence ``items`` in order, claiming as
         many cells as are free with one atomic operation.  Returns how many were pushed:
-        all of them when ``block`` (raising :class:`queue.Full` if ``timeout`` expires
-        first), possibly fewer (even 0) when not.  If it raises part-way (timeout, shutdown,
-        an exception from ``check``), the items before the failure were pushed: the
-        exception's ``pushed`` attribute says how many."""
+        all of them when ``block`` (raising `queue.Full` if ``timeout`` expires first),
+        possibly fewer (even 0) when not.  If it raises part-way (timeout, shutdown, an
+        exception from ``check``), the items before the failure were pushed: the exception's
+        ``pushed`` attribute says how many."""
         cdef tuple seq = tuple(items)   # holds every item (and its bytes) for the whole call
         cdef Py_ssize_t n = len(seq), i, done = 0, got
         cdef const void **ptrs = NULL
@@ -771,9 +773,10 @@ cdef class RingBuffer:
     def pop(self, block=True, timeout=None, *, check=None):
         """Remove and return the oldest entry as ``bytes``.
 
-        Blocks while the ring is empty (``block=False``: raises :class:`queue.Empty` at
-        once; ``timeout``: after that many seconds).  Raises :class:`RingClosed` once the
-        ring is shut down and empty.  ``check`` as for :meth:`push`.
+        Blocks while the ring is empty (``block=False``: raises `queue.Empty` at once;
+        ``timeout``: after that many seconds).  Raises [`RingClosed`][unienv_mp.RingClosed]
+        once the ring is shut down and empty.  ``check`` as for
+        [`push`][unienv_mp.RingBuffer.push].
         """
         cdef uint32_t length = 0
         cdef char stackbuf[4096]
@@ -824,8 +827,8 @@ cdef class RingBuffer:
     def pop_many(self, max_items, block=True, timeout=None, *, check=None):
         """Remove up to ``max_items`` of the oldest entries with one atomic claim and return
         them as a list of ``bytes``.  When ``block``, waits until at least one is there
-        (raising :class:`queue.Empty` if ``timeout`` expires); otherwise the list may be
-        empty.  Raises :class:`RingClosed` once the ring is shut down and empty."""
+        (raising `queue.Empty` if ``timeout`` expires); otherwise the list may be empty.
+        Raises [`RingClosed`][unienv_mp.RingClosed] once the ring is shut down and empty."""
         max_items = check_int(max_items, "max_items")
         cdef size_t stride = self.r.entry_size
         # at most one lap, and at most ~64 MiB of scratch per call
@@ -875,8 +878,9 @@ cdef class RingBuffer:
                     block=True, timeout=None, *, check=None, record=None):
         """Push one entry made of a header of ``ENTRY_HEADER`` bytes (``tag``, ``aux``,
         ``value``) followed by ``payload`` (bytes-like, at most ``entry_size -
-        ENTRY_HEADER`` bytes).  Same blocking rules as :meth:`push`.  The queue and the sampler describe messages this way: what kind,
-        which slot, how many bytes, and small payloads inline.
+        ENTRY_HEADER`` bytes).  Same blocking rules as [`push`][unienv_mp.RingBuffer.push].
+        The queue and the sampler describe messages this way: what kind, which slot, how
+        many bytes, and small payloads inline.
 
         ``record``: if given (a list or deque), ``record.append(value)`` runs inside this
         call once the entry is in the ring, and only then.  A Python caller can be
@@ -920,12 +924,13 @@ cdef class RingBuffer:
                 free(buf)
 
     def pop_tagged(self, block=True, timeout=None, *, check=None, into=None):
-        """Pop one entry pushed by :meth:`push_tagged`; returns ``(tag, aux, value,
-        payload)`` with ``payload`` as ``bytes``.
+        """Pop one entry pushed by [`push_tagged`][unienv_mp.RingBuffer.push_tagged];
+        returns ``(tag, aux, value, payload)`` with ``payload`` as ``bytes``.
 
         ``into``: if given (a list or deque), the entry is also appended to it inside this
         call, so that an entry taken off the ring is never lost to a ``KeyboardInterrupt``
-        landing right after the call returns (see ``record`` of :meth:`push_tagged`)."""
+        landing right after the call returns (see ``record`` of
+        [`push_tagged`][unienv_mp.RingBuffer.push_tagged])."""
         cdef uint32_t length = 0, tag, aux
         cdef uint64_t value
         cdef char stackbuf[_POP_ON_STACK]
@@ -955,9 +960,10 @@ cdef class RingBuffer:
 
     def push_while_mapped(self, data):
         """Push ``data`` without waiting (``queue.Full`` if the ring is full) as long as the
-        ring's memory is mapped in this process, even after :meth:`close`: a close while
-        views of the segment are alive leaves it mapped until they are released, and what
-        they held (a queue's slot) can still be handed back to the other processes."""
+        ring's memory is mapped in this process, even after
+        [`close`][unienv_mp.RingBuffer.close]: a close while views of the segment are alive
+        leaves it mapped until they are released, and what they held (a queue's slot) can
+        still be handed back to the other processes."""
         if self.segment is None or self.segment.addr == NULL:
             raise ValueError("ring is unmapped in this process")
         cdef const unsigned char[::1] v = data
@@ -998,7 +1004,7 @@ cdef class RingBuffer:
 
     def unlink(self):
         """Stop new processes from attaching through this process (see
-        :meth:`Segment.unlink`)."""
+        [`Segment.unlink`][unienv_mp.Segment.unlink])."""
         if self.segment is not None:
             self.segment.unlink()
 

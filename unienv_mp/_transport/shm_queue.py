@@ -1,4 +1,4 @@
-"""ShmQueue: a drop-in for :class:`multiprocessing.Queue` on a shared-memory ring.
+"""ShmQueue: a drop-in for `multiprocessing.Queue` on a shared-memory ring.
 
 One shared segment holds three things:
 
@@ -59,13 +59,13 @@ def _torch_tensor_type():
 
 
 class ShmQueue:
-    """A process-shared FIFO with the interface of :class:`multiprocessing.Queue`.
+    """A process-shared FIFO with the interface of `multiprocessing.Queue`.
 
-    ``put``/``get`` (and ``put_nowait``/``get_nowait``) raise :class:`queue.Full` and
-    :class:`queue.Empty` as the standard library does; ``qsize``, ``empty``, ``full``,
-    ``close``, ``join_thread`` and ``cancel_join_thread`` behave as documented for
-    :class:`multiprocessing.Queue`.  Any number of processes may put and get, under fork,
-    spawn and forkserver; pass the queue to them as a ``Process`` argument (or inherit it).
+    ``put``/``get`` (and ``put_nowait``/``get_nowait``) raise `queue.Full` and `queue.Empty`
+    as the standard library does; ``qsize``, ``empty``, ``full``, ``close``, ``join_thread``
+    and ``cancel_join_thread`` behave as documented for `multiprocessing.Queue`.  Any number
+    of processes may put and get, under fork, spawn and forkserver; pass the queue to them
+    as a ``Process`` argument (or inherit it).
 
     Args:
         maxsize: most messages in the queue; ``put`` blocks (or raises ``queue.Full``) when
@@ -83,7 +83,8 @@ class ShmQueue:
         copy: ``False`` (default): arrays received are zero-copy views of the slot that
             carried them, and the slot is reused only after they are garbage collected.
             ``True``: arrays are copied out and the slot is freed at once.
-        poll_interval, spin: see :class:`~unienv_mp.RingBuffer`.
+        poll_interval: see [`RingBuffer`][unienv_mp.RingBuffer].
+        spin: see [`RingBuffer`][unienv_mp.RingBuffer].
 
     Messages are serialised when ``put`` is called (``multiprocessing.Queue`` pickles
     later, in its feeder thread), so changing an object after putting it never changes
@@ -180,7 +181,7 @@ class ShmQueue:
     def put(self, obj: object, block: bool = True, timeout: float | None = None) -> None:
         """Put ``obj`` (any picklable object) on the queue.  If the queue is bounded and
         full, block (at most ``timeout`` seconds) until there is room, else raise
-        :class:`queue.Full`.  Raises ``ValueError`` after :meth:`close`."""
+        `queue.Full`.  Raises ``ValueError`` after [`close`][unienv_mp.ShmQueue.close]."""
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
         if timeout is not None and timeout < 0:
@@ -261,8 +262,8 @@ class ShmQueue:
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         """Remove and return the oldest message, blocking (at most ``timeout`` seconds)
-        until there is one, else raise :class:`queue.Empty`.  Raises ``ValueError`` after
-        :meth:`close`."""
+        until there is one, else raise `queue.Empty`.  Raises ``ValueError`` after
+        [`close`][unienv_mp.ShmQueue.close]."""
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
         if timeout is not None and timeout < 0:
@@ -352,7 +353,7 @@ class ShmQueue:
 
     def join_thread(self) -> None:
         """Wait for the feeder thread (and for receivers to map any spilled message) after
-        :meth:`close`, as :meth:`multiprocessing.Queue.join_thread`."""
+        [`close`][unienv_mp.ShmQueue.close], as `multiprocessing.Queue.join_thread`."""
         # AssertionError, as multiprocessing.Queue.join_thread raises
         assert self._closed, f"Queue {self!r} not closed"
         if self._thread is not None:
@@ -369,8 +370,8 @@ class ShmQueue:
 
     def shutdown(self) -> None:
         """Mark the queue closed for *every* process: blocked ``get`` calls everywhere raise
-        :class:`~unienv_mp.RingClosed` once it is drained, and ``put`` raises it.  Messages
-        a feeder thread still buffered (``maxsize=0``) are dropped."""
+        [`RingClosed`][unienv_mp.RingClosed] once it is drained, and ``put`` raises it.
+        Messages a feeder thread still buffered (``maxsize=0``) are dropped."""
         self._msgs.shutdown()
         self._free.shutdown()
 

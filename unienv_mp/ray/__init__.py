@@ -1,12 +1,15 @@
-"""The sampler with its workers on a Ray cluster::
+"""The sampler with its workers on a Ray cluster:
 
-    from unienv_mp.ray import RaySampler   # instead of: from unienv_mp import MultiprocessingSampler
+```python
+from unienv_mp.ray import RaySampler   # instead of: from unienv_mp import MultiprocessingSampler
 
-    sampler = RaySampler(StepSampler(rb, 256, seed=0), n_workers=8)
+sampler = RaySampler(StepSampler(rb, 256, seed=0), n_workers=8)
+```
 
-:class:`RaySampler` has :class:`~unienv_mp.MultiprocessingSampler`'s API and gives the same
-batches for the same seed; its workers are Ray actors.  Needs Ray
-(``pip install "unienv_mp[ray]"``).  Nothing else in the package imports ray.
+[`RaySampler`][unienv_mp.ray.RaySampler] has
+[`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler]'s API and gives the same
+batches for the same seed; its workers are Ray actors.  Needs Ray (``pip install
+"unienv_mp[ray]"``).  Nothing else in the package imports ray.
 """
 try:
     import ray  # noqa: F401

@@ -1,6 +1,5 @@
 """The Ray actor that makes batches: one per worker of a
-:class:`~unienv_mp.ray.RaySampler`, made into an actor class by
-:class:`~unienv_mp.ray.manager.RayManager`."""
+`RaySampler`, made into an actor class by `RayManager`."""
 import os
 import time
 
@@ -15,13 +14,13 @@ from ._batch import pack
 
 __all__ = ["SamplerActor", "OK", "ERROR", "COULD_NOT_START"]
 
-#: The status of a result (see :meth:`SamplerActor.run`).
+#: The status of a result (see `SamplerActor.run`).
 OK, ERROR, COULD_NOT_START = 0, 1, 2
 
 
 class SamplerActor:
-    """Runs a :class:`~unienv_mp._sampling.target.SamplerTarget` (the work function of
-    :class:`~unienv_mp.MultiprocessingSampler`'s workers) on the tasks it is sent.
+    """Runs a `SamplerTarget` (the work function of `MultiprocessingSampler`'s workers) on
+    the tasks it is sent.
 
     Args:
         index: the worker's index.

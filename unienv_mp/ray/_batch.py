@@ -2,10 +2,9 @@
 
 Ray's serializer carries numpy arrays out of band: a reader on the same node maps them
 from the object store without a copy, read-only.  torch tensors it pickles whole (a copy
-on each side).  So an actor sends each tensor of a batch as a :class:`TensorLeaf` around
-a numpy view of it (:func:`pack`), and the caller makes the tensor again over that array
-(:func:`unpack`).  Dicts, tuples and lists are walked; any other value travels as Ray
-pickles it.
+on each side).  So an actor sends each tensor of a batch as a `TensorLeaf` around a numpy
+view of it (`pack`), and the caller makes the tensor again over that array (`unpack`).
+Dicts, tuples and lists are walked; any other value travels as Ray pickles it.
 """
 import sys
 import warnings
@@ -46,7 +45,7 @@ def _walk(v, leaf):
 
 def pack(value):
     """``value`` with every torch tensor in its dicts, tuples and lists replaced by a
-    :class:`TensorLeaf` (in the actor)."""
+    `TensorLeaf` (in the actor)."""
     torch = sys.modules.get("torch")
     if torch is None:
         return value
@@ -67,11 +66,10 @@ def _leaf(tensor, torch):
 
 
 def unpack(value, copy):
-    """``value`` as the caller gets it (after ``ray.get``): every :class:`TensorLeaf` a
-    torch tensor again.  ``copy=False``: arrays and tensors are views of the object store,
-    read-only (numpy arrays are marked so; tensors cannot be, see
-    :class:`~unienv_mp.ray.RaySampler`).  ``copy=True``: each is copied into memory of
-    its own, writable."""
+    """``value`` as the caller gets it (after ``ray.get``): every `TensorLeaf` a torch
+    tensor again.  ``copy=False``: arrays and tensors are views of the object store,
+    read-only (numpy arrays are marked so; tensors cannot be, see `RaySampler`).
+    ``copy=True``: each is copied into memory of its own, writable."""
     if copy:
         return _walk(value, _copied)
     with warnings.catch_warnings():

@@ -1,20 +1,18 @@
 """RayManager: tasks dealt to Ray actors, their results collected by ticket, and dead
 actors replaced.
 
-The ticket interface of :class:`~unienv_mp.MultiProcessingSampleManager` (``submit``,
-``result``, ``ready``, ``wait_any``, ``cancel``, ``stats``, ``close``), which
-:class:`~unienv_mp._sampling.sampler.SamplerBase` runs on, with Ray actors instead of processes and
-object references instead of rings.  Each worker is a
-:class:`~unienv_mp.ray._actor.SamplerActor` that runs the tasks sent to it one after the
-other; a task's result is an object reference, read zero-copy from the object store on
-the node where it is read.
+The ticket interface of `MultiProcessingSampleManager` (``submit``, ``result``, ``ready``,
+``wait_any``, ``cancel``, ``stats``, ``close``), which `SamplerBase` runs on, with Ray
+actors instead of processes and object references instead of rings.  Each worker is a
+`SamplerActor` that runs the tasks sent to it one after the other; a task's result is an
+object reference, read zero-copy from the object store on the node where it is read.
 
 Faults: an exception in the work function comes back as
-:class:`~unienv_mp.WorkerError` with the actor's traceback.  An actor found dead when a
-result is read (``ray.kill``, its process killed, its node lost), or whose result was
-lost with its node, is replaced by a new actor, and every task it had not delivered is
-sent to the replacement; with ``respawn=False``, or after ``max_respawns`` replacements
-in a row without a result, :class:`~unienv_mp.WorkerDiedError` is raised instead.
+`WorkerError` with the actor's traceback.  An actor found dead when a result is read
+(``ray.kill``, its process killed, its node lost), or whose result was lost with its node,
+is replaced by a new actor, and every task it had not delivered is sent to the replacement;
+with ``respawn=False``, or after ``max_respawns`` replacements in a row without a result,
+`WorkerDiedError` is raised instead.
 """
 import collections
 import time
@@ -66,7 +64,7 @@ def _load(lane):
 
 class _Lane:
     """One worker index: its actor (replaced when it dies), the tickets sent to it and not
-    delivered yet, in order, and its counters (see :mod:`unienv_mp.stats`)."""
+    delivered yet, in order, and its counters (see `unienv_mp.stats`)."""
     __slots__ = ("index", "actor", "pid", "cpu", "inflight", "deaths_in_a_row", "counters",
                  "record", "incarnation")
 
@@ -87,16 +85,18 @@ class RayManager:
 
     Args:
         n_workers: actors.
-        target: a :class:`~unienv_mp._sampling.target.SamplerTarget`, put into the object store
-            once and read by every actor (replacements included) ...
+        target: a [`SamplerTarget`][unienv_mp.sampler.SamplerTarget], put into the object
+            store once and read by every actor (replacements included) ...
         factory: ... or, instead, a callable each actor calls to make its own sampler.
         in_order: ``True``: tasks are dealt round-robin (results are collected by ticket
             either way).  ``False``: each task goes to the actor with the fewest tasks.
         copy: ``False``: results are read-only views of the object store; ``True``:
-            copies (see :func:`unienv_mp.ray._batch.unpack`).
+            copies (see `unienv_mp.ray._batch.unpack`).
         timeout: seconds to wait for one result before ``TimeoutError`` (None: as long as
             the actors live).
-        respawn, max_respawns: replace an actor that died (see the module docstring).
+        respawn: replace an actor that died (see the module docstring).
+        max_respawns: replacements of one actor without a result in between before its
+            next death raises [`WorkerDiedError`][unienv_mp.WorkerDiedError].
         num_cpus_per_worker: the CPUs Ray reserves for each actor.
         actor_options: more options for the actors (``ActorClass.options``), e.g. a
             ``scheduling_strategy`` or ``resources`` to place them on certain nodes, or a
@@ -203,8 +203,8 @@ class RayManager:
 
     def _ask(self, method, *args):
         """Call ``method`` of the first worker's actor and return what it answers (the
-        ``(status, value)`` of :class:`~unienv_mp.ray._actor.SamplerActor`'s methods),
-        replacing the actor if it is found dead."""
+        ``(status, value)`` of `SamplerActor`'s methods), replacing the actor if it is found
+        dead."""
         self._ensure_open()
         lane = self._lanes[0]
         while True:
@@ -233,10 +233,10 @@ class RayManager:
             raise RuntimeError(f"this {type(self).__name__} is closed")
 
     def submit(self, work, worker=None, *, record=None):
-        """Send ``work`` to an actor and return its ticket (see :meth:`result`).
-        ``worker`` picks the actor; by default the next one round-robin (``in_order``) or
-        the one with the fewest tasks.  ``record``: a list or deque the ticket is
-        appended to as the last step."""
+        """Send ``work`` to an actor and return its ticket (see
+        [`result`][unienv_mp.ray.RayManager.result]).  ``worker`` picks the actor; by
+        default the next one round-robin (``in_order``) or the one with the fewest tasks.
+        ``record``: a list or deque the ticket is appended to as the last step."""
         self._ensure_open()
         if self._caller.since_ns is None:
             self._caller.begin()
@@ -260,9 +260,10 @@ class RayManager:
 
     def result(self, ticket, timeout=None):
         """The result of ``ticket``, waiting for it if needed.  Raises
-        :class:`~unienv_mp.WorkerError` if the work raised, ``TimeoutError`` after
-        ``timeout`` (default: the manager's) seconds, :class:`~unienv_mp.WorkerDiedError`
-        if its actor died and is not replaced."""
+        [`WorkerError`][unienv_mp.WorkerError] if the work raised, ``TimeoutError`` after
+        ``timeout`` (default: the manager's) seconds,
+        [`WorkerDiedError`][unienv_mp.WorkerDiedError] if its actor died and is not
+        replaced."""
         self._ensure_open()
         task = self._tasks.pending(ticket)
         limit = self.timeout if timeout is None else timeout
@@ -310,9 +311,10 @@ class RayManager:
         return bool(ready)
 
     def wait_any(self, tickets, timeout=None):
-        """One of ``tickets`` whose result has arrived (collect it with :meth:`result`),
-        waiting for one if none has.  Raises ``TimeoutError`` after ``timeout`` (default:
-        the manager's) seconds, ``KeyError`` if no ticket is pending."""
+        """One of ``tickets`` whose result has arrived (collect it with
+        [`result`][unienv_mp.ray.RayManager.result]), waiting for one if none has.  Raises
+        ``TimeoutError`` after ``timeout`` (default: the manager's) seconds, ``KeyError`` if
+        no ticket is pending."""
         self._ensure_open()
         by_ref = {}
         for t in tickets:
@@ -353,10 +355,10 @@ class RayManager:
 
     def stats(self, reset=False):
         """Where the time went since the first request (or the last ``stats(reset=True)``),
-        as a :class:`~unienv_mp.SamplerStats`.  Each actor's time per task is measured in
-        the actor and counted here when its result is collected; ``pid`` is the actor's
-        process (None until its first result), and ``cpu_fraction`` its CPU time, as of
-        its last result, over its time alive."""
+        as a [`SamplerStats`][unienv_mp.SamplerStats].  Each actor's time per task is
+        measured in the actor and counted here when its result is collected; ``pid`` is the
+        actor's process (None until its first result), and ``cpu_fraction`` its CPU time, as
+        of its last result, over its time alive."""
         now = time.monotonic_ns()
         refs = {task.ref: task for task in self._tasks.values()}
         ready = 0

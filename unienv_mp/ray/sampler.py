@@ -1,5 +1,5 @@
-"""RaySampler: :class:`~unienv_mp.MultiprocessingSampler`'s API and stream of batches, with
-its workers on a Ray cluster."""
+"""RaySampler: `MultiprocessingSampler`'s API and stream of batches, with its workers on a
+Ray cluster."""
 import dataclasses
 import math
 import os
@@ -29,7 +29,7 @@ def _connect(address, cpus):
     """Make sure this process is connected to Ray: the one it is connected to already, the
     cluster at ``address``, a running cluster found as ``ray.init(address="auto")``
     finds one (``RAY_ADDRESS``, or one running on this machine), or else a new local
-    Ray with ``cpus`` CPUs, or the machine's if it has more.  Returns a token for :func:`_release`: the number of the Ray this module started
+    Ray with ``cpus`` CPUs, or the machine's if it has more.  Returns a token for `_release`: the number of the Ray this module started
     if it is connected to that one (the caller is then one of its users), else None."""
     global _own_ray_users, _own_ray_started
     with _own_ray:
@@ -87,9 +87,9 @@ class RemoteData:
 class RemoteSampler(BatchSampler):
     """Stands in, in the training process, for the sampler that a RaySampler's
     ``sampler_factory`` makes in each worker: its spaces, batch size, device and data
-    length (:class:`RemoteData`), and its random number generators, from which epochs
-    draw their permutations.  ``manual_seed`` seeds the workers' sampler and takes its
-    generators from there; the ``get*_at`` methods run on a worker."""
+    length ([`RemoteData`][unienv_mp.ray.RemoteData]), and its random number generators,
+    from which epochs draw their permutations.  ``manual_seed`` seeds the workers' sampler
+    and takes its generators from there; the ``get*_at`` methods run on a worker."""
 
     def __init__(self, description, manager):
         super().__init__(description["single_space"], description["single_metadata_space"],
@@ -137,13 +137,13 @@ class RemoteSampler(BatchSampler):
 # -- the sampler ---------------------------------------------------------------------------
 
 class RaySampler(SamplerBase):
-    """:class:`~unienv_mp.MultiprocessingSampler`'s API, with its workers on a Ray
-    cluster: Ray actors instead of processes, object references instead of rings.
+    """[`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler]'s API, with its workers
+    on a Ray cluster: Ray actors instead of processes, object references instead of rings.
 
     For the same seed, the ``j``-th batch of each ``sample*`` method, and every epoch, is
-    the same as :class:`~unienv_mp.MultiprocessingSampler`'s (see its ``in_order``), for
-    any ``n_workers`` and whatever actors die and are replaced; a ``state_dict()`` of
-    either loads into the other.
+    the same as [`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler]'s (see its
+    ``in_order``), for any ``n_workers`` and whatever actors die and are replaced; a
+    ``state_dict()`` of either loads into the other.
 
     Args:
         sampler: the ``BatchSampler`` to run (e.g. a ``StepSampler``), put into Ray's
@@ -153,12 +153,17 @@ class RaySampler(SamplerBase):
         sampler_factory: ... or, instead of ``sampler``, a callable (picklable by Ray)
             that each actor calls to make its own sampler: a dataset too large to ship is
             opened by each actor where it is (shared storage), never sent.  The training
-            process then holds a :class:`RemoteSampler`, described by the first actor.
+            process then holds a [`RemoteSampler`][unienv_mp.ray.RemoteSampler], described
+            by the first actor.
         num_cpus_per_worker: the CPUs Ray reserves for each actor.
-        in_order, timeout, respawn, batches_per_task: as for
-            :class:`~unienv_mp.MultiprocessingSampler` (an actor that dies, ``ray.kill``-ed
-            or with its node, is replaced and its outstanding tasks sent to the
-            replacement; ``respawn=False`` raises :class:`~unienv_mp.WorkerDiedError`).
+        in_order: as for [`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler].
+        timeout: as for [`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler].
+        respawn: as for [`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler] (an
+            actor that dies, ``ray.kill``-ed or with its node, is replaced and its
+            outstanding tasks sent to the replacement; ``respawn=False`` raises
+            [`WorkerDiedError`][unienv_mp.WorkerDiedError]).
+        batches_per_task: as for
+            [`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler].
         copy: ``False`` (default): a batch's arrays are read zero-copy from Ray's object
             store and are **read-only**: numpy arrays are marked read-only (writing
             raises), and torch tensors, which cannot be marked, must not be written into
@@ -166,7 +171,7 @@ class RaySampler(SamplerBase):
             changes Ray's stored object).  ``True``: every array is copied into memory of
             its own, writable, at the cost of a copy in the training process.
         max_respawns: replacements of one actor without a result in between before its
-            next death raises :class:`~unienv_mp.WorkerDiedError`.
+            next death raises [`WorkerDiedError`][unienv_mp.WorkerDiedError].
         address: the Ray cluster to join when this process is not connected to one yet
             (see below).
         actor_options: more options for the actors (Ray's ``ActorClass.options``), e.g.
@@ -284,7 +289,7 @@ class RaySampler(SamplerBase):
                 f"now")
 
     def stats(self, reset: bool = False):
-        """As :meth:`MultiprocessingSampler.stats <unienv_mp.MultiprocessingSampler.stats>`;
+        """As [`MultiprocessingSampler.stats`][unienv_mp.MultiprocessingSampler.stats];
         ``machine_idle_fraction`` is this machine's only while the Ray cluster is this
         machine alone (else None: the actors' machines are not measured)."""
         out = super().stats(reset)
