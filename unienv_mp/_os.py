@@ -209,7 +209,7 @@ _MAIN_REIMPORTED = (
     "unienv_mp: this process was started with spawn or forkserver and, while importing "
     "the main module, was about to start a sampler's workers itself: the script does "
     "that at its top level.  Put its work under `if __name__ == \"__main__\":` (see "
-    "unienv_mp's README, quick start).  Exiting with code {code}.\n")
+    "unienv_mp's docs, Getting started).  Exiting with code {code}.\n")
 
 
 def exit_if_reimporting_main():

@@ -21,6 +21,16 @@ def worker_loop(fetch_fn, workid_queue, result_queue, done_event, doze_time=0.00
     Unlike UniEnv's loop, an exception raised by ``fetch_fn`` does not kill the worker
     (leaving the consumer waiting forever): a [`WorkerError`][unienv_mp.WorkerError]
     describing it is put on ``result_queue`` instead, and the loop goes on.
+
+    Args:
+        fetch_fn: called on each work item, in this process.
+        workid_queue: the queue the work items are taken from.
+        result_queue: the queue the results are put on.
+        done_event: a multiprocessing Event: the loop ends once it is set.
+        doze_time: how long, in seconds, one wait for work lasts before the loop checks
+            ``done_event`` again.
+        init_fn: ``init_fn(seed)`` runs first, when both it and ``seed`` are given.
+        seed: the seed given to ``init_fn``.
     """
     limit_threads()
     if init_fn is not None and seed is not None:
@@ -76,7 +86,21 @@ def wrap_sample_function(sampler, n_workers, n_buffers, fn, ctx=None, doze_time=
     """Return a function that, called with no argument, returns ``fn()`` computed by one of
     ``n_workers`` workers, ``n_buffers`` calls ahead (UniEnv's signature).  The workers
     start on the first call; ``.close()`` ends them.  ``exemplar_fn`` is accepted for
-    compatibility and not needed: every result travels through shared memory."""
+    compatibility and not needed: every result travels through shared memory.
+
+    Args:
+        sampler: the sampler whose method ``fn`` is, or whose data ``fn`` reads; it is
+            sent to the workers.
+        n_workers: worker processes.
+        n_buffers: calls made ahead of the caller.
+        fn: the function to run, with no argument (a method of ``sampler``, e.g.
+            ``sampler.sample``).
+        ctx: multiprocessing context or start method name; default: the current default.
+        doze_time: how often a waiting side checks that the other is alive.
+        daemon: passed to ``Process``.
+        done_event: a multiprocessing Event: the workers stop when it is set.
+        exemplar_fn: ignored.
+    """
     target, name = _target_for(sampler, fn)
 
     def wrapped():
@@ -102,7 +126,18 @@ def wrap_epoch_iter_function(sampler, n_workers, n_buffers, getter_fn, ctx=None,
     """Return a function that, called with no argument, iterates once over a random
     permutation of ``sampler.data`` in batches of ``sampler.batch_size``, each computed as
     ``getter_fn(indices)`` by a worker (UniEnv's signature: a new set of workers per
-    epoch, ended when the epoch ends or the iteration is abandoned)."""
+    epoch, ended when the epoch ends or the iteration is abandoned).
+
+    Args:
+        sampler: the sampler whose data is iterated; it is sent to the workers.
+        n_workers: worker processes.
+        n_buffers: batches requested ahead of the caller.
+        getter_fn: ``getter_fn(indices)`` makes one batch (e.g. ``sampler.get_at``).
+        ctx: multiprocessing context or start method name; default: the current default.
+        doze_time: how often a waiting side checks that the other is alive.
+        daemon: passed to ``Process``.
+        done_event: a multiprocessing Event: the workers stop when it is set.
+    """
     target, name = _target_for(sampler, getter_fn)
 
     def wrapped():

@@ -117,53 +117,54 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
 
     Same interface as UniEnv's ``MultiProcessingSampleManager``: [`add_work`][] queues a
     work item, [`fetch`][] returns a result (``None`` if none arrives in time), and
-    [`close`][] ends the workers.  ``worker_init_fn(seed)`` runs in each worker first, with
-    its entry of ``worker_seeds``.  ``done_event`` (optional, a multiprocessing Event) stops
-    the workers when set.  ``doze_time`` is how often a waiting side re-checks that its peer
-    is alive (nothing polls on the hot path: waits sleep on futexes).
-
-    Tickets, which UniEnv lacks: [`submit`][] queues a work item and returns its ticket,
-    [`result`][] waits for that ticket's result, [`ready`][] says whether it arrived,
-    [`wait_any`][] returns the first of several tickets to arrive, [`cancel`][] drops one,
-    and [`reset_order`][] restarts the round-robin deal.
-
-    Options UniEnv lacks:
-
-    * ``in_order=True``: results come back in the order the work was added, and work is
-      dealt to workers round-robin, so a run is reproducible whatever the workers' timing.
-      ``False``: each task goes to the least busy worker and [`fetch`][] returns whichever
-      result is ready first.
-    * ``copy=False``: results are zero-copy views of the worker's slot, which is reused only
-      once they are garbage collected (at most ``max_leases`` results are held that way at
-      once; beyond that they are copied).  ``True``: results are always copied.
-    * ``timeout``: seconds to wait for one result before raising `TimeoutError` (default:
-      wait as long as the workers are alive).
-    * ``spin``: seconds a waiting side polls before it sleeps on a futex.  Default: 20 µs
-      where this process may run on more CPUs than there are workers; otherwise 0, since
-      polling would take a CPU from a process that has work to do.
-    * ``respawn=True``: a worker that dies is replaced (with a fresh seed) and its
-      unfinished work re-issued; after ``max_respawns`` replacements of one worker without a
-      result in between, its next death raises
-      [`WorkerDiedError`][unienv_mp.WorkerDiedError].  ``False``: raise it at the first
-      death.
-    * ``stall_timeout``: seconds a worker may spend on one task, or go without taking the
-      tasks waiting for it (default: no limit); beyond, it is killed and replaced, with a
-      warning carrying its stacks (see `WorkerPool` for what becomes of its tasks).
-    * ``start_later``: None (default): all start now.  A function: worker 0 starts now, the
-      others one at a time when the caller would wait (after the first result) while
-      ``start_later()`` is True, and tasks skip one still starting while another is up
-      (`WorkerPool`); [`start_all`][] starts them now.
-
+    [`close`][] ends the workers.  Tickets, which UniEnv lacks: [`submit`][] queues a work
+    item and returns its ticket, [`result`][] waits for that ticket's result, [`ready`][]
+    says whether it arrived, [`wait_any`][] returns the first of several tickets to arrive,
+    [`cancel`][] drops one, and [`reset_order`][] restarts the round-robin deal.
     [`stats`][] says where the time goes (see [`SamplerStats`][unienv_mp.SamplerStats]).
+
+    Args:
+        target_fn: the work function, run in the workers on each work item; picklable
+            under spawn and forkserver.  With a ``batches_in(work)`` method, [`stats`][]
+            counts that many batches per task (the sampler's chunks).
+        n_workers: worker processes.
+        ctx: multiprocessing context or start method name; default: the current default.
+        done_event: a multiprocessing Event (optional): the workers stop when it is set.
+        doze_time: how often a waiting side re-checks that its peer is alive (nothing polls
+            on the hot path: waits sleep on futexes).
+        daemon: passed to ``Process``.
+        worker_init_fn: ``worker_init_fn(seed)`` runs first in each worker ...
+        worker_seeds: ... with that worker's entry of these ``n_workers`` seeds.
+        in_order: ``True``: results come back in the order the work was added, and work is
+            dealt round-robin, so a run is reproducible whatever the workers' timing.
+            ``False``: each task goes to the least busy worker and [`fetch`][] returns
+            whichever result is ready first.
+        copy: ``False``: results are zero-copy views of the worker's slot, which is reused
+            only once they are garbage collected.  ``True``: results are always copied.
+        timeout: seconds to wait for one result before raising `TimeoutError` (default:
+            wait as long as the workers are alive).
+        respawn: ``True``: a worker that dies is replaced (with a fresh seed) and its
+            unfinished work re-issued.  ``False``: raise
+            [`WorkerDiedError`][unienv_mp.WorkerDiedError] at the first death.
+        max_respawns: replacements of one worker without a result in between; its next
+            death raises [`WorkerDiedError`][unienv_mp.WorkerDiedError].
+        max_leases: zero-copy results held at once (default ``2 * n_workers + 8``); beyond
+            that they are copied.
+        spin: seconds a waiting side polls before it sleeps on a futex.  Default: 20 µs
+            where this process may run on more CPUs than there are workers; otherwise 0,
+            since polling would take a CPU from a process that has work to do.
+        stall_timeout: seconds a worker may spend on one task, or go without taking the
+            tasks waiting for it (default: no limit); beyond, it is killed and replaced,
+            with a warning carrying its stacks (see `WorkerPool` for its tasks).
+        start_later: None: all start now.  A function: worker 0 starts now, the others one
+            at a time when the caller would wait (after the first result) while
+            ``start_later()`` is True, and tasks skip one still starting while another is
+            up (`WorkerPool`); [`start_all`][] starts them now.
 
     Threads: every method may be called from any thread.  Calls are serialised (a lock, held
     for the whole call: a second thread waits while the first waits for a result), and
     [`close`][] is safe at any moment, from any thread: a call it cuts short raises
     ``RuntimeError``.  A forked child cannot use its parent's manager (``RuntimeError``).
-
-    The work function must be picklable under spawn and forkserver.  With a
-    ``batches_in(work)`` method, [`stats`][] counts that many batches per task (the
-    sampler's chunks).
     """
 
     def __init__(

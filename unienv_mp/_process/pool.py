@@ -256,8 +256,8 @@ class WorkerPool:
                 f"worker {w.index} {how}: started with {self.start_method!r}, it "
                 f"imported the main module, whose top level starts a sampler's workers "
                 f"again (the script has no `if __name__ == \"__main__\":` guard around "
-                f"its work).  Put the work under such a guard (see the README's quick "
-                f"start); workers started with spawn or forkserver import the main module",
+                f"its work).  Put the work under such a guard (see unienv_mp's docs, "
+                f"Getting started); workers started with spawn or forkserver import the main module",
                 worker=w.index, exitcode=code)
         elif corrupt is not None:
             verdict = respawn_refusal(m.respawn, deaths, m.max_respawns)

@@ -551,8 +551,8 @@ class SamplerBase(BatchSampler):
     sampled_metadata_space = forwarded("sampler", "sampled_metadata_space",
                                        "The wrapped sampler's batch metadata space (or None).")
     backend = forwarded("sampler", "backend", "The wrapped sampler's compute backend.")
-    device = forwarded("sampler", "device", "The wrapped sampler's device (always the CPU "
-                                            "here).")
+    device = forwarded("sampler", "device", "The wrapped sampler's device: where batches "
+                                            "are handed out.")
     data = forwarded("sampler", "data", "The wrapped sampler's data (e.g. the ReplayBuffer).")
     rng = forwarded("sampler", "rng", """The wrapped sampler's RNG in this process.  The
         ``sample*`` streams' seed is read from its state when this sampler is made and by
@@ -613,41 +613,41 @@ class MultiprocessingSampler(SamplerBase):
     the epoch starts: on workers that exist if their copy is still current, else on new
     ones (see ``persistent_workers``).
 
+    **What it wraps.** UniEnv's ``StepSampler(data, batch_size)``, where ``data`` is a
+    ``ReplayBuffer`` or one of UniEnv's views of one (``unienv_data.batches``), which the
+    workers gather directly too.  With ``mask =
+    SliceStackedBatch.get_valid_mask_function_with_episodeid_key("episode_id")`` (frames of
+    other episodes are invalid and filled with the nearest valid one;
+    ``..._with_episode_end_key("done")`` reads episode ends instead), a frame stack of the
+    step and the one before it is ``FrameStackedBatch(rb, prefetch_horizon=1,
+    get_valid_mask_function=mask)`` (``prefetch_horizon=k`` frames before the step,
+    ``postfetch_horizon=j`` after it), and an action chunk of the next 16 actions is
+    ``SliceStackedBatch(rb, torch.arange(16),
+    get_valid_mask_function=mask).get_column(["action"])``.  The valid mask comes back in
+    the metadata: ``batch, meta = sample_with_metadata()``, ``meta["slice_valid_mask"]`` of
+    shape ``(B, frames)``; ``CombinedBatch(parts)`` adds ``meta["batch_index"]``, the part
+    each element came from.
+
+    **Batches on a GPU.** ``StepSampler(rb, B, device="cuda")`` over CPU data: the workers
+    make each batch on the CPU, in a page-locked slot, and this process copies it to the
+    GPU on a stream of its own, ahead of the call that hands it out.  The batch is on the
+    device, ordered on the caller's current CUDA stream (which waits for the copy; the
+    caller does not), and its slot goes back to its worker once the copy has completed.
+    Its values are those of the same sampler without ``device=``, moved, bit for bit;
+    ``sample_index()`` stays on the data's device, as UniEnv's does.  Data already on a GPU
+    (a ReplayBuffer over CUDA storages): no workers; batches are made in this process, with
+    one ``index_select`` per array for a ReplayBuffer of tensors
+    ([`gather_path`][unienv_mp.MultiprocessingSampler.gather_path] ``"in_process"``).
+    Other samplers whose ``device`` is a GPU are refused with ``ValueError``, and
+    ``device="cuda"`` without CUDA here with a ``RuntimeError`` that says why.  A device
+    error (out of memory) in ``sample*`` puts the batch back for the next call; in an epoch
+    it ends the epoch, as a worker's error does.  ``copy`` has no effect on device batches
+    (they are copies).
+
     Args:
-        sampler: the ``BatchSampler`` to run in the workers: UniEnv's
-            ``StepSampler(data, batch_size)``, where ``data`` is a ``ReplayBuffer`` or one
-            of UniEnv's views of one (``unienv_data.batches``), which workers gather
-            directly too.  With ``mask =
-            SliceStackedBatch.get_valid_mask_function_with_episodeid_key("episode_id")``
-            (frames of other episodes are invalid; ``..._with_episode_end_key("done")``
-            reads episode ends instead), a frame stack of the step and the one before it
-            is ``FrameStackedBatch(rb, prefetch_horizon=1, get_valid_mask_function=mask)``
-            (``prefetch_horizon=k`` frames before the step and ``postfetch_horizon=j``
-            after it: ``k + 1 + j`` frames), and an action chunk of the next 16 actions
-            is ``SliceStackedBatch(rb, torch.arange(16),
-            get_valid_mask_function=mask).get_column(["action"])``.  The valid mask (one
-            bool per frame, ``False`` where a frame is outside the step's episode and was
-            filled with the nearest valid one) comes back in the metadata: ``batch, meta
-            = sample_with_metadata()``, ``meta["slice_valid_mask"]`` of shape ``(B,
-            frames)``; ``CombinedBatch(parts)`` adds ``meta["batch_index"]``, the part
-            each element came from.  Batches on a GPU: ``StepSampler(rb, B,
-            device="cuda")`` over CPU data; the
-            workers make each batch on the CPU, in a slot that is page-locked, and this
-            process copies it to the GPU on a stream of its own, ahead of the call that
-            hands it out.  The batch handed out is on the device, ordered on the caller's
-            current CUDA stream (which waits for the copy; the caller does not), and its
-            slot goes back to its worker once the copy has completed.  Its values are
-            those of the same sampler without ``device=``, moved to the device, bit for
-            bit; ``sample_index()`` stays on the data's device, as UniEnv's does.  Data
-            already on a GPU (a ReplayBuffer over CUDA storages): no workers; batches are
-            made in this process, with one ``index_select`` per array where the data is
-            a ReplayBuffer of tensors
-            ([`gather_path`][unienv_mp.MultiprocessingSampler.gather_path]
-            ``"in_process"``).  Other samplers whose ``device`` is a GPU are refused with
-            ``ValueError``, and ``device="cuda"`` without CUDA here with a ``RuntimeError``
-            that says why.  A device error (out of memory) in ``sample*`` puts the batch
-            back for the next call; in an epoch it ends the epoch, as a worker's error does.
-            ``copy`` has no effect on device batches (they are copies).
+        sampler: the ``BatchSampler`` to run in the workers: a ``StepSampler`` over a
+            ``ReplayBuffer`` or a view of one, its batches on the CPU or on a CUDA device
+            (see "What it wraps" and "Batches on a GPU" above).
         n_workers: worker processes.
         n_buffers: batches requested ahead of the caller, per method.
         ctx: multiprocessing context or start method name (``"fork"``, ``"spawn"``,
@@ -777,7 +777,7 @@ class MultiprocessingSampler(SamplerBase):
     [`close`][unienv_mp.MultiprocessingSampler.close] is safe from any thread at any moment:
     a call running meanwhile raises ``RuntimeError``, and no worker starts after it returns.
     A forked child cannot use its parent's sampler: its first call raises ``RuntimeError``,
-    before any batch (see the README on batches held across a fork).
+    before any batch (see the Reliability guide on batches held across a fork).
     """
 
     def __init__(

@@ -133,15 +133,18 @@ class RingBuffer:
     """A bounded FIFO of byte strings in shared memory, for any number of producer and
     consumer processes.
 
-    ``RingBuffer(capacity, entry_size)`` creates a ring holding up to ``capacity`` entries
-    of at most ``entry_size`` bytes each.  A forked child inherits it; pickling it (as a
-    ``Process`` argument under spawn or forkserver, or through a queue while this process
-    lives) attaches the receiving process to the same ring.
+    A forked child inherits it; pickling it (as a ``Process`` argument under spawn or
+    forkserver, or through a queue while this process lives) attaches the receiving
+    process to the same ring.  Pushing copies the bytes into a cell and publishes it with
+    one atomic store; popping copies them out.  Blocking calls spin, then sleep on a futex
+    without the GIL; they wake when the other side acts.
 
-    Pushing copies the bytes into a cell and publishes it with one atomic store; popping
-    copies them out.  Blocking calls spin for ``spin`` seconds, then sleep on a futex
-    without the GIL; they wake when the other side acts, and at least every
-    ``poll_interval`` seconds to run ``check`` (if given) and to notice signals.
+    Args:
+        capacity: most entries the ring holds.
+        entry_size: most bytes one entry holds.
+        poll_interval: longest sleep, in seconds, before a blocked call runs ``check`` (if
+            given) and notices signals.
+        spin: seconds a blocked call polls before it sleeps.
 
     [`shutdown`][unienv_mp.RingBuffer.shutdown] marks the ring closed for every process:
     further pushes raise [`RingClosed`][unienv_mp.RingClosed]; pops return what is left,

@@ -199,7 +199,7 @@ def missing_dependencies(args, missing):
     return out
 
 
-#: The rows that need an optional dependency (the extras of the README's "Installing").
+#: The rows that need an optional dependency (the extras of the docs' "Installing").
 _OPTIONAL_ROWS = ("torchrl", "ray")
 
 
