@@ -142,3 +142,153 @@ def test_every_public_class_and_function_has_a_docstring():
 def test_the_readme_fits_on_a_few_screens():
     with open(os.path.join(ROOT, "README.md")) as f:
         assert len(f.read().splitlines()) <= 200
+
+
+def _public_api():
+    """docs/public_api.py, loaded as a module, its MODULES cut to those that import here
+    (``unienv_mp.ray`` needs ray, an optional dependency)."""
+    import importlib
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "public_api", os.path.join(ROOT, "docs", "public_api.py"))
+    api = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(api)
+    importable = []
+    for name in api.MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            continue
+        importable.append(name)
+    api.MODULES = tuple(importable)
+    return api
+
+
+def _stub_parameters(obj):
+    """The parameters of a compiled class's ``__init__`` (or a compiled function), read
+    from the ``.pyi`` stub beside its module; None if it has no stub."""
+    import ast
+    import importlib
+    module = importlib.import_module(obj.__module__)
+    path = getattr(module, "__file__", None) or ""
+    folder, base = os.path.split(path)
+    stub = os.path.join(folder, base.split(".")[0] + ".pyi")
+    if not os.path.exists(stub):
+        return None
+    with open(stub) as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if getattr(node, "name", None) != obj.__name__:
+            continue
+        if isinstance(node, ast.ClassDef):
+            node = next((d for d in node.body if isinstance(d, ast.FunctionDef)
+                         and d.name == "__init__"), None)
+            if node is None:
+                return []
+        a = node.args
+        return [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs if p.arg != "self"]
+    return None
+
+
+def _parameters(obj):
+    """The names of ``obj``'s parameters, less self, ``*args`` and ``**kwargs``."""
+    import inspect
+    try:
+        sig = inspect.signature(obj)
+    except ValueError:
+        # a compiled class (its stub says), or a subclass of a builtin exception with
+        # no __init__ of its own: no parameters of its own
+        return _stub_parameters(obj) or []
+    return [p.name for p in sig.parameters.values()
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name != "self"]
+
+
+def _section_entries(doc, header):
+    """The names of the entries of ``doc``'s ``header`` section (``"Args"``), or None if it
+    has none: the lines indented one level (4 spaces) deeper than the header that start
+    with ``name:`` (or ``name (type):``)."""
+    lines = doc.splitlines()
+    for i, line in enumerate(lines):
+        if line.strip() != header + ":":
+            continue
+        indent = len(line) - len(line.lstrip())
+        names = []
+        for entry in lines[i + 1:]:
+            if not entry.strip():
+                continue
+            depth = len(entry) - len(entry.lstrip())
+            if depth <= indent:
+                break
+            m = re.match(r"(\w+)(\s*\([^)]*\))?:(\s|$)", entry.strip())
+            if depth == indent + 4 and m:
+                names.append(m.group(1))
+        return names
+    return None
+
+
+#: Public callables with parameters and no parameter table, and why.
+NO_PARAMETER_TABLE = {
+    # its Args would put it over test_layout's 400 lines a class; its docstring says its
+    # constructor takes MultiprocessingSampler's options less the process backend's
+    "unienv_mp.sampler.SamplerBase",
+}
+
+
+def _parameter_table_gaps(api):
+    """What every public class and function documented at its own path lacks: for one
+    with parameters, an ``Args:`` section (or, for a class whose docstring has none, an
+    ``Attributes:`` section: a dataclass, or a class that keeps its parameters as
+    attributes) in its docstring or its ``__init__``'s, with an entry for each parameter."""
+    import importlib
+    import inspect
+    gaps = []
+    for module_name, rows in api.public_names().items():
+        module = importlib.import_module(module_name)
+        for name, is_class, at in rows:
+            value = getattr(module, name)
+            if at != f"{module_name}.{name}" or at in NO_PARAMETER_TABLE:
+                continue
+            if not (inspect.isclass(value) or inspect.isroutine(value)):
+                continue
+            params = _parameters(value)
+            if not params:
+                continue
+            docs = [inspect.cleandoc(value.__doc__ or "")]
+            init = vars(value).get("__init__") if is_class else None
+            if init is not None and init.__doc__:
+                docs.append(inspect.cleandoc(init.__doc__))
+            entries = None
+            for header in ("Args", "Attributes") if is_class else ("Args",):
+                for doc in docs:
+                    entries = _section_entries(doc, header)
+                    if entries is not None:
+                        break
+                if entries is not None:
+                    break
+            if entries is None:
+                gaps.append(f"{at}: no Args section")
+                continue
+            missing = [p for p in params if p not in entries]
+            if missing:
+                gaps.append(f"{at}: no entry for {', '.join(missing)}")
+    return gaps
+
+
+def test_every_public_callable_with_parameters_has_a_parameter_table():
+    gaps = _parameter_table_gaps(_public_api())
+    assert not gaps, "\n".join(gaps)
+
+
+def test_the_parameter_table_check_reads_the_entries_of_a_section():
+    import inspect
+    doc = inspect.cleandoc('''Summary.
+
+        Args:
+            first: what it is, over
+                two lines: not an entry.
+            second (int): typed.
+
+        Returns:
+            nothing: not an entry.''')
+    assert _section_entries(doc, "Args") == ["first", "second"]
+    assert _section_entries(doc, "Attributes") is None

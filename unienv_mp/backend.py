@@ -144,10 +144,14 @@ class TicketTable(dict):
 class Dealer:
     """Which worker gets a task submitted without one: with ``in_order``, round-robin from
     worker 0 ([`reset`][unienv_mp.backend.Dealer.reset] starts again there), else the least
-    loaded.  Given ``up(lane)`` (whether a lane's worker is taking tasks), a worker that is
-    not up (still starting, or being replaced) is passed over while another is up: a task
-    dealt to it would make the caller wait for its start (a worker started under spawn
-    imports torch for a second or more)."""
+    loaded.
+
+    Args:
+        up: ``up(lane)``: whether a lane's worker is taking tasks; None: every worker is.
+            A worker that is not up (still starting, or being replaced) is passed over
+            while another is up: a task dealt to it would make the caller wait for its
+            start (a worker started under spawn imports torch for a second or more).
+    """
     __slots__ = ("next", "up")
 
     def __init__(self, up=None):
@@ -178,7 +182,14 @@ class Dealer:
 
 def respawn_refusal(respawn, deaths, max_respawns):
     """Why a worker that has now died ``deaths`` times in a row without producing a result
-    is not to be replaced, as the end of its error message; None if it is to be."""
+    is not to be replaced, as the end of its error message; None if it is to be.
+
+    Args:
+        respawn: the manager's ``respawn``: False refuses every replacement.
+        deaths: the worker's deaths in a row without a result, this one included.
+        max_respawns: the replacements allowed in a row without a result: the next death
+            is refused.
+    """
     if not respawn:
         return "respawn=False"
     if deaths > max_respawns:
@@ -188,17 +199,39 @@ def respawn_refusal(respawn, deaths, max_respawns):
 
 
 def unknown_ticket(ticket):
-    """The error of a ticket call given a ticket that is not pending."""
+    """The error of a ticket call given a ticket that is not pending.
+
+    Args:
+        ticket: the ticket given.
+
+    Returns:
+        The ``KeyError`` to raise.
+    """
     return KeyError(f"unknown, cancelled or already collected ticket {ticket}")
 
 
 def none_pending(tickets):
-    """The error of ``wait_any`` given no pending ticket."""
+    """The error of ``wait_any`` given no pending ticket.
+
+    Args:
+        tickets: the tickets waited on, named in the message.
+
+    Returns:
+        The ``KeyError`` to raise.
+    """
     return KeyError(f"none of the tickets {list(tickets)!r} is pending")
 
 
 def no_result(limit, worker=None):
     """The error of a wait that got no result within ``limit`` seconds (from ``worker``,
-    if one is named)."""
+    if one is named).
+
+    Args:
+        limit: the seconds waited.
+        worker: index of the worker waited on, or None.
+
+    Returns:
+        The ``TimeoutError`` to raise.
+    """
     source = "" if worker is None else f" from worker {worker}"
     return TimeoutError(f"no result{source} within {limit} s")

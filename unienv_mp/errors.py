@@ -36,7 +36,20 @@ def error_payload(exc, max_traceback=MAX_TRACEBACK, max_message=MAX_TRACEBACK):
     itself, pickled (bytes), when it survives pickling *and unpickling* here (an exception
     whose ``__init__`` takes other arguments than its ``args`` pickles but does not load).
     It is pickled on its own so that the receiver, which may not be able to import its
-    class, still gets the rest (see ``WorkerError.from_payload``)."""
+    class, still gets the rest (see
+    [`WorkerError.from_payload`][unienv_mp.WorkerError.from_payload]).
+
+    Args:
+        exc: the exception.
+        max_traceback: longest traceback text sent, in characters: a longer one keeps its
+            end, after a line ``...``.
+        max_message: longest message sent, in characters: a longer one keeps its start,
+            followed by ``...``.
+
+    Returns:
+        A dict: ``"type"`` (the qualified name of the exception's type), ``"message"``,
+        ``"traceback"`` (text), and ``"exception"`` (the pickled exception, or None).
+    """
     try:
         original = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
         if type(pickle.loads(original)) is not type(exc):
@@ -123,6 +136,13 @@ class WorkerStalledError(WorkerError):
     [`WorkerError`][unienv_mp.WorkerError] whose ``exc_type`` is
     ``"unienv_mp.WorkerStalledError"``.
 
+    Args:
+        message: the error's text (its ``str()``).
+        worker_stack: the worker's stacks, kept as ``worker_stack`` and as
+            ``worker_traceback``.
+        worker: index of the worker.
+        seconds: how long it had been on the task, or None.
+
     Attributes:
         worker: index of the worker.
         worker_stack: the worker's Python stacks (all its threads, faulthandler's format)
@@ -145,7 +165,14 @@ class WorkerStalledError(WorkerError):
 
 class WorkerDiedError(RuntimeError):
     """A worker process ended without being asked to (killed by a signal, a crash, or
-    ``os._exit``) and the sampler was told not to replace it, or it kept dying."""
+    ``os._exit``) and the sampler was told not to replace it, or it kept dying.
+
+    Args:
+        message: the error's text.
+        worker: index of the worker that died; kept as ``worker``.
+        exitcode: its process's exit code (negative: the signal that killed it), or None
+            (a Ray actor, or an exit status collected elsewhere); kept as ``exitcode``.
+    """
 
     def __init__(self, message, worker=None, exitcode=None):
         self.worker = worker

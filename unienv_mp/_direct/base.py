@@ -62,7 +62,12 @@ def sampled_rows(buffer, idx):
     reduction that costs more than gathering a small batch): the indices were drawn in
     ``[0, len)``, and a buffer only grows while it is sampled, so they are in bounds.  For
     those indices the mapping is ``(idx + offset) % count``, and ``idx`` itself when the
-    offset is 0.  (Used by the workers, and by the main job's in-process speed limit.)"""
+    offset is 0.  (Used by the workers, and by the main job's in-process speed limit.)
+
+    Args:
+        buffer: the ReplayBuffer.
+        idx: the indices drawn (a tensor).
+    """
     ring = _unienv.ring_state(buffer)
     if ring is None:
         return _unienv.logical_to_physical(buffer, idx)
@@ -88,9 +93,14 @@ def byte_rows(src):
 
 
 class PlannedBatch(SlotWriter):
-    """One batch (or a tuple of them) to gather: a plan (the codec frame ``prepared``,
-    ``views(buffer)`` of a slot, ``fill(buffer, views, what)``) and what it is filled
-    with (the storage rows of each batch; for a view, its evaluated parts)."""
+    """One batch (or a tuple of them) to gather: a plan and what it is filled with.
+
+    Args:
+        plan: the slot's layout: its codec frame ``prepared``, its size ``nbytes``,
+            ``views(buffer)`` of a slot, and ``fill(buffer, views, what)``.
+        what: what the plan is filled with: the storage rows of each batch; for a view,
+            its evaluated parts.
+    """
     __slots__ = ("plan", "what", "nbytes")
 
     def __init__(self, plan, what):

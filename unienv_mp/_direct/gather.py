@@ -46,7 +46,11 @@ __all__ = ["NotDirect", "check", "row_nbytes", "sampled_rows", "Planner", "Gathe
 
 def check(sampler):
     """Raise [`NotDirect`][unienv_mp.gather.NotDirect] (saying why) unless
-    ``sampler.sample()`` can be gathered directly; build nothing that lasts."""
+    ``sampler.sample()`` can be gathered directly; build nothing that lasts.
+
+    Args:
+        sampler: the wrapped sampler, as the workers get it.
+    """
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -63,7 +67,12 @@ def row_nbytes(sampler, method):
     direct path is used, this is the same for the same sampler: what the sampler groups by
     (see [`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler]'s
     ``batches_per_task``) must not depend on the path, or the two paths would give different
-    streams."""
+    streams.
+
+    Args:
+        sampler: the wrapped sampler, as the workers get it.
+        method: the name of one of its methods (e.g. ``"sample"``).
+    """
     getter = DIRECT_METHODS.get(method)
     if getter is None:
         return None
@@ -123,7 +132,12 @@ class Planner:
 
 class Gatherer:
     """Lives in a worker: turns a task ``(method, argument)`` into a `SlotWriter` that
-    gathers the batch into the worker's slot, or None for tasks it does not serve."""
+    gathers the batch into the worker's slot, or None for tasks it does not serve.
+
+    Args:
+        sampler: the worker's own wrapped sampler; one that the direct path cannot serve
+            raises [`NotDirect`][unienv_mp.gather.NotDirect].
+    """
 
     def __init__(self, sampler):
         self._planner = Planner(sampler)

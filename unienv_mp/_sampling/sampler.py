@@ -212,11 +212,13 @@ class SamplerBase(BatchSampler):
     [`unienv_mp.ray.RaySampler`][unienv_mp.ray.RaySampler] as Ray actors; both give the same
     stream of batches for the same seed.
 
-    Subclasses call ``SamplerBase.__init__`` with the options every backend has (see
-    [`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler] for what they mean) and
+    Its constructor takes [`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler]'s
+    options less the process backend's (``ctx``, ``doze_time``, ``daemon``,
+    ``shared_memory``, ``direct_gather``, ``stall_timeout``, ``persistent_workers``), and
     ``not_direct``: None if the workers gather batches directly (see
-    `unienv_mp._direct.gather`), else why not; ``manager``: the manager of the ``sample*``
-    workers, if the subclass made it already (any [`Manager`][unienv_mp.backend.Manager]).
+    `unienv_mp._direct.gather`), else why not; ``manager``: the ``sample*`` workers'
+    manager, if the subclass made it already (any [`Manager`][unienv_mp.backend.Manager]);
+    ``placement``: where batches go (`unienv_mp._device.placement`; None: the CPU only).
 
     Extending (the methods a backend overrides; nothing else is meant to be):
     [`new_manager`][unienv_mp.sampler.SamplerBase.new_manager] returns a new manager of
@@ -281,9 +283,9 @@ class SamplerBase(BatchSampler):
     # -- the hooks of a backend (see "Extending") ------------------------------------------
 
     def new_manager(self):
-        """A new manager of workers running ``SamplerTarget(self.sampler)``, which keeps
-        the [`unienv_mp.backend.Manager`][unienv_mp.backend.Manager] protocol (see the class
-        docstring)."""
+        """A new [`Manager`][unienv_mp.backend.Manager] whose workers each run
+        ``SamplerTarget(self.sampler)`` on a copy of the sampler of their own, even in the
+        caller's process (e.g. ``copy.deepcopy(self.sampler)``).  Required."""
         raise NotImplementedError
 
     def sampler_methods(self):

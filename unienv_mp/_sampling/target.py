@@ -35,6 +35,14 @@ class SamplerTarget:
     Picklable for spawn and forkserver: the sampler travels as a shallow copy without its
     random number generators (made again in the worker by
     [`reseed`][unienv_mp.sampler.SamplerTarget.reseed]).
+
+    Args:
+        sampler: the wrapped sampler (a ``BatchSampler``), whose methods the work items
+            name.
+        fn: what a work item whose method name is ``None`` calls instead.
+        direct: gather the batches that a direct plan serves straight into the slot (see
+            above); where the worker's sampler cannot be planned, every task takes the
+            generic path.
     """
     _RNG_ATTRS = ("rng", "data_rng")
 

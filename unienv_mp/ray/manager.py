@@ -94,7 +94,11 @@ class RayManager:
             copies (see `unienv_mp.ray._batch.unpack`).
         timeout: seconds to wait for one result before ``TimeoutError`` (None: as long as
             the actors live).
-        respawn: replace an actor that died (see the module docstring).
+        respawn: ``True``: an actor found dead (``ray.kill``-ed, its process killed, its
+            node lost), or whose result was lost with its node, is replaced, and every
+            task it had not delivered is sent to the replacement.  ``False``: the call
+            that finds it dead raises [`WorkerDiedError`][unienv_mp.WorkerDiedError]
+            (the actor is replaced all the same, for the calls after it).
         max_respawns: replacements of one actor without a result in between before its
             next death raises [`WorkerDiedError`][unienv_mp.WorkerDiedError].
         num_cpus_per_worker: the CPUs Ray reserves for each actor.

@@ -70,7 +70,12 @@ def _release(token):
 
 class RemoteData:
     """Stands in for the data of a sampler made by a ``sampler_factory``: its length and
-    device (what epochs are drawn from).  The data itself is in the workers."""
+    device (what epochs are drawn from).  The data itself is in the workers.
+
+    Args:
+        length: rows in the data (as the first actor's sampler has them).
+        device: the data's device.
+    """
 
     def __init__(self, length, device):
         self.length = length
@@ -89,7 +94,15 @@ class RemoteSampler(BatchSampler):
     ``sampler_factory`` makes in each worker: its spaces, batch size, device and data
     length ([`RemoteData`][unienv_mp.ray.RemoteData]), and its random number generators,
     from which epochs draw their permutations.  ``manual_seed`` seeds the workers' sampler
-    and takes its generators from there; the ``get*_at`` methods run on a worker."""
+    and takes its generators from there; the ``get*_at`` methods run on a worker.
+
+    Args:
+        description: what the first actor says of its sampler: its spaces, batch size and
+            device, its data's length and device, its random number generators, its
+            methods and their bytes per row, and the configuration a checkpoint must match.
+        manager: the [`RayManager`][unienv_mp.ray.RayManager] of the actors, which runs
+            ``manual_seed`` and the ``get*_at`` methods.
+    """
 
     def __init__(self, description, manager):
         super().__init__(description["single_space"], description["single_metadata_space"],
