@@ -710,6 +710,18 @@ def _scribble_on_task_ring(kind):
         ctypes.c_uint64.from_address(cell).value = 2 * (pos + 10 * capacity)
     elif kind == "tail ahead":   # (its own counter: it skips the next task)
         ctypes.c_uint64.from_address(base + 128).value += 1
+    elif kind == "next task rewritten":
+        # the task the parent pushed after this one becomes a copy of this one (its work
+        # info: the chunk this worker is making now), as a stray write might make it
+        tail = ctypes.c_uint64.from_address(base + 128).value
+        cell = base + 5 * 64 + (tail % capacity) * stride
+        seq = ctypes.c_uint64.from_address(cell)
+        deadline = time.monotonic() + 20
+        while seq.value != 2 * tail + 1:   # (until the parent has pushed it)
+            assert time.monotonic() < deadline, "the next task never came"
+            time.sleep(0.001)
+        mine = _worker_locals()["payload"]
+        ctypes.memmove(cell + 16 + P.ENTRY_HEADER, mine, len(mine))   # {seq, len, pad}
     else:
         raise AssertionError(kind)
 
@@ -749,6 +761,89 @@ def test_a_worker_that_corrupts_its_task_ring_is_replaced_and_the_stream_goes_on
 def test_a_corrupt_task_ring_without_respawn_is_one_codec_error(tmp_path, kind):
     m = _corrupting_sampler(tmp_path, CorruptsItsTasks, kind, respawn=False)
     _check_one_codec_error(m, "wrote into its task ring.*respawn=False")
+
+
+def test_a_task_rewritten_in_its_ring_is_refused_and_the_stream_goes_on(tmp_path):
+    """A task carries a check of its entry: a worker that finds its next task rewritten
+    (here, into a copy of the one in hand, which would repeat a chunk of the stream)
+    exits instead of running it, and is replaced; the task goes to the replacement."""
+    m = _corrupting_sampler(tmp_path, CorruptsItsTasks, "next task rewritten")
+    _check_replaced_and_goes_on(m, "found a task in its ring rewritten",
+                                "did not match its check")
+
+
+def test_a_task_rewritten_in_its_ring_without_respawn_is_one_codec_error(tmp_path):
+    m = _corrupting_sampler(tmp_path, CorruptsItsTasks, "next task rewritten",
+                            respawn=False)
+    _check_one_codec_error(m, "found a task in its ring rewritten.*respawn=False")
+
+
+def _hides_a_result(work):
+    """The work function of the tests below: ``("hide", marker)`` makes the entry of the
+    first result this worker published look unwritten (as a stray write into its result
+    ring might), once: while ``marker`` exists, which it removes.  Any other work comes
+    back as an array."""
+    if isinstance(work, tuple) and work[0] == "hide":
+        try:
+            os.unlink(work[1])
+        except FileNotFoundError:
+            pass
+        else:
+            ring = _worker_locals()["out"].ring
+            base = ring.segment.address + ring.offset
+            ctypes.c_uint64.from_address(base + 5 * 64).value = 0   # cell 0: "free"
+        return np.zeros(1)
+    if work == "slow":
+        time.sleep(0.4)
+    return np.full(3, sum(map(ord, work)))
+
+
+def _wait_for_tasks(m, worker, n):
+    assert wait_until(lambda: m.stats().workers[worker].tasks == n, timeout=20)
+
+
+@pytest.mark.parametrize("respawn", [True, False])
+def test_a_worker_that_hides_a_result_it_published_is_replaced(tmp_path, respawn):
+    """The stall watchdog compares the tasks a worker counts as answered with the answers
+    that reached the parent: a worker idle with fewer answers read than it published hid
+    one, and is replaced (its tasks go to the replacement) instead of leaving the call
+    to wait until its timeout."""
+    marker = tmp_path / "hide"
+    marker.write_text("")
+    with MultiProcessingSampleManager(_hides_a_result, n_workers=1, ctx="fork",
+                                      stall_timeout=0.5, timeout=20,
+                                      respawn=respawn) as m:
+        first = m.submit("a")
+        _wait_for_tasks(m, 0, 1)   # (published, not read: nothing waited for it yet)
+        hiding = m.submit(("hide", str(marker)))
+        _wait_for_tasks(m, 0, 2)
+        pid = m.workers[0].pid
+        if respawn:
+            with pytest.warns(RuntimeWarning, match="over a result it had published"):
+                assert m.result(first).tolist() == [97] * 3
+            assert m.result(hiding).tolist() == [0.0]
+        else:
+            with pytest.raises(CodecError, match="over a result it had published.*"
+                                                 "respawn=False"):
+                m.result(first)
+            assert m.result(first).tolist() == [97] * 3   # (asked again)
+        assert m.workers[0].pid != pid
+
+
+def test_results_left_unread_while_the_caller_waits_on_another_worker_are_kept():
+    """A result a worker published and nobody asked for yet is not one it hid: the
+    caller may wait on the other workers far longer than the stall timeout meanwhile."""
+    with MultiProcessingSampleManager(_hides_a_result, n_workers=2, ctx="fork",
+                                      stall_timeout=0.5, timeout=20) as m:
+        left = m.submit("b", worker=1)
+        _wait_for_tasks(m, 1, 1)
+        pids = [w.pid for w in m.workers]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(4):   # 1.6 s in all
+                m.result(m.submit("slow", worker=0))
+            assert m.result(left).tolist() == [98] * 3
+        assert [w.pid for w in m.workers] == pids
 
 
 def test_a_worker_that_skips_a_task_of_its_ring_is_a_stall(tmp_path):

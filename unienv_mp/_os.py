@@ -205,6 +205,12 @@ def exit_code(proc, wait=0.0):
 #: would repeat this, so the parent raises instead of starting a replacement.
 EXIT_MAIN_REIMPORTED = 86
 
+#: The exit code of a worker that found a task in its ring that does not match its check
+#: (see `unienv_mp._transport.protocol`'s task entries): something in the worker wrote
+#: into its task ring.  The parent replaces it, as it does a worker that wrote garbage
+#: into its result ring, and gives the task to the replacement.
+EXIT_TASK_REWRITTEN = 87
+
 _MAIN_REIMPORTED = (
     "unienv_mp: this process was started with spawn or forkserver and, while importing "
     "the main module, was about to start a sampler's workers itself: the script does "

@@ -43,6 +43,8 @@ _SLOT_DESC_SIZE = P.SLOT_DESC.size
 _STATUSES = frozenset((P.ST_OK, P.ST_ERROR, P.ST_FATAL))
 _AT_INLINE = P.AT_INLINE
 _AT_SLOT = P.AT_SLOT
+_task_check = P.task_check
+_pack_check = P.TASK_CHECK.pack
 _STARTED = _stats.STARTED
 
 
@@ -77,6 +79,76 @@ class WorkerCorrupt(WorkerDied):
         super().__init__(handle)
         self.error = CodecError(f"worker {handle.index} (pid {handle.pid}) wrote {wrote}: "
                                 f"{what}")
+
+
+class StallWatch:
+    """What the stall watchdog remembers of one worker process between two looks at its
+    counters (`check`): since when it has owed work while idle, and since when its
+    answers have been short."""
+    __slots__ = ("owing_since", "lacking_since")
+
+    def __init__(self):
+        self.owing_since = None     # (tasks it had ended, ns) when first seen owing work idle
+        self.lacking_since = None   # (tasks it had ended, answers read, ns): see _answers
+
+    def check(self, handle, counters, pushed, got, stall_ns):
+        """Raise WorkerStalled if the process of ``handle`` (its ``counters``; ``pushed``
+        tasks given to it, ``got`` of their answers read here) has been on its task in
+        hand for longer than ``stall_ns`` nanoseconds, or has taken none of the tasks
+        waiting for it for that long (``ticket`` None) while it was stopped (SIGSTOP, a
+        debugger) or after it had ended tasks before (so it is past ``worker_init_fn``,
+        whose time is not a stall); WorkerCorrupt if it hid a result (see `_answers`)."""
+        # (the worker writes TICKET, then TASK_SINCE, per task: read the other way round,
+        # and again, a ticket that did not change is the one TASK_SINCE belongs to)
+        ticket = counters[_stats.TICKET]
+        since = counters[_stats.TASK_SINCE]
+        if since:
+            self.owing_since = None
+            if counters[_stats.TICKET] == ticket:
+                elapsed = time.monotonic_ns() - since
+                if elapsed > stall_ns:
+                    raise WorkerStalled(handle, ticket, elapsed / 1e9)
+            return
+        # Between tasks.  It owes work while it has ended fewer tasks than it was given
+        # (each task ends, TASKS counted, before the worker takes the next); the clock
+        # starts again whenever it ends one.
+        ended = counters[_stats.TASKS]
+        if ended >= pushed:
+            self.owing_since = None
+            self._answers(handle, ended, got, stall_ns)
+            return
+        now = time.monotonic_ns()
+        mark = self.owing_since
+        if mark is None or mark[0] != ended:
+            self.owing_since = (ended, now)
+            return
+        elapsed = now - mark[1]
+        if elapsed > stall_ns and (ended or _os.is_stopped(handle.pid)):
+            raise WorkerStalled(handle, None, elapsed / 1e9)
+
+    def _answers(self, handle, ended, got, stall_ns):
+        """Raise WorkerCorrupt if the process, idle with all its tasks ended (``ended``),
+        has counted more of them answered than the ``got`` result entries read here, and
+        for longer than ``stall_ns``: it made an entry it had published look unwritten (a
+        stray write into its result ring), and the call waiting for that result would
+        wait until its ``timeout``.
+
+        Why the counts differ only for an instant otherwise: the process publishes each
+        task's entry before it counts the task as ended, and a caller that checks this
+        (while it waits) takes every entry that can be taken: a wait on this worker pops
+        its ring, and a wait on several drains every ring before each sleep.  The mark
+        starts again whenever either count moves."""
+        if ended <= got:
+            self.lacking_since = None
+            return
+        now = time.monotonic_ns()
+        mark = self.lacking_since
+        if mark is None or mark[:2] != (ended, got):
+            self.lacking_since = (ended, got, now)
+        elif now - mark[2] > stall_ns:
+            raise WorkerCorrupt(handle, f"it counts {ended} tasks answered, and {got} "
+                                        f"answers could be read",
+                                "over a result it had published")
 
 
 class Launch:
@@ -230,7 +302,8 @@ class WorkerHandle:
         self.repeated = False       # the last next_result returned an entry returned before
         self.launched_ns = None     # monotonic ns at which its process was started
         self._pushed = 0            # tasks pushed to this incarnation
-        self._owing_since = None    # (tasks it had ended, ns) when first seen owing work idle
+        self._received = 0          # result entries of this incarnation recorded
+        self._watch = StallWatch()  # what the stall watchdog remembers of the process
 
     @property
     def has_process(self):
@@ -342,7 +415,8 @@ class WorkerHandle:
         self._free_slots = collections.deque()
         self._next_slot = 0
         self._pushed = 0
-        self._owing_since = None
+        self._received = 0
+        self._watch = StallWatch()
 
     def detach(self):
         """Take the process (which died) and its memory off the handle, and return them,
@@ -398,38 +472,10 @@ class WorkerHandle:
     def check_stall(self, stall_ns):
         """Raise WorkerStalled if the process has been on its task in hand for longer than
         ``stall_ns`` nanoseconds, or has taken none of the tasks waiting for it for that
-        long (``ticket`` None) while it was stopped (SIGSTOP, a debugger) or after it
-        had ended tasks before (so it is past ``worker_init_fn``, whose time is not a
-        stall)."""
-        counters = self._counters
-        if counters is None:
-            return
-        # (the worker writes TICKET, then TASK_SINCE, per task: read the other way round,
-        # and again, a ticket that did not change is the one TASK_SINCE belongs to)
-        ticket = counters[_stats.TICKET]
-        since = counters[_stats.TASK_SINCE]
-        if since:
-            self._owing_since = None
-            if counters[_stats.TICKET] == ticket:
-                elapsed = time.monotonic_ns() - since
-                if elapsed > stall_ns:
-                    raise WorkerStalled(self, ticket, elapsed / 1e9)
-            return
-        # Between tasks.  It owes work while it has ended fewer tasks than it was given
-        # (each task ends, TASKS counted, before the worker takes the next); the clock
-        # starts again whenever it ends one.
-        ended = counters[_stats.TASKS]
-        if ended >= self._pushed:
-            self._owing_since = None
-            return
-        now = time.monotonic_ns()
-        mark = self._owing_since
-        if mark is None or mark[0] != ended:
-            self._owing_since = (ended, now)
-            return
-        elapsed = now - mark[1]
-        if elapsed > stall_ns and (ended or _os.is_stopped(self.pid)):
-            raise WorkerStalled(self, None, elapsed / 1e9)
+        long; WorkerCorrupt if it hid a result for that long (see `StallWatch`)."""
+        if self._counters is not None:
+            self._watch.check(self, self._counters, self._pushed,
+                              self._received + len(self._popped), stall_ns)
 
     def stacks(self, timeout=2.0):
         """The process's Python stacks, all threads, as text (faulthandler's format), or a
@@ -457,7 +503,10 @@ class WorkerHandle:
         than TASK_CAPACITY tickets when the manager pushes (see _make_room), a ticket
         leaves it only when its result has come, and the process takes its tasks in
         order, each off the ring (its cell free again) before it answers it.  So at most
-        ``len(record)`` cells are taken, and the ring holds TASK_CAPACITY."""
+        ``len(record)`` cells are taken, and the ring holds TASK_CAPACITY.
+
+        The payload gets its check (see `unienv_mp._transport.protocol`'s task entries)."""
+        payload += _pack_check(_task_check(tag, slot, ticket, payload))
         try:
             self._tasks.push_tagged(tag, slot, ticket, payload, False, None, record=record)
         except _queue.Full:
@@ -521,6 +570,7 @@ class WorkerHandle:
     def result_recorded(self):
         """The entry `next_result` returned is recorded: drop it."""
         self._popped.popleft()
+        self._received += 1
 
     # -- slots ----------------------------------------------------------------------------
 

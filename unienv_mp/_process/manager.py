@@ -208,7 +208,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         self._pool = pool = WorkerPool(n_workers, me, dict(
             start_later=start_later, seeds=worker_seeds,
             start_method=ctx.get_start_method()),
-            tasks, WorkEncoder(TASK_INLINE), None)
+            tasks, WorkEncoder(TASK_INLINE - P.TASK_CHECK.size), None)
         self._lanes = pool.lanes                 # (the pool's: the per-batch path reads it)
         self._resources = resources = pool.resources
         self._slots = pool.slots = SlotLedger(tasks, pool.lanes, resources.spills)

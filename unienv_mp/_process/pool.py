@@ -250,6 +250,9 @@ class WorkerPool:
         # (a SIGINT is a terminal's Ctrl-C that reached the worker too, not a crash)
         deaths = lane.deaths_in_a_row + (code != -signal.SIGINT)
         give_up = failed = None
+        if code == _os.EXIT_TASK_REWRITTEN and corrupt is None:
+            corrupt = CodecError(f"worker {w.index} (pid {w.pid}) found a task in its ring "
+                                 f"rewritten (it did not match its check)")
         if code == _os.EXIT_MAIN_REIMPORTED and stall is None:
             # a replacement would make the same mistake: one error, with the fix
             give_up = WorkerDiedError(
@@ -357,7 +360,7 @@ class WorkerPool:
             elif stall_ns is not None:
                 try:
                     w.check_stall(stall_ns)
-                except WorkerStalled as e:
+                except (WorkerStalled, WorkerCorrupt) as e:
                     self.bury(lane, e)
                     self.restart(lane)
 

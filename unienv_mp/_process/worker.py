@@ -183,8 +183,14 @@ def _serve(tasks, target_fn, out, counters, parent_pid):
     batches_in = getattr(target_fn, "batches_in", None)
     clock = time.monotonic_ns
     begin, end, send, check = counters.begin, counters.end, out.send, out.check
+    n_check, unpack_check, task_check = P.TASK_CHECK.size, P.TASK_CHECK.unpack, P.task_check
     while True:
         t, slot, ticket, payload = tasks.pop_tagged(check=check)
+        body = payload[:-n_check]
+        if (len(payload) < n_check
+                or unpack_check(payload[-n_check:])[0] != task_check(t, slot, ticket, body)):
+            os._exit(_os.EXIT_TASK_REWRITTEN)   # (see _os.EXIT_TASK_REWRITTEN)
+        payload = body
         enc, where = P.untag(t)
         if enc == P.OP_STOP:
             break
