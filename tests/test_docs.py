@@ -292,3 +292,54 @@ def test_the_parameter_table_check_reads_the_entries_of_a_section():
             nothing: not an entry.''')
     assert _section_entries(doc, "Args") == ["first", "second"]
     assert _section_entries(doc, "Attributes") is None
+
+
+def _list_problems(text):
+    """Lines where Python-Markdown (which builds the site) would read a list otherwise
+    than GitHub does: an item nested by fewer than four spaces, an item right after a
+    paragraph line (no blank line between), and an item right after a later paragraph of
+    an item (which Python-Markdown runs into that paragraph)."""
+    item = re.compile(r"^( *)([-*+]|\d+\.) ")
+    problems, fence, after_blank, in_list, para_in_item = [], False, False, False, False
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        if line.strip().startswith("```"):
+            fence = not fence
+            continue
+        if fence:
+            continue
+        if not line.strip():
+            after_blank = True
+            continue
+        indent = len(line) - len(line.lstrip())
+        m = item.match(line)
+        prev = lines[i - 1] if i else ""
+        if m:
+            if indent % 4:
+                problems.append((i + 1, "nested by fewer than four spaces"))
+            elif prev.strip() and not item.match(prev) and not in_list and prev[0] not in "|#":
+                problems.append((i + 1, "no blank line after the paragraph before it"))
+            elif prev.strip() and not item.match(prev) and para_in_item:
+                problems.append((i + 1, "no blank line after an item's later paragraph"))
+            in_list, para_in_item = True, False
+        elif after_blank:
+            in_list = indent > 0 and in_list
+            para_in_item = in_list
+        after_blank = False
+    return problems
+
+
+@pytest.mark.parametrize("page", _pages() + ["models/README.md", "benchmarks/README.md"])
+def test_the_pages_lists_nest_as_the_site_reads_them(page):
+    # (the last two are pages of the site too, included as they are)
+    with open(os.path.join(ROOT, page)) as f:
+        assert _list_problems(f.read()) == []
+
+
+def test_the_list_check_sees_each_problem():
+    assert _list_problems("- a\n  - b\n") == [(2, "nested by fewer than four spaces")]
+    assert _list_problems("text:\n- a\n") == [(2, "no blank line after the paragraph "
+                                                    "before it")]
+    assert _list_problems("- a\n\n    more\n- b\n") == [
+        (4, "no blank line after an item's later paragraph")]
+    assert _list_problems("text:\n\n- a\n    - b\n\n    more\n\n- c\n") == []
