@@ -107,6 +107,91 @@ def test_bad_options_are_refused_at_construction(option, value, error, text):
         MultiprocessingSampler(_sampler(), ctx="fork", **{option: value})
 
 
+@pytest.mark.parametrize("options, error, text", [
+    ({"worker_seeds": "ab", "worker_init_fn": print}, TypeError, "integers, got 'a'"),
+    ({"worker_seeds": 7, "worker_init_fn": print}, TypeError, "sequence of n_workers"),
+    ({"worker_seeds": [1, True], "worker_init_fn": print}, TypeError, "integers, got True"),
+    ({"worker_seeds": [1], "worker_init_fn": print}, ValueError, "n_workers=2 entries"),
+    ({"worker_init_fn": "seed me"}, TypeError, "worker_init_fn must be None or callable"),
+    ({"start_later": 3}, TypeError, "start_later must be None or callable"),
+])
+def test_bad_manager_options_are_refused_at_construction(options, error, text):
+    with pytest.raises(error, match=text):
+        MultiProcessingSampleManager(print, n_workers=2, ctx="fork", **options)
+
+
+def _probe(calls):
+    """{name: "works" or the type of the exception raised} for each call."""
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "works"
+        except Exception as e:
+            out[name] = type(e).__name__
+    return out
+
+
+def _after_close_calls(m, mm, state):
+    """The sampler's and the manager's calls, as the Reliability guide lists them."""
+    return {
+        "sample": m.sample, "sample_index": m.sample_index,
+        "epoch_iter": lambda: next(iter(m.epoch_iter())),
+        "stats": m.stats, "state_dict": m.state_dict,
+        "load_state_dict": lambda: m.load_state_dict(state),
+        "manual_seed": lambda: m.manual_seed(1), "len": lambda: len(m),
+        "submit": lambda: mm.submit(1), "add_work": lambda: mm.add_work(1),
+        "fetch": mm.fetch, "result": lambda: mm.result(0), "ready": lambda: mm.ready(0),
+        "wait_any": lambda: mm.wait_any([0]), "start_all": mm.start_all,
+        "cancel": lambda: mm.cancel(0), "manager stats": mm.stats,
+        "reset_order": mm.reset_order, "remaining_work": lambda: mm.remaining_work,
+    }
+
+
+#: What the Reliability guide promises of a closed sampler or manager, and of one a forked
+#: child inherited: the calls that raise RuntimeError, and those that keep working.
+_AFTER_CLOSE = {
+    **{name: "RuntimeError" for name in (
+        "sample", "sample_index", "epoch_iter", "submit", "add_work", "fetch", "result",
+        "ready", "wait_any", "start_all")},
+    **{name: "works" for name in (
+        "stats", "state_dict", "load_state_dict", "manual_seed", "len", "cancel",
+        "manager stats", "reset_order", "remaining_work")},
+}
+
+
+def _double(x):
+    return np.full(2, 2 * x)
+
+
+def test_what_works_after_close_and_in_a_forked_child_is_what_the_guide_says():
+    expected = _reference_stream(6)
+    m = MultiprocessingSampler(StepSampler(replay_buffer(100), 4, seed=0), n_workers=1,
+                               ctx="fork", batches_per_task=1)
+    mm = MultiProcessingSampleManager(_double, n_workers=1, ctx="fork")
+    with m, mm:
+        m.sample()
+        state = m.state_dict()
+        ticket = mm.submit(3)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:   # the child calls everything, then the parent checks it lost nothing
+            try:
+                os.write(write, repr(_probe(_after_close_calls(m, mm, state))).encode())
+                m.close()
+                mm.close()
+            finally:
+                os._exit(0)
+        os.close(write)
+        child = eval(os.read(read, 1 << 16).decode())
+        os.close(read)
+        os.waitpid(pid, 0)
+        assert child == _AFTER_CLOSE
+        assert mm.result(ticket).tolist() == [6, 6]
+        assert [indices_of(m.sample()) for _ in range(5)] == expected[1:]
+    assert _probe(_after_close_calls(m, mm, state)) == _AFTER_CLOSE
+
+
 def test_buffers_that_would_not_fit_in_memory_are_refused():
     # ~6.3 MB a batch: 4000 of them requested ahead would need 25 GB
     rb = replay_buffer(20, img=(3, 256, 256))

@@ -16,6 +16,7 @@ could not have written, which is killed first (a warning, or `CodecError` instea
 end with the parent however the parent ends (see `unienv_mp._os`).
 """
 import functools
+import numbers
 import os
 import queue as _queue
 import threading
@@ -196,7 +197,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         self._lock = threading.RLock()
         public, n_workers, ctx, daemon, worker_seeds = _checked_options(
             target_fn, n_workers, ctx, daemon, worker_seeds, doze_time, in_order, copy,
-            timeout, respawn, max_respawns, max_leases, spin, stall_timeout, start_later)
+            timeout, respawn, max_respawns, max_leases, spin, stall_timeout, start_later,
+            worker_init_fn)
         vars(self).update(public)   # target_fn, doze_time, in_order, copy, timeout, ...
         self.done_event = done_event
         self._owner_pid = os.getpid()
@@ -515,7 +517,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
 
 def _checked_options(target_fn, n_workers, ctx, daemon, worker_seeds, doze_time, in_order,
                      copy, timeout, respawn, max_respawns, max_leases, spin, stall_timeout,
-                     start_later):
+                     start_later, worker_init_fn):
     """The arguments of MultiProcessingSampleManager checked and normalised: ``(public,
     n_workers, ctx, daemon, worker_seeds)``, ``public`` the dict of the attributes they
     set."""
@@ -523,13 +525,10 @@ def _checked_options(target_fn, n_workers, ctx, daemon, worker_seeds, doze_time,
         raise TypeError(f"target_fn must be callable, got {type(target_fn).__name__}")
     n_workers = check_workers(n_workers)
     if worker_seeds is not None:
-        worker_seeds = list(worker_seeds)
-        if len(worker_seeds) != n_workers:
-            raise ValueError(f"worker_seeds must have n_workers={n_workers} entries, "
-                             f"got {len(worker_seeds)}")
-    if start_later is not None and not callable(start_later):
-        raise TypeError(f"start_later must be None or callable, got "
-                        f"{type(start_later).__name__}")
+        worker_seeds = _checked_seeds(worker_seeds, n_workers)
+    for name, fn in (("start_later", start_later), ("worker_init_fn", worker_init_fn)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be None or callable, got {type(fn).__name__}")
     if spin is None:
         spin = _DEFAULT_SPIN if len(os.sched_getaffinity(0)) > n_workers else 0.0
     public = dict(
@@ -546,6 +545,22 @@ def _checked_options(target_fn, n_workers, ctx, daemon, worker_seeds, doze_time,
             max_leases, "max_leases", 0, MAX_LEASES))
     return (public, n_workers, check_context(ctx),
             check_bool(daemon, "daemon", allow_none=True), worker_seeds)
+
+
+def _checked_seeds(worker_seeds, n_workers):
+    """``worker_seeds`` as a list of ``n_workers`` integers, or TypeError / ValueError."""
+    try:
+        seeds = list(worker_seeds)
+    except TypeError:
+        raise TypeError(f"worker_seeds must be None or a sequence of n_workers integers, "
+                        f"got {type(worker_seeds).__name__}") from None
+    if len(seeds) != n_workers:
+        raise ValueError(f"worker_seeds must have n_workers={n_workers} entries, "
+                         f"got {len(seeds)}")
+    for seed in seeds:
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise TypeError(f"worker_seeds must be integers, got {seed!r}")
+    return [int(seed) for seed in seeds]
 
 
 def _accept(tasks, slots, lane, entry):
