@@ -21,7 +21,7 @@ extensions = [
     ),
     Extension(
         "unienv_mp._transport.codec",
-        sources=["unienv_mp/_transport/codec.pyx"],
+        sources=["unienv_mp/_transport/codec.pyx", "csrc/umr_rows.c"],
         include_dirs=["csrc", numpy.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=CFLAGS,

@@ -25,6 +25,11 @@
  * sfence, after which every streaming store is globally visible before any later store
  * (in particular the ring's publishing store).
  *
+ * umr_copy_stream is one such row: the slot codec's copy of a large array into a slot (a
+ * ShmQueue's message, a generic batch), for the same reason.  Only large copies: a
+ * message of a few pages may still be in this core's cache when its slot comes round
+ * again, and then an ordinary store costs less.
+ *
  * umr_scatter_rows is the same copy with a destination position per row: dst[pos[i]] =
  * src[rows[i]].  A batch of a combined dataset (UniEnv's CombinedBatch) takes each of its
  * rows from one of several tables; each table's rows go to the positions of the batch that
@@ -96,4 +101,16 @@ int64_t umr_scatter_rows(const unsigned char *src, uint64_t n_src, uint64_t row_
         memcpy(DST(i), src + (uint64_t)rows[i] * row_bytes, row_bytes);
 #undef DST
     return -1;
+}
+
+void umr_copy_stream(unsigned char *dst, const unsigned char *src, uint64_t n)
+{
+#if UMR_HAVE_STREAM
+    if (n >= UMR_STREAM_MIN_COPY && ((uintptr_t)dst & 15) == 0) {
+        stream_row(dst, src, n);   /* (its tail, past the last 64 bytes, by memcpy) */
+        _mm_sfence();              /* see "Ordering" above */
+        return;
+    }
+#endif
+    memcpy(dst, src, n);
 }

@@ -26,6 +26,13 @@ int64_t umr_scatter_rows(const unsigned char *src, uint64_t n_src, uint64_t row_
                          const int64_t *rows, const int64_t *pos, uint64_t n,
                          unsigned char *dst, uint64_t n_dst);
 
+/* Copy n bytes from src to dst, which do not overlap, as a row of umr_gather_rows would
+ * be: with streaming stores, fenced before returning, when dst is 16-byte aligned and n
+ * is at least UMR_STREAM_MIN_COPY; with memcpy otherwise.  For a destination that another
+ * process reads next (a slot of shared memory), not this core. */
+#define UMR_STREAM_MIN_COPY 65536
+void umr_copy_stream(unsigned char *dst, const unsigned char *src, uint64_t n);
+
 #ifdef __cplusplus
 }
 #endif

@@ -54,6 +54,9 @@ __all__ = ["MAGIC", "VERSION", "HEADER_SIZE", "ALIGN", "Prepared", "prepare", "e
            "decode", "encode_prepared", "write", "write_frame", "SlotLease", "clear_plan_cache",
            "plan_cache_size"]
 
+cdef extern from "umr_rows.h":
+    void umr_copy_stream(unsigned char *dst, const unsigned char *src, uint64_t n) nogil
+
 cdef extern from "numpy/arrayobject.h":
     ctypedef struct _Descr "PyArray_Descr":
         pass
@@ -319,16 +322,21 @@ def prepare(obj):
     return p
 
 
-cdef inline void _copy(char *dst, const char *src, uint64_t n) noexcept:
+cdef inline void _copy(char *dst, const char *src, uint64_t n, bint stream) noexcept:
+    # stream: the destination is a slot that another process reads next (see
+    # csrc/umr_rows.c on streaming stores); not a buffer of this process's own
     if n >= BIG_COPY:
         with nogil:
-            memcpy(dst, src, n)
+            if stream:
+                umr_copy_stream(<unsigned char *>dst, <const unsigned char *>src, n)
+            else:
+                memcpy(dst, src, n)
     else:
         memcpy(dst, src, n)
 
 
 cdef int _write_array(char *base, Py_ssize_t buflen, object dest_owner, source, int kind,
-                      uint64_t off, uint64_t nbytes) except -1:
+                      uint64_t off, uint64_t nbytes, bint stream) except -1:
     cdef cnp.ndarray a
     cdef uintptr_t ptr
     # The source may have been resized since prepare() (ndarray.resize(refcheck=False),
@@ -346,7 +354,7 @@ cdef int _write_array(char *base, Py_ssize_t buflen, object dest_owner, source, 
     if kind == KIND_NUMPY:
         a = <cnp.ndarray>source
         if cnp.PyArray_IS_C_CONTIGUOUS(a):
-            _copy(base + off, <const char *>cnp.PyArray_DATA(a), nbytes)
+            _copy(base + off, <const char *>cnp.PyArray_DATA(a), nbytes, stream)
         else:
             dest = _np.frombuffer(dest_owner, dtype=a.dtype, count=a.size,
                                   offset=off).reshape((<object>a).shape)
@@ -355,7 +363,7 @@ cdef int _write_array(char *base, Py_ssize_t buflen, object dest_owner, source, 
     t = source
     if t.is_contiguous():
         ptr = t.data_ptr()
-        _copy(base + off, <const char *>ptr, nbytes)
+        _copy(base + off, <const char *>ptr, nbytes, stream)
     else:
         torch = _torch_module()
         dest = torch.frombuffer(dest_owner, dtype=t.dtype, count=t.numel(),
@@ -370,7 +378,7 @@ ctypedef size_t uintptr_t
 def write(Prepared p, buffer):
     """Write a prepared encoding at the start of the writable ``buffer`` (at least
     ``p.nbytes`` bytes long: a slot, a ``bytearray``, a ``memoryview``...)."""
-    return _write(p, buffer, True)
+    return _write(p, buffer, True, True)
 
 
 def write_frame(Prepared p, buffer):
@@ -378,10 +386,10 @@ def write_frame(Prepared p, buffer):
     description and the pickled leaves.  The caller fills each array's bytes itself, at
     the offsets of `Prepared.array_layout` (e.g. gathering rows straight into the slot);
     until it has, the encoding decodes to whatever those bytes hold."""
-    return _write(p, buffer, False)
+    return _write(p, buffer, False, False)
 
 
-cdef _write(Prepared p, buffer, bint arrays):
+cdef _write(Prepared p, buffer, bint arrays, bint stream):
     cdef Py_buffer view
     if p.meta is None or p.arrays is None:
         # a Prepared() made directly rather than by prepare(): refused here, before the
@@ -412,7 +420,7 @@ cdef _write(Prepared p, buffer, bint arrays):
             memcpy(base + p.blob_off, <char *>p.blob, u64)
         if arrays:
             for source, kind, off, nbytes in p.arrays:
-                _write_array(base, view.len, buffer, source, kind, off, nbytes)
+                _write_array(base, view.len, buffer, source, kind, off, nbytes, stream)
     finally:
         PyBuffer_Release(&view)
     return p.nbytes
@@ -421,7 +429,7 @@ cdef _write(Prepared p, buffer, bint arrays):
 def encode_prepared(Prepared p):
     """Write a prepared encoding into a new ``bytearray`` of ``p.nbytes``."""
     out = bytearray(p.nbytes)
-    write(p, out)
+    _write(p, out, True, False)   # (read by this process next: no streaming stores)
     return out
 
 
@@ -764,7 +772,7 @@ cdef object _make_array(tuple node, char *base, bint readonly, object owner, bin
         arr = PyArray_NewFromDescr_raw(<PyTypeObject *>cnp.ndarray, <_Descr *>descr, nd, dims,
                                        NULL, NULL, 0, NULL)
         nbytes = node[5]
-        _copy(<char *>cnp.PyArray_DATA(<cnp.ndarray>arr), base + off, nbytes)
+        _copy(<char *>cnp.PyArray_DATA(<cnp.ndarray>arr), base + off, nbytes, False)
     else:
         arr = PyArray_NewFromDescr_raw(<PyTypeObject *>cnp.ndarray, <_Descr *>descr, nd, dims,
                                        NULL, base + off,
