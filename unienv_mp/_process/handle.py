@@ -373,8 +373,10 @@ class WorkerHandle:
                 daemon=launch.daemon, name=f"unienv_mp-worker-{self.index}")
             try:
                 # (started with SIGINT blocked, or ignored, the process never takes a
-                # Ctrl-C; one arriving here meanwhile is raised after the start)
-                with _os.sigint_held_from_children(
+                # Ctrl-C; one arriving here meanwhile is raised after the start, also one
+                # that another thread took: held back, it is not raised inside an at-fork
+                # hook, where Python would drop it)
+                with _os.interrupts_deferred(), _os.sigint_held_from_children(
                         launch.ctx.get_start_method() != "fork"):
                     launched = time.monotonic_ns()
                     proc.start()
