@@ -7,7 +7,8 @@ import traceback
 __all__ = ["RingClosed", "CodecError", "WorkerError", "WorkerStalledError", "WorkerDiedError",
            "PeerGoneError", "error_payload"]
 
-#: Longest traceback (and message) text a worker sends, in characters (the end is kept).
+#: Longest traceback (and message) text a worker sends, in characters (of a traceback the
+#: end is kept, of a message the start).
 MAX_TRACEBACK = 20_000
 
 
@@ -164,8 +165,10 @@ class WorkerStalledError(WorkerError):
 
 
 class WorkerDiedError(RuntimeError):
-    """A worker process ended without being asked to (killed by a signal, a crash, or
-    ``os._exit``) and the sampler was told not to replace it, or it kept dying.
+    """A worker (a process, or a Ray actor) ended without being asked to (killed by a
+    signal, a crash, or ``os._exit``) and the sampler was told not to replace it, or it kept
+    dying; or a worker started with spawn or forkserver ran a main module without its
+    ``if __name__ == "__main__":`` guard, which a replacement would run again.
 
     Args:
         message: the error's text.

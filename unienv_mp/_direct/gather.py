@@ -165,9 +165,11 @@ class Gatherer:
         return tree
 
     def __call__(self, name, arg):
-        """A `SlotWriter` for the task, or None to run it the generic way.  For a sampling
-        method, ``arg`` is None (one batch) or a count ``k`` (a tuple of ``k`` batches,
-        drawn one after the other as ``k`` calls would draw them)."""
+        """A `SlotWriter` for the task, or None to run it the generic way (over a view, the
+        generic getter's batch itself where the direct path cannot serve those indices;
+        the caller sends it as any result).  For a sampling method, ``arg`` is None (one
+        batch) or a count ``k`` (a tuple of ``k`` batches, drawn one after the other as
+        ``k`` calls would draw them)."""
         task = self._task(name, arg)
         if task is None:
             return None

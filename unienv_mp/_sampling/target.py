@@ -30,7 +30,8 @@ class SamplerTarget:
 
     With ``direct=True`` the methods a direct plan serves (see `unienv_mp._direct.gather`)
     return a batch that the worker gathers straight into its slot; the plan is made in the
-    worker, from the worker's own sampler, at the first such task.
+    worker, from the worker's own sampler, at its first task of any kind (if that fails,
+    the worker gathers nothing directly); a method's slot layout, at its first task.
 
     Picklable for spawn and forkserver: the sampler travels as a shallow copy without its
     random number generators (made again in the worker by

@@ -93,8 +93,9 @@ class RemoteSampler(BatchSampler):
     """Stands in, in the training process, for the sampler that a RaySampler's
     ``sampler_factory`` makes in each worker: its spaces, batch size, device and data
     length ([`RemoteData`][unienv_mp.ray.RemoteData]), and its random number generators,
-    from which epochs draw their permutations.  ``manual_seed`` seeds the workers' sampler
-    and takes its generators from there; the ``get*_at`` methods run on a worker.
+    from which epochs draw their permutations.  ``manual_seed`` seeds the first worker's
+    sampler and takes its generators from there (every worker reseeds its own per chunk);
+    the ``get*_at`` methods run on a worker.
 
     Args:
         description: what the first actor says of its sampler: its spaces, batch size and
