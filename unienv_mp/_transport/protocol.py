@@ -106,8 +106,9 @@ _TASK_HEAD = struct.Struct("<IIQ")
 
 
 def task_check(tag, slot, ticket, body):
-    """The CRC-32 of a task entry whose payload, less its check, is ``body``.  About a
-    quarter of a microsecond for a sampler's task, against the task's tens of
+    """The CRC-32 of a task entry whose payload, less its check, is ``body``.  For a
+    sampler's task (a 30-byte pickle), 0.4 us to make and pack, 0.7 us to check, measured
+    on the project's 2-core machine while it was busy: against a task's tens of
     microseconds at least."""
     return zlib.crc32(body, zlib.crc32(_TASK_HEAD.pack(tag, slot, ticket)))
 
