@@ -3,7 +3,7 @@
 
 A machine drives one sampler (and the samplers that replace it) with random calls and
 faults, and checks every batch it is handed against a model of what the package promises
-(README: "Reproducible and resumable", "Epochs", "Zero-copy", "Reliability"):
+(the docs' guides: "Reproducible and resumable", "Epochs", "Zero-copy", "Reliability"):
 
 * the ``j``-th batch of each ``sample*`` method depends only on the seed and ``j``: not on
   ``n_workers``, ``n_buffers``, ``copy``, ``direct_gather``, the start method, workers
@@ -42,23 +42,23 @@ Not covered: ``in_order=False``, calls from several threads, a Ctrl-C during
 
 The model
 ---------
-The model is computed in this process, from the README's definition of the streams and
+The model is computed in this process, from the docs' definition of the streams and
 with no code of the package:
 
 * A stream's base seed stands for the wrapped sampler's RNG state "read without drawing
-  from it" (README).  The exact function is ``streams.base_seed``: BLAKE2b (8 bytes) of
+  from it" (the docs).  The exact function is ``streams.base_seed``: BLAKE2b (8 bytes) of
   ``b"data_rng"`` + the bytes of the ``data_rng`` generator's state + ``b"rng"`` (a
   ``StepSampler`` has no ``rng``).  :func:`model_base` re-implements it over a fresh
   ``torch.Generator().manual_seed(seed)``: this is the one place where the model follows
-  the package's code rather than the README, which does not give the hash.
-* Chunk ``c``'s seed: README's "keyed bijection of c onto 32-bit numbers (MurmurHash3's
+  the package's code rather than the docs, which do not give the hash.
+* Chunk ``c``'s seed: the docs' "keyed bijection of c onto 32-bit numbers (MurmurHash3's
   finaliser), keyed by a mix of the stream's base seed and the method's name"; the key is
   ``splitmix64(splitmix64(base) ^ crc32(method))`` (the docstring of
   ``unienv_mp/_sampling/streams.py``), re-implemented in :func:`model_chunk_seed`.
 * Batch ``j`` is the ``(j mod k) + 1``-th draw after the wrapped sampler is seeded for
   chunk ``j // k``: the model draws it as UniEnv's ``StepSampler.sample_index`` does, with
   torch directly (``torch.randint(0, len(data), (B,), generator=Generator(seed))``).  ``k``
-  is ``batches_per_task``, or by default (README "Small batches") 8 for the methods that
+  is ``batches_per_task``, or by default (docs: "Small batches") 8 for the methods that
   can be gathered directly (the batches here are far below 1 MiB / 8) and 1 for
   ``sample_index``.
 * An epoch's order is ``torch.randperm(len(data), generator=rng)`` of a model generator
@@ -79,7 +79,7 @@ when a worker takes its task), so the model accepts ``randint`` over any of thos
 (the epochs, drawn in the parent, stay exact).  A ``WorkerDiedError`` ("giving up") is
 accepted only after more than ``max_respawns`` faults in that sampler's life, and moves
 no stream; a ``WorkerStalledError``, likewise and only with a ``stall_timeout``, skips the
-rest of the chunk (README "Stalled workers").
+rest of the chunk (docs: "Stalled workers").
 
 Appends to a buffer NOT shared between processes are left out of the machine: a replaced
 worker then sees data the others do not (see the xfail tests at the end of this file).
@@ -119,7 +119,7 @@ from conftest import own_segment_fds, process_running, wait_until
 IMG = (3, 8, 8)
 METHODS = ("sample", "sample_with_metadata", "sample_flat", "sample_index")
 GETTERS = {"epoch_iter": "get_at", "epoch_iter_with_metadata": "get_at_with_metadata"}
-#: Default batches per task (README "Small batches"): batches here are at most 16 rows of
+#: Default batches per task (docs: "Small batches"): batches here are at most 16 rows of
 #: 836 bytes, so 8 fit in 1 MiB for the methods that can be gathered directly.
 DEFAULT_K = {"sample": 8, "sample_with_metadata": 8, "sample_flat": 8, "sample_index": 1}
 MAX_RESPAWNS = 3          # the manager's default: give up after 4 deaths in a row
@@ -439,7 +439,7 @@ class SamplerModel(RuleBasedStateMachine):
     def _stream_error(self, method, e):
         """A call of ``method`` raised ``e``: allowed, and what it does to the model."""
         if isinstance(e, WorkerStalledError):
-            # the chunk of the batch due is given up (README "Stalled workers"), after
+            # the chunk of the batch due is given up (docs: "Stalled workers"), after
             # max_respawns + 1 stalls in a row
             assert self.stall_timeout is not None and self.faults_here > MAX_RESPAWNS, e
             lo, hi = self.pos[method]
@@ -664,7 +664,7 @@ class SamplerModel(RuleBasedStateMachine):
         new = self._make(options)
         if refused:
             # an epoch of another data length cannot be resumed: refused, and the new
-            # sampler is as it was (README "Reproducible and resumable")
+            # sampler is as it was (docs: "Reproducible and resumable")
             with pytest.raises(ValueError, match="permutation"):
                 new.load_state_dict(state)
             new.close()
