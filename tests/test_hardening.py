@@ -915,6 +915,36 @@ def test_a_worker_that_hides_a_result_it_published_is_replaced(tmp_path, respawn
         assert m.workers[0].pid != pid
 
 
+def test_a_ctrl_c_while_a_result_is_recorded_never_loses_it_from_the_count():
+    """The stall watchdog counts the answers read as ``_received`` plus the entries still
+    in ``_popped``: a KeyboardInterrupt at any line of result_recorded must not leave an
+    entry in neither (the watchdog would then take a healthy worker for one hiding a
+    result).  Found by a review: the count came after the entry was dropped."""
+    import collections
+    from unienv_mp._process.handle import WorkerHandle
+    code = WorkerHandle.result_recorded.__code__
+    lines = sorted({line for _, _, line in code.co_lines() if line is not None})
+    for stop_at in lines:
+        w = WorkerHandle.__new__(WorkerHandle)
+        w._received, w._popped = 0, collections.deque(["entry"])
+
+        def tracer(frame, event, arg, stop_at=stop_at):
+            if frame.f_code is code:
+                if event == "line" and frame.f_lineno == stop_at:
+                    raise KeyboardInterrupt
+                return tracer
+            return None
+
+        sys.settrace(tracer)
+        try:
+            w.result_recorded()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        assert w._received + len(w._popped) >= 1, stop_at
+
+
 def test_results_left_unread_while_the_caller_waits_on_another_worker_are_kept():
     """A result a worker published and nobody asked for yet is not one it hid: the
     caller may wait on the other workers far longer than the stall timeout meanwhile."""

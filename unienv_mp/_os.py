@@ -208,7 +208,8 @@ EXIT_MAIN_REIMPORTED = 86
 #: The exit code of a worker that found a task in its ring that does not match its check
 #: (see `unienv_mp._transport.protocol`'s task entries): something in the worker wrote
 #: into its task ring.  The parent replaces it, as it does a worker that wrote garbage
-#: into its result ring, and gives the task to the replacement.
+#: into its result ring, and gives the task to the replacement.  (A work function that
+#: exits with this code itself is taken for such a worker.)
 EXIT_TASK_REWRITTEN = 87
 
 _MAIN_REIMPORTED = (

@@ -33,7 +33,8 @@ __all__ = ["WorkerHandle", "WorkerDied", "WorkerStalled", "WorkerCorrupt", "Laun
 #: Tasks a worker can have queued (its task ring); the manager keeps at most that many in
 #: flight on one worker.
 TASK_CAPACITY = 64
-#: Largest encoded work info carried inside a task entry (larger: a one-off segment).
+#: Bytes of a task entry's payload (larger work info: a one-off segment).  The payload
+#: ends with the entry's check, so work info of up to TASK_INLINE - 4 bytes is inline.
 TASK_INLINE = 8192
 #: Largest encoded result carried inside a result entry (larger: a slot).
 RESULT_INLINE = 4096
@@ -570,9 +571,12 @@ class WorkerHandle:
         return entry
 
     def result_recorded(self):
-        """The entry `next_result` returned is recorded: drop it."""
-        self._popped.popleft()
+        """The entry `next_result` returned is recorded: drop it.  (Counted first: a Ctrl-C
+        between the two steps then counts an entry twice, which only makes the stall
+        watchdog blind to one hidden result, never lets it take a healthy worker for one;
+        the other way round, an entry would be counted by neither.)"""
         self._received += 1
+        self._popped.popleft()
 
     # -- slots ----------------------------------------------------------------------------
 
