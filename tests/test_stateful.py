@@ -86,7 +86,7 @@ worker then sees data the others do not (see the xfail tests at the end of this 
 
 The default run is bounded (about a minute or two on 2 cores).  ``-m soak`` runs
 :func:`test_model_soak`, which keeps running new examples for
-``UNIENV_MP_MODEL_SECONDS`` (default 180) and prints the operations and faults survived
+``UNIENV_MP_MODEL_SECONDS`` (default 60) and prints the operations and faults survived
 (also written as JSON to ``UNIENV_MP_MODEL_REPORT`` if that names a file).
 """
 import collections
@@ -959,10 +959,10 @@ def test_model_spawn_and_forkserver():
 
 @pytest.mark.soak
 def test_model_soak():
-    """New examples until ``UNIENV_MP_MODEL_SECONDS`` (default 180) are up, under fork,
+    """New examples until ``UNIENV_MP_MODEL_SECONDS`` (default 60) are up, under fork,
     and one round in eight under spawn or forkserver; prints the operations and faults
     survived (and writes them, as JSON, to ``UNIENV_MP_MODEL_REPORT`` if it is set)."""
-    seconds = float(os.environ.get("UNIENV_MP_MODEL_SECONDS", "180"))
+    seconds = float(os.environ.get("UNIENV_MP_MODEL_SECONDS", "60"))
     before = COUNTS.copy()
     start = time.monotonic()
     rounds = 0
