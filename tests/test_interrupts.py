@@ -34,7 +34,7 @@ from unienv_data.samplers import StepSampler
 from unienv_mp import MultiprocessingSampler
 from unienv_mp import backend as _backend, _os
 from unienv_mp._sampling import epochs as _epochs, pools as _pools, ahead as _ahead
-from unienv_mp._process import polling as _polling, slots as _slots, stalls as _stalls, pool as _supervision, unienv_queue as _unienv_queue, encoder as _work_encoder, handle as _worker_handle, manager as M
+from unienv_mp._process import polling as _polling, slots as _slots, stalls as _stalls, pool as _supervision, unienv_queue as _unienv_queue, encoder as _work_encoder, handle as _worker_handle, manager as M, launch as _launch, snapshot as _snapshot
 from unienv_mp._sampling.epochs import Epochs
 from unienv_mp._sampling.streams import Stream
 
@@ -53,7 +53,8 @@ def never_interrupted(code, offset):
     return offset in targets
 PACKAGE_FILES = {M.__file__, _supervision.__file__, _slots.__file__, _polling.__file__,
                  _unienv_queue.__file__, _worker_handle.__file__, _work_encoder.__file__,
-                 _os.__file__, _backend.__file__, _stalls.__file__}
+                 _os.__file__, _backend.__file__, _stalls.__file__, _launch.__file__,
+                 _snapshot.__file__}
 
 
 class Interrupter:

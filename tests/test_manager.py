@@ -11,6 +11,7 @@ from unienv_data.samplers import StepSampler
 
 from unienv_mp import CodecError, MultiprocessingSampler, WorkerDiedError
 from unienv_mp._process.handle import WorkerHandle
+from unienv_mp._process.launch import Launch
 from unienv_mp._process.manager import MultiProcessingSampleManager
 
 from _data import replay_buffer
@@ -435,7 +436,13 @@ def _use_in_child(mgr, out):
 
 # -- workers started later (start_later) -----------------------------------------------------
 
-def test_start_later_starts_one_worker_then_the_others_when_the_caller_would_wait():
+@pytest.mark.parametrize("snapshot", [True, False])
+def test_start_later_starts_one_worker_then_the_others_when_the_caller_would_wait(
+        snapshot, monkeypatch):
+    # start_later() is asked when the snapshot process would start (at the first push),
+    # and for each later start only where there is no snapshot process
+    if not snapshot:
+        monkeypatch.setattr(Launch, "keep_snapshot", lambda self: None)
     asked = []
 
     def allowed():
@@ -446,12 +453,13 @@ def test_start_later_starts_one_worker_then_the_others_when_the_caller_would_wai
         assert mgr.n_workers == 3 and len(mgr.workers) == 1 and not asked
         first = mgr.workers[0].pid
         assert mgr.result(mgr.submit(0.0)) == first   # no other starts before the first
-        assert len(mgr.workers) == 1
+        assert len(mgr.workers) == 1 and len(asked) == 1
+        assert mgr._pool.launch.from_snapshot == snapshot
         t = mgr.submit(0.2)                            # dealt to the one started
         assert mgr.result(t) == first                  # the caller waits: one more starts
-        assert len(mgr.workers) == 2 and len(asked) == 1
+        assert len(mgr.workers) == 2 and len(asked) == 1 + (not snapshot)
         mgr.start_all()
-        assert len(mgr.workers) == 3 and len(asked) == 2
+        assert len(mgr.workers) == 3 and len(asked) == 1 + 2 * (not snapshot)
         pids = [p.pid for p in mgr.workers]
         assert len(set(pids)) == 3
         # (round-robin over the workers that are up: once all are)
@@ -505,9 +513,10 @@ def test_a_worker_that_cannot_start_later_leaves_the_started_ones_working():
         assert mgr.result(mgr.submit(0.0)) == mgr.workers[0].pid
         with pytest.warns(RuntimeWarning, match="could not start a worker after the first"):
             assert mgr.result(mgr.submit(0.2)) == mgr.workers[0].pid
-        assert len(mgr.workers) == 1 and calls == [1]
+        # (asked at the first push, for the snapshot process, then for the later start)
+        assert len(mgr.workers) == 1 and calls == [1, 1]
         assert mgr.result(mgr.submit(0.1)) == mgr.workers[0].pid   # none tried again
-        assert calls == [1]
+        assert calls == [1, 1]
 
 
 def _pid(x):

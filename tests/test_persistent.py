@@ -10,6 +10,7 @@ from test_gather import assert_identical
 from unienv_data.samplers import StepSampler
 
 from unienv_mp import MultiprocessingSampler
+from unienv_mp._process.launch import Launch
 from unienv_mp._sampling import fingerprint as _fingerprint
 
 EPOCHS = ("epoch_iter", "epoch_iter_with_metadata", "epoch_flat_iter",
@@ -300,7 +301,13 @@ def test_close_ends_kept_workers():
 
 # -- workers started after the first: only while the data is the first one's copy -------------
 
-def test_a_new_pool_starts_one_worker_and_the_rest_only_while_the_data_is_unchanged():
+@pytest.mark.parametrize("snapshot", [True, False])
+def test_a_new_pool_starts_one_worker_and_the_rest_from_the_first_ones_copy(snapshot,
+                                                                             monkeypatch):
+    # under fork later workers come from the snapshot process, which holds the first
+    # worker's copy; without it, they start only while the data is unchanged
+    if not snapshot:
+        monkeypatch.setattr(Launch, "keep_snapshot", lambda self: None)
     rb = replay_buffer(200, capacity=400)
     with sampler(rb, None, batch=8) as lazy, sampler(rb, False, batch=8) as eager:
         first = [clone(lazy.sample()), clone(eager.sample())]
@@ -310,8 +317,11 @@ def test_a_new_pool_starts_one_worker_and_the_rest_only_while_the_data_is_unchan
         for _ in range(30):
             assert_identical(clone(lazy.sample()), clone(eager.sample()))
         lazy._pools.sample.start_all()
-        assert len(lazy._pools.sample.workers) == 1, "a worker started on other data"
-        assert max(max(indices_of(lazy.sample())) for _ in range(5)) < 200
+        assert len(lazy._pools.sample.workers) == (2 if snapshot else 1)
+        for _ in range(10):
+            batch = clone(lazy.sample())
+            assert_identical(batch, clone(eager.sample()))
+            assert max(indices_of(batch)) < 200
 
 
 def test_a_new_pool_over_unchanged_data_starts_its_other_workers():

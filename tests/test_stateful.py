@@ -20,8 +20,8 @@ faults, and checks every batch it is handed against a model of what the package 
 * a Ctrl-C (a real SIGINT, from a timer thread, at a random moment of a loop of calls)
   raises ``KeyboardInterrupt``; it moves a stream by at most the batch being handed out,
   ends the epoch it cuts short, and the sampler goes on.  (One that CPython drops, raised
-  in an at-fork hook while a worker is forked, or discarded while a worker is started
-  with spawn or forkserver, is sent again and counted: see the xfail tests at the end);
+  in an at-fork hook of another library while a worker is forked, is sent again and
+  counted: see :class:`_Interrupt`);
 * batches kept (``copy=False``: views of shared slots) never change while held, through
   later calls, faults, ``close()`` and replacement;
 * after ``close()`` no worker process of the sampler is running and no descriptor of a
@@ -81,8 +81,10 @@ accepted only after more than ``max_respawns`` faults in that sampler's life, an
 no stream; a ``WorkerStalledError``, likewise and only with a ``stall_timeout``, skips the
 rest of the chunk (docs: "Stalled workers").
 
-Appends to a buffer NOT shared between processes are left out of the machine: a replaced
-worker then sees data the others do not (see the xfail tests at the end of this file).
+Appends to a buffer NOT shared between processes are left out of the machine: which copy
+of the data the ``sample*`` workers hold depends on when their pool started, which the
+model does not follow.  :func:`test_a_worker_replaced_after_an_append_to_unshared_data_keeps_the_stream`
+checks that a replacement holds the copy the others hold.
 
 The default run is bounded (about a minute or two on 2 cores).  ``-m soak`` runs
 :func:`test_model_soak`, which keeps running new examples for
@@ -294,9 +296,7 @@ class _Interrupt:
 
     CPython drops a KeyboardInterrupt raised in a callback whose exceptions it ignores (a
     ``__del__``, an ``os.register_at_fork`` hook such as logging's, run when a worker is
-    forked): "Exception ignored in ...".  And a SIGINT the kernel gives another thread
-    while a worker is started with spawn or forkserver is discarded (see the xfail tests
-    at the end).  :meth:`resend_if_lost` sees when the SIGINT came more than a second ago
+    forked): "Exception ignored in ...".  :meth:`resend_if_lost` sees when the SIGINT came more than a second ago
     and no KeyboardInterrupt followed; the loop then sends another itself (from the main
     thread, so that none can arrive once the loop is left)."""
 
@@ -983,40 +983,18 @@ def test_model_soak():
             json.dump(report, f, indent=1)
 
 
-# -- failures the machine found, minimized (xfail until fixed) --------------------------------
+# -- failures the machine found, minimized ---------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a worker replaced under fork copies the training process's data as it is then: after "
-    "an append to data not shared between processes, the replacement draws its chunks "
-    "over the new length, so the stream changes where a worker died (README: the j-th "
-    "batch is the same when workers die; the sample* workers keep the copy they started "
-    "with, a later change is not seen by sample())"))
-def test_a_worker_replaced_after_an_append_to_unshared_data_keeps_the_stream():
-    rb = replay_buffer(60, capacity=200, img=IMG)
-    with MultiprocessingSampler(StepSampler(rb, 8, seed=5), n_workers=1, n_buffers=1,
-                                ctx="fork", batches_per_task=1) as m:
-        got = [m.sample() for _ in range(3)]
-        rb.extend(transitions(60, 40, img=IMG))   # not seen by sample() (README)
-        proc = m._pools.sample.workers[0]
-        os.kill(proc.pid, signal.SIGKILL)
-        assert wait_until(lambda: not proc.is_alive())
-        got += [m.sample() for _ in range(6)]
-    model = StreamModel(model_base(5), "sample", 1, 8)
-    assert [_indices("sample", b) for b in got] == [model.batch(j, 60) for j in range(9)]
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "a worker replaced under spawn or forkserver gets the ReplayBuffer's new count pickled "
-    "again but maps the arrays' snapshot made at the first start: after an append to data "
-    "not shared between processes, it hands out rows past the snapshot, all zeros, that "
-    "the buffer never held"))
-@pytest.mark.parametrize("ctx", ["spawn", "forkserver"])
-def test_a_worker_replaced_after_an_append_to_unshared_data_hands_out_real_rows(ctx):
+@pytest.mark.parametrize("ctx", ["fork", "spawn", "forkserver"])
+def test_a_worker_replaced_after_an_append_to_unshared_data_keeps_the_stream(ctx):
+    # (found with the model's appends to unshared data: under fork the replacement copied
+    # the grown buffer and drew over the new length; under spawn and forkserver it got
+    # the new count but the arrays' first snapshot, and handed out rows of zeros)
     rb = replay_buffer(60, capacity=200, img=IMG)
     with MultiprocessingSampler(StepSampler(rb, 8, seed=5), n_workers=1, n_buffers=1,
                                 ctx=ctx, batches_per_task=1) as m:
         got = [m.sample() for _ in range(3)]
-        rb.extend(transitions(60, 40, img=IMG))
+        rb.extend(transitions(60, 40, img=IMG))   # not seen by sample() (docs: Epochs)
         proc = m._pools.sample.workers[0]
         os.kill(proc.pid, signal.SIGKILL)
         assert wait_until(lambda: not proc.is_alive())
@@ -1125,11 +1103,6 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "while a worker is started with spawn or forkserver, SIGINT's disposition is 'ignore' "
-    "(_os.sigint_held_from_children(ignore=True)) and SIGINT is blocked in the calling "
-    "thread only: a Ctrl-C the kernel hands to another thread meanwhile is discarded, "
-    "and sample() returns without a KeyboardInterrupt"))
 @pytest.mark.parametrize("ctx", ["spawn", "forkserver"])
 def test_a_ctrl_c_while_a_worker_is_spawned_raises_keyboard_interrupt(ctx, tmp_path):
     script = tmp_path / "start_with_sigint.py"   # (a file: spawn imports the main module)

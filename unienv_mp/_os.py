@@ -151,9 +151,11 @@ def _poll_pidfd(fd, timeout_ms):
 
 
 def open_pidfd(proc):
-    """Keep a pidfd of the started process ``proc`` on it (see `has_exited`)."""
+    """Keep a pidfd of the started process ``proc`` on it (see `has_exited`): a copy of
+    its Popen's own where it keeps one (`unienv_mp._process.snapshot`)."""
     try:
-        fd = os.pidfd_open(proc.pid)
+        own = getattr(getattr(proc, "_popen", None), "pidfd", None)
+        fd = os.dup(own) if own is not None else os.pidfd_open(proc.pid)
     except ProcessLookupError:
         fd = -1           # already gone (and reaped: SIGCHLD ignored)
     except (AttributeError, OSError):
@@ -313,14 +315,14 @@ def stop_half_started(proc):
         stop_processes([proc], 0.0)
 
 
-def exit_with_parent(parent_pid, use_pdeathsig):
+def exit_with_parent(parent_pid, use_pdeathsig, watch=True):
     """Make this process end when process ``parent_pid`` ends, however it ends.
 
     ``use_pdeathsig``: ask the kernel to SIGKILL this process when the *thread* that
     started it exits (immediate; only worth it when that was the parent's main thread).
-    Besides, a daemon thread sleeps on a pidfd of the parent and exits the process when it
-    ends (forkserver, a parent thread that has ended).  Exits at once if the parent is
-    already gone."""
+    Besides (``watch``), a daemon thread sleeps on a pidfd of the parent and exits the
+    process when it ends (forkserver, a parent thread that has ended).  Exits at once if
+    the parent is already gone."""
     if use_pdeathsig:
         try:
             libc = ctypes.CDLL(None, use_errno=True)
@@ -332,6 +334,9 @@ def exit_with_parent(parent_pid, use_pdeathsig):
     except ProcessLookupError:
         os._exit(0)
     except (AttributeError, OSError):
+        return
+    if not watch:
+        os.close(pidfd)
         return
 
     def watch():
@@ -346,32 +351,30 @@ def exit_with_parent(parent_pid, use_pdeathsig):
 
 
 @contextlib.contextmanager
-def sigint_held_from_children(ignore=False):
+def sigint_held_from_children(exec_child=False):
     """For the ``with`` block, in which a worker process is started: SIGINT is blocked in
     this thread, so that a Ctrl-C arriving meanwhile stays pending and is taken when the
-    block ends (nothing is lost), and a child forked meanwhile starts with it blocked (see
-    `ignore_sigint`).  ``ignore``: also set SIGINT's disposition to "ignore" (in the main
-    thread; signal handlers cannot be set elsewhere), for a child that is exec'd (spawn, and
-    the forkserver's first start): multiprocessing clears the signal mask of such a child,
-    but an ignored signal stays ignored through exec, and Python keeps it so at start-up.
-    (On Linux a blocked signal stays pending whatever its disposition, so a Ctrl-C taken by
-    this thread is still not lost; one that the kernel gives another thread of this process
-    during the block, which lasts one process start, is.)"""
+    block ends (nothing is lost), and the child starts with it blocked (see
+    `ignore_sigint`).  SIGINT's disposition is left alone, so a Ctrl-C that the kernel
+    hands another thread meanwhile is raised as usual.
+
+    ``exec_child``: the child is exec'd (spawn, forkserver).  The signal mask survives
+    fork and exec, and the forkserver's children inherit the server's (the server is
+    started by the first start under this block).  The one thing that clears it is
+    multiprocessing itself: the first start of a process that needs its resource tracker
+    starts the tracker, blocks SIGINT around that, then unblocks it in the calling thread.
+    So the tracker is started here first, and SIGINT blocked again after."""
     try:
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     except (AttributeError, OSError, ValueError):
         old_mask = None
-    previous = None
-    if ignore and threading.current_thread() is threading.main_thread():
-        try:
-            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        except (ValueError, OSError):
-            previous = None
     try:
+        if exec_child and old_mask is not None:
+            from multiprocessing import resource_tracker
+            resource_tracker.ensure_running()
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         yield
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
         if old_mask is not None and signal.SIGINT not in old_mask:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
@@ -387,7 +390,7 @@ def limit_threads():
 
 def ignore_sigint():
     """In a worker: ignore SIGINT, then unblock it.  A worker is started with SIGINT
-    blocked or ignored (`sigint_held_from_children`), so a terminal's Ctrl-C, which reaches
+    blocked (`sigint_held_from_children`), so a terminal's Ctrl-C, which reaches
     the whole process group, never interrupts multiprocessing bootstrapping it (imports,
     unpickling); one pending is discarded here.  Ctrl-C is the parent's to handle."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)

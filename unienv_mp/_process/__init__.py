@@ -11,7 +11,9 @@ runs.  Its sibling is `unienv_mp.ray`; both keep the contract of `unienv_mp.back
 * `.handle`: one worker seen from the parent: its process, rings and slots.
 * `.worker`: the worker's main loop, in the child.
 * `.encoder`: tasks onto the ring.
-* `.transfer`: a work function shipped to spawn and forkserver workers.
+* `.launch`: how a worker's process starts, every one from one snapshot of the work
+  function: `.transfer` ships it to spawn and forkserver workers, `.snapshot` keeps a
+  process to fork later fork workers from.
 * `.stalls`: a worker killed for stalling, and what the caller is told.
 
 May import: `unienv_mp._transport`, `unienv_mp.backend`, and the root modules ``errors``,

@@ -13,10 +13,8 @@ What to run, in which order, and what to do when a process dies is the manager's
 import collections
 import errno
 import os
-import pickle
 import queue as _queue
 import signal
-import threading
 import time
 
 from .. import _os
@@ -24,10 +22,8 @@ from .. import stats as _stats
 from .._transport import protocol as P
 from .._transport.ring import RingBuffer, Segment, segment_from_peer
 from ..errors import CodecError, PeerGoneError, RingClosed
-from .transfer import Parcel
-from .worker import worker_main
 
-__all__ = ["WorkerHandle", "WorkerDied", "WorkerStalled", "WorkerCorrupt", "Launch",
+__all__ = ["WorkerHandle", "WorkerDied", "WorkerStalled", "WorkerCorrupt",
            "TASK_CAPACITY", "TASK_INLINE", "RESULT_INLINE"]
 
 #: Tasks a worker can have queued (its task ring); the manager keeps at most that many in
@@ -152,51 +148,6 @@ class StallWatch:
                                 "over a result it had published")
 
 
-class Launch:
-    """What every process of a manager's workers is started with (``stall_timeout``:
-    seconds, or None).
-
-    Under spawn and forkserver the work function travels as a `_transfer.Parcel`: its arrays
-    are copied into shared memory at the first start and every later process (the other
-    workers, replacements) maps that copy.  The copy is released when the last worker handle
-    has released its memory (`WorkerHandle.release_memory`), since no process of the manager
-    starts after that."""
-
-    def __init__(self, target_fn, init_fn, ctx, daemon, doorbell_seg, done_event,
-                 poll_interval, spin, stall_timeout=None):
-        self.target_fn = target_fn
-        self.init_fn = init_fn
-        self.ctx = ctx
-        self.daemon = daemon
-        self.doorbell_seg = doorbell_seg
-        self.done_event = done_event
-        self.poll_interval = poll_interval
-        self.spin = spin
-        self.stall_ns = None if stall_timeout is None else int(stall_timeout * 1e9)
-        self._parcel = None
-        self._holders = set()   # indices of the handles that may still start a process
-
-    def process_target(self):
-        """The work function as a ``Process`` argument: itself under fork (the child
-        inherits it), else the manager's Parcel of it."""
-        if self.ctx.get_start_method() == "fork":
-            return self.target_fn
-        if self._parcel is None:
-            self._parcel = Parcel(self.target_fn)
-        return self._parcel
-
-    def hold(self, index):
-        """Handle ``index`` may start processes with this launch."""
-        self._holders.add(index)
-
-    def let_go(self, index):
-        """Handle ``index`` starts no more processes; once no handle holds the launch, the
-        copy of the work function's arrays is released."""
-        self._holders.discard(index)
-        if not self._holders and self._parcel is not None:
-            self._parcel.close()
-
-
 class _LivenessCheck:
     """Called while waiting on a worker's rings: raises WorkerDied if its process ended,
     WorkerStalled if it has been on one task longer than the stall timeout, RuntimeError
@@ -259,14 +210,6 @@ def _ring_layout():
     r_bytes = RingBuffer.footprint(r_cap, result_entry)
     t_off, r_off = P.RINGS_AT, P.RINGS_AT + t_bytes
     return t_off, task_entry, r_off, r_cap, result_entry, r_off + r_bytes
-
-
-def _not_picklable(method, error):
-    """The TypeError for a work function that could not be sent to a new process."""
-    return TypeError(
-        f"cannot start workers with the {method!r} start method: the work function (and "
-        f"everything it refers to, e.g. the wrapped sampler) must be picklable, but "
-        f"pickling failed with {type(error).__name__}: {error}")
 
 
 class WorkerHandle:
@@ -362,27 +305,7 @@ class WorkerHandle:
                                          launch.poll_interval, launch.spin)
             results = RingBuffer.create_in(seg, r_off, r_cap, result_entry,
                                            launch.poll_interval, launch.spin)
-            options = {"poll_interval": launch.poll_interval, "done_event": launch.done_event,
-                       # PR_SET_PDEATHSIG fires when the *thread* that started the worker
-                       # ends: only worth it from the main thread (a watchdog covers the rest)
-                       "pdeathsig": threading.current_thread() is threading.main_thread(),
-                       "spin": launch.spin, "stack_pipe": _os.PipeEnd(stack_w)}
-            proc = launch.ctx.Process(
-                target=worker_main,
-                args=(self.index, launch.process_target(), seg, launch.doorbell_seg,
-                      os.getpid(), launch.init_fn, seed, options),
-                daemon=launch.daemon, name=f"unienv_mp-worker-{self.index}")
-            try:
-                # (started with SIGINT blocked, or ignored, the process never takes a
-                # Ctrl-C; one arriving here meanwhile is raised after the start, also one
-                # that another thread took: held back, it is not raised inside an at-fork
-                # hook, where Python would drop it)
-                with _os.interrupts_deferred(), _os.sigint_held_from_children(
-                        launch.ctx.get_start_method() != "fork"):
-                    launched = time.monotonic_ns()
-                    proc.start()
-            except (pickle.PicklingError, TypeError, AttributeError) as e:
-                raise _not_picklable(launch.ctx.get_start_method(), e) from e
+            proc, launched = launch.start_process(self.index, seg, seed, stack_w)
             # The handle takes the process (and a pidfd of it) in one step that a Ctrl-C
             # cannot cut in two.
             with _os.interrupts_deferred():
@@ -393,7 +316,7 @@ class WorkerHandle:
         except BaseException:
             if not adopted:
                 if proc is not None:
-                    _os.stop_half_started(proc)   # e.g. Ctrl-C after the fork
+                    _os.stop_half_started(proc)   # (a Ctrl-C as the handle took it)
                 # (a worker started despite all is told to stop by its rings, then unmapped)
                 for ring in (tasks, results):
                     if ring is not None:

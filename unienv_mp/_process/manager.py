@@ -39,8 +39,8 @@ from ..backend import (CLOSED_WHILE_WAITING, Dealer, ResultT, TaskInfoT, TicketT
                        no_result, none_pending)
 from ..errors import RingClosed, WorkerError
 from .encoder import WorkEncoder
-from .handle import (RESULT_INLINE, TASK_CAPACITY, TASK_INLINE, Launch, WorkerCorrupt,
-                     WorkerDied)
+from .handle import RESULT_INLINE, TASK_CAPACITY, TASK_INLINE, WorkerCorrupt, WorkerDied
+from .launch import Launch
 from .polling import Poller
 from .pool import CLOSE_WAIT, WorkerPool
 from .slots import SlotLedger
@@ -159,8 +159,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             with a warning carrying its stacks (see `WorkerPool` for its tasks).
         start_later: None: all start now.  A function: worker 0 starts now, the others one
             at a time when the caller would wait (after the first result) while
-            ``start_later()`` is True, and tasks skip one still starting while another is
-            up (`WorkerPool`); [`start_all`][] starts them now.
+            ``start_later()`` is True (asked only under fork with no snapshot process, see
+            `Launch`); tasks skip those starting; [`start_all`][] starts them now.
 
     Threads: every method may be called from any thread.  Calls are serialised (a lock, held
     for the whole call: a second thread waits while the first waits for a result), and

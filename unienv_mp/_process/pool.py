@@ -56,6 +56,7 @@ class Resources:
 
     def __init__(self):
         self.workers = []          # WorkerHandle
+        self.launch = None         # what they start with (its snapshot: see Launch)
         self.doorbell_seg = None
         self.spills = []
         self.done_event = None
@@ -82,6 +83,8 @@ class Resources:
             _os.stop_processes([w.proc for w in self.workers if w.proc is not None],
                                     join_timeout)
         finally:
+            if self.launch is not None:
+                self.launch.release()
             for w in self.workers:
                 w.release_memory()
             for seg in self.spills:
@@ -129,6 +132,8 @@ class WorkerPool:
         self.manager = manager       # (a weak proxy: read for its settings and closed)
         self.resources = Resources()
         self.lanes = []              # of the workers started, in index order
+        self.launch = None           # what their processes start with (see start)
+        self.snapshot_due = False    # the snapshot process is to start at the next push
         self.deferred = collections.deque()   # (handle, seed) of those to start later
         self.n_workers = n_workers
         self.slots = None            # the manager's SlotLedger, given once it is made
@@ -149,6 +154,7 @@ class WorkerPool:
         """Make every worker's handle (``launch``: what starts its process) and start
         the processes: all of them, or worker 0 alone with ``start_later`` (the others
         wait in ``deferred``)."""
+        self.launch = self.resources.launch = launch
         for i in range(self.n_workers):
             w = WorkerHandle(i, launch)
             self.resources.workers.append(w)
@@ -158,6 +164,10 @@ class WorkerPool:
                 continue
             self.lanes.append(Lane(w))
             w.start(seed)
+        if self.start_later is None:
+            launch.keep_snapshot()
+        else:   # (after the first push, so that its fork does not delay the first result)
+            self.snapshot_due = launch.fork
 
     def start_deferred(self, quiet=False):
         """Start the next worker left to start later, if ``start_later()`` allows (else
@@ -170,7 +180,7 @@ class WorkerPool:
         # (one step: either the worker has its lane and its process, or neither)
         with _os.interrupts_deferred():
             try:
-                if not self.start_later():
+                if not self.launch.from_snapshot and not self.start_later():
                     self.deferred.clear()
                     return False
                 w, seed = self.deferred[0]
@@ -386,6 +396,21 @@ class WorkerPool:
             task.slot = w.take_slot()
         # (the ticket goes into inflight if and only if the push happens)
         w.push_task(tag, task.slot, task.ticket, payload, lane.inflight)
+        if self.snapshot_due:
+            self._keep_snapshot()
+
+    def _keep_snapshot(self):
+        """After the first push (under fork with ``start_later``): fork the snapshot
+        process while the first worker makes the first result, if the data is still what
+        the first workers copied (``start_later()``).  If it is not, later workers are
+        forked from this process while ``start_later()`` allows."""
+        self.snapshot_due = False
+        try:
+            unchanged = self.start_later()
+        except Exception:
+            unchanged = False
+        if unchanged:
+            self.launch.keep_snapshot()
 
     def make_room(self, lane):
         """Keep at most TASK_CAPACITY tasks in flight on ``lane``'s worker: collect (not

@@ -10,12 +10,18 @@ worker.  Here the work function travels as a `Parcel`, whose pickler takes every
 tensor and array out of the pickle and copies its bytes into a segment of ours (``memfd``,
 see `Segment`) instead:
 
-* **Once.**  Each process start pickles the work function again: locks, shared values and
-  tensors already in shared memory can only be pickled while that process is being
-  started, as multiprocessing hands their descriptors to it.  The array data is copied at
-  the first start only; an array met again at a later start (another worker, a
-  replacement) refers to the copy made then.  So every worker of a manager starts from the
-  same snapshot of the data, and the copy costs memory once, for the manager's life.
+* **Once.**  The array data is copied at the first start only, and the rest of that
+  first pickle (a ReplayBuffer's count, say) is kept and given to every later start
+  (another worker, a replacement).  So every worker of a manager starts from the same
+  snapshot of the data, whatever the parent changes later, and the copy costs memory
+  once, for the manager's life.  One exception: a work function whose pickle holds an
+  object with a reduction registered with multiprocessing (a tensor already in shared
+  memory or that torch moves there, such as a parameter; a connection), or hands the
+  new process a descriptor, is pickled again at each start, since such a reduction may
+  be bound to one start (a descriptor handed over while that process starts, a
+  reference count taken per pickle).  Its shared parts are the same memory for
+  every worker anyway; its other parts are then read as they are at that start, and an
+  array met again refers to the copy made at the first.
 * **Copy-on-write.**  A worker maps the segments copy-on-write: the arrays it gets are
   views of them, writable, and pages it only reads are shared with every other worker.
   What a worker writes into such an array goes into its own copy of the page and is seen
@@ -60,6 +66,7 @@ class Parcel:
         self._records = []     # record -> (segment index, offset, nbytes)
         self._known = {}       # key of an array's memory -> record
         self._keep = []        # what the keys were made from, kept so that no id is reused
+        self._pickled = None   # the first start's pickle, where every start may have it
         self.closed = False
 
     def close(self):
@@ -67,6 +74,7 @@ class Parcel:
         self.closed = True
         segments, self._segments = self._segments, []
         self._records, self._known, self._keep = [], {}, []
+        self._pickled = None
         for seg in segments:
             seg.close()
 
@@ -76,11 +84,23 @@ class Parcel:
                             "started")
         if self.closed:
             raise RuntimeError("this Parcel was closed")
-        pickler = _Pickler(self)
-        data = pickler.dump_target(self.target)
-        if pickler.pending:
-            self._add_segment(pickler.pending)
+        data = self._pickled
+        if data is None:
+            # (the descriptors a pickling hands over are listed on the Popen being started)
+            fds = getattr(_mpcontext.get_spawning_popen(), "_fds", None)
+            handed = None if fds is None else len(fds)
+            pickler = _Pickler(self)
+            data = pickler.dump_target(self.target)
+            if pickler.pending:
+                self._add_segment(pickler.pending)
+            if handed is not None and len(fds) == handed and not pickler.reduced_by_others:
+                self._pickled = data   # (nothing in it is bound to one start)
         return (_unpack, (data, tuple(self._records), list(self._segments)))
+
+    @property
+    def reused(self):
+        """True once the first start's pickle serves every later start."""
+        return self._pickled is not None
 
     def lookup(self, key):
         return self._known.get(key)
@@ -176,6 +196,17 @@ class _Pickler(ForkingPickler):
         self._ids = {}          # id(obj) -> its persistent id (one object stays one)
         self._objs = []         # the objects in _ids, alive while it lasts
         self._torch = sys.modules.get("torch")
+        # Types with a reduction registered with multiprocessing (torch's tensors, storages
+        # and parameters, connections): theirs may be bound to one pickling (a descriptor
+        # handed to the process being started, a shared-memory reference count taken
+        # per pickle), so a pickle holding one is not reused (see Parcel).
+        self._others = ForkingPickler._extra_reducers
+        self.reduced_by_others = False
+
+    def reducer_override(self, obj):
+        if type(obj) in self._others:
+            self.reduced_by_others = True
+        return NotImplemented
 
     def dump_target(self, target):
         self.dump(target)

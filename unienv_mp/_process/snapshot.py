@@ -1,0 +1,308 @@
+"""Under fork: a process that keeps the training process's memory as it was when a
+manager's first workers started, and forks the manager's later workers from it.
+
+A worker started with fork copies the training process's memory as it is when it
+starts.  The first workers copy the data as it is then.  A worker started later (a
+replacement, or one started after the first batch) would copy the data as it is *then*:
+after an append to a buffer not shared between processes it would draw its rows over
+another length, and the stream would change where a worker died.  So a `Snapshot`
+process is forked from the training process right after the first workers (or, where
+the manager can tell that the data has not changed since, after its first task is
+pushed, so that the fork runs while the first worker makes the first result: see
+`WorkerPool.push`).  It holds the same copy of the memory, idle, and every later worker
+of the manager is forked from it,
+so every worker of a manager starts from one snapshot, as under spawn and forkserver
+(see `unienv_mp._process.transfer`).  Its memory costs what a worker's does: pages shared
+with the training process until one of the two writes to them.
+
+How a worker is started through it (`Snapshot.process`): as multiprocessing's forkserver
+start method does, with the snapshot process in the fork server's place.
+
+* The parent pickles the ``Process`` object.  Its descriptors (the worker's segment, its
+  stack pipe) are collected on the Popen, as forkserver's are, and sent over a socket
+  with ``SCM_RIGHTS``, with two pipe ends: the status pipe's write end and the data
+  pipe's read end.
+* The snapshot process forks, writes the child's pid to the status pipe, watches the
+  child through a pidfd, and when it ends, reaps it and writes its exit code there.
+  forkserver's Popen reads both, so the parent watches the worker as one started with
+  forkserver: its pidfd, its sentinel, its exit code.
+* The child reads the ``Process`` object from the data pipe and runs it.  What is not
+  pickled: the work function, the init function and the stop event, which the snapshot
+  process holds.  `Held` names them in the arguments.
+
+The snapshot process ends when the manager lets it go (`Snapshot.close`), or when the
+training process ends (a pidfd of it).  Where it cannot run (no pidfds, or the fork
+failed), or if it was killed, later workers are forked from the training process as
+before, with one ``RuntimeWarning``.
+"""
+import io
+import os
+import select
+import signal
+import socket
+import threading
+from multiprocessing import forkserver, popen_forkserver, process, util
+from multiprocessing.context import reduction, set_spawning_popen
+
+from .. import _os
+
+__all__ = ["Snapshot", "SnapshotLost", "Held"]
+
+#: The objects the snapshot process holds for its children (set in that process only).
+_HELD = {}
+
+_MAX_FDS = 64   # (a worker's arguments hand it 3)
+
+
+class SnapshotLost(OSError):
+    """The snapshot process cannot start a worker (it ended, or does not answer)."""
+
+
+class SnapshotClosed(RuntimeError):
+    """The manager let the snapshot process go: no process of it starts any more."""
+
+
+#: Seconds the snapshot process has to say a new child's pid (it forks at once; past
+#: this it is stopped or hung: it is killed, and workers are forked from here).
+ANSWER_TIMEOUT = 10.0
+
+
+class Held:
+    """An object of the snapshot process's memory, named in a worker's arguments."""
+    __slots__ = ("name",)
+
+    def __init__(self, name):
+        self.name = name
+
+    def __reduce__(self):
+        return (_held, (self.name,))
+
+
+def _held(name):
+    return _HELD[name]
+
+
+class Snapshot:
+    """The snapshot process of one manager (see the module's docstring).  ``held``: the
+    objects its workers get by name (`Held`).  Raises ``OSError`` where it cannot run."""
+
+    def __init__(self, ctx, held):
+        os.close(os.pidfd_open(os.getpid()))   # (it needs pidfds: OSError, AttributeError)
+        self._lock = threading.Lock()
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.proc = None
+        pdeathsig = threading.current_thread() is threading.main_thread()
+        try:
+            self.proc = ctx.Process(
+                target=_serve, args=(theirs, self._sock.fileno(), held, os.getpid(),
+                                     pdeathsig),
+                daemon=True, name="unienv_mp-snapshot")
+            with _os.interrupts_deferred(), _os.sigint_held_from_children():
+                self.proc.start()
+                _os.open_pidfd(self.proc)
+        except BaseException:
+            self._sock.close()
+            if self.proc is not None:
+                _os.stop_half_started(self.proc)
+            raise
+        finally:
+            theirs.close()
+
+    def process(self, target, args, daemon, name):
+        """A ``Process`` (not started) that this snapshot process starts: its ``start()``
+        raises `SnapshotLost` if it cannot, `SnapshotClosed` once it was closed."""
+        proc = _SnapshotProcess(target=target, args=args, daemon=daemon, name=name)
+        proc._unienv_mp_snapshot = self
+        return proc
+
+    def request(self, fds):
+        """Ask for a child: returns ``(status_r, data_w)``, as forkserver's
+        ``connect_to_new_process`` does."""
+        status_r, status_w = os.pipe()
+        data_r, data_w = os.pipe()
+        try:
+            with self._lock:
+                if self._sock is None:
+                    raise SnapshotClosed("this manager was closed: no process starts now")
+                socket.send_fds(self._sock, [b"S"], [status_w, data_r, *fds])
+        except BaseException as e:
+            os.close(status_r)
+            os.close(data_w)
+            if isinstance(e, OSError) and not isinstance(e, SnapshotLost):
+                raise SnapshotLost(f"the snapshot process is gone ({e})") from e
+            raise
+        finally:
+            os.close(status_w)
+            os.close(data_r)
+        return status_r, data_w
+
+    def read_pid(self, status_r):
+        """The pid the snapshot process writes on ``status_r`` for a new child; raises
+        `SnapshotLost` if it ends, or says nothing for `ANSWER_TIMEOUT` seconds (then it
+        is killed)."""
+        poller = select.poll()
+        poller.register(status_r, select.POLLIN)
+        if not poller.poll(int(ANSWER_TIMEOUT * 1000)):
+            _os.send_signal(self.proc, signal.SIGKILL)
+            raise SnapshotLost(f"the snapshot process did not answer in {ANSWER_TIMEOUT} s "
+                               f"(stopped?): killed")
+        try:
+            return forkserver.read_signed(status_r)
+        except (OSError, EOFError) as e:
+            raise SnapshotLost(f"the snapshot process ended ({e})") from None
+
+    def close(self, join_timeout=2.0):
+        """End the snapshot process (its children, the workers, are not its to end)."""
+        with self._lock:
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+        if self.proc is not None:
+            # (it keeps nothing that needs a graceful end, and would not see end of file
+            # on its socket while another process holds this end)
+            _os.send_signal(self.proc, signal.SIGKILL)
+            _os.stop_processes([self.proc], join_timeout)
+
+
+class _SnapshotProcess(process.BaseProcess):
+    _start_method = "fork"   # (what the child's default start method becomes)
+
+    @staticmethod
+    def _Popen(process_obj):
+        return _SnapshotPopen(process_obj)
+
+
+class _SnapshotPopen(popen_forkserver.Popen):
+    """forkserver's Popen, with a snapshot process in the fork server's place.  It also
+    keeps a pidfd of the child (``pidfd``), opened while the child waits for its
+    ``Process`` object, so it is surely the child's: `unienv_mp._os.open_pidfd` uses it,
+    and if the snapshot process ends before the child, the child's end is told by it (its
+    exit code is then unknown: 255, as forkserver says when its server is gone)."""
+
+    pidfd = None
+
+    def _launch(self, process_obj):
+        snapshot = process_obj.__dict__.pop("_unienv_mp_snapshot")
+        buf = io.BytesIO()
+        set_spawning_popen(self)
+        try:
+            reduction.dump(process_obj, buf)
+        finally:
+            set_spawning_popen(None)
+        self.sentinel, w = snapshot.request(self._fds)
+        # (as forkserver's: a duplicate of the data pipe's write end is the child's
+        # sentinel of this process)
+        parent_w = os.dup(w)
+        # (finalizers run multiprocessing's own code: a Ctrl-C in one would be dropped)
+        self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            # The pid first: if the snapshot process ends before it says it, a child it
+            # forked meanwhile reads no Process object (end of file) and exits.
+            try:
+                self.pid = snapshot.read_pid(self.sentinel)
+                self.pidfd = os.pidfd_open(self.pid)
+            except BaseException:
+                self.finalizer()
+                raise
+            self.finalizer.cancel()   # (replaced: one finalizer closes each descriptor)
+            self.finalizer = util.Finalize(self, util.close_fds,
+                                           (parent_w, self.sentinel, self.pidfd))
+            f.write(buf.getbuffer())
+
+    def poll(self, flag=os.WNOHANG):
+        if self.returncode is None:
+            from multiprocessing.connection import wait
+            timeout = 0 if flag == os.WNOHANG else None
+            if not wait([self.sentinel], timeout):
+                return None
+            try:
+                self.returncode = forkserver.read_signed(self.sentinel)
+            except (OSError, EOFError):
+                # the snapshot process is gone: the child's end is the pidfd's to tell
+                if self.sentinel != self.pidfd:
+                    self.sentinel = self.pidfd
+                    return self.poll(flag)
+                self.returncode = 255
+        return self.returncode
+
+
+# -- in the snapshot process ----------------------------------------------------------------
+
+def _serve(sock, theirs, held, parent_pid, pdeathsig):
+    """The snapshot process: fork a child for each request on ``sock``; end with the
+    training process ``parent_pid`` (``theirs``: its end of the socket, inherited)."""
+    os.close(theirs)
+    _HELD.update(held)
+    _os.exit_with_parent(parent_pid, pdeathsig, watch=False)
+    for sig in signal.valid_signals():   # (the training process's handlers are not ours)
+        if callable(signal.getsignal(sig)):
+            signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # (its children inherit "ignore")
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)   # (its children are reaped here)
+    parent = os.pidfd_open(parent_pid)
+    poller = select.poll()
+    poller.register(parent, select.POLLIN)
+    poller.register(sock, select.POLLIN)
+    children = {}   # pidfd -> (pid, status_w)
+    while True:
+        for fd, _ in poller.poll():
+            if fd == parent:
+                os._exit(0)
+            if fd != sock.fileno():
+                pid, status_w = children.pop(fd)
+                poller.unregister(fd)
+                os.close(fd)
+                _, status = os.waitpid(pid, 0)
+                _write_status(status_w, os.waitstatus_to_exitcode(status), last=True)
+                continue
+            try:
+                msg, fds, _, _ = socket.recv_fds(sock, 1, _MAX_FDS)
+            except OSError:
+                msg = None
+            if not msg:
+                os._exit(0)    # (the manager closed its end)
+            status_w, data_r, *inherited = fds
+            try:
+                pid = os.fork()
+            except OSError:
+                pid = None     # (the training process reads EOF: SnapshotLost)
+            if pid == 0:
+                _child(data_r, inherited, [sock.fileno(), parent, status_w, *children,
+                                           *(w for _, w in children.values())])
+            for fd_ in (data_r, *inherited):
+                os.close(fd_)
+            if pid is None:
+                os.close(status_w)
+                continue
+            pidfd = os.pidfd_open(pid)
+            children[pidfd] = (pid, status_w)
+            poller.register(pidfd, select.POLLIN)
+            _write_status(status_w, pid)
+
+
+def _write_status(fd, value, last=False):
+    try:
+        forkserver.write_signed(fd, value)
+    except OSError:
+        pass   # (the training process closed its end)
+    if last:
+        os.close(fd)
+
+
+def _child(data_r, inherited, unused):
+    code = 1
+    try:
+        for fd in unused:
+            os.close(fd)
+        forkserver._forkserver._inherited_fds = inherited
+        parent_sentinel = os.dup(data_r)
+        with os.fdopen(data_r, "rb", closefd=True) as f:
+            process.current_process()._inheriting = True
+            try:
+                proc = reduction.pickle.load(f)
+            finally:
+                del process.current_process()._inheriting
+        code = proc._bootstrap(parent_sentinel)
+    finally:
+        os._exit(code)
+
