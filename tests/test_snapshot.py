@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 
 import pytest
@@ -141,6 +142,11 @@ def test_a_worker_outlives_its_snapshot_process_and_is_still_watched():
         snapshot = mgr._pool.launch._snapshot
         os.kill(snapshot.proc.pid, signal.SIGKILL)
         snapshot.proc.join(5)
+        # a timed join returns though the status pipe is at its end (the worker lives on)
+        joiner = threading.Thread(target=born.join, args=(0.3,), daemon=True)
+        joiner.start()
+        joiner.join(30)
+        assert not joiner.is_alive()
         assert born.is_alive() and born.exitcode is None     # (its status pipe is gone)
         assert mgr.result(mgr.submit(2))[2] == born.pid      # and it still works
         os.kill(born.pid, signal.SIGKILL)
@@ -155,12 +161,32 @@ class ParameterReader(Reader):
         self.weight = torch.nn.Parameter(torch.zeros(3))
 
 
-@pytest.mark.parametrize("make, reused", [(Reader, True), (ParameterReader, False)])
+def _bound(reader):
+    return reader.__call__
+
+
+@pytest.mark.parametrize("make, reused", [(Reader, True), (lambda: _bound(Reader()), True),
+                                          (ParameterReader, False)])
 def test_a_pickle_bound_to_its_start_is_not_reused(make, reused):
     # torch moves a parameter into shared memory and reduces it per pickling: the pickle
     # is made again for each worker, and later workers then start only while start_later
-    # says so (their copy is not the first one's)
+    # says so (their copy is not the first one's); a bound method is no such thing
     with MultiProcessingSampleManager(make(), n_workers=1, ctx="spawn") as mgr:
         assert mgr.result(mgr.submit(0))[0] == "first"
         launch = mgr._pool.launch
         assert launch._parcel.reused is reused and launch.from_snapshot is reused
+
+
+def test_a_worker_started_later_without_its_snapshot_starts_only_while_allowed():
+    same = [True]
+    with MultiProcessingSampleManager(Reader(), n_workers=2, ctx="fork",
+                                      start_later=lambda: same[0]) as mgr:
+        mgr.result(mgr.submit(0))              # (the snapshot process forks at this push)
+        snapshot = mgr._pool.launch._snapshot
+        os.kill(snapshot.proc.pid, signal.SIGKILL)
+        snapshot.proc.join(5)
+        same[0] = False                        # the data changed: no copy of it may start
+        with pytest.warns(RuntimeWarning, match="snapshot"), \
+                pytest.raises(OSError, match="snapshot process"):
+            mgr.start_all()
+        assert len(mgr.workers) == 1 and mgr.result(mgr.submit(1))[0] == "first"

@@ -44,6 +44,7 @@ class Launch:
         self.fork = ctx.get_start_method() == "fork"
         self._parcel = None
         self._snapshot = None
+        self.later = None   # start_later, while a worker after the first starts (see pool)
         self._holders = set()   # indices of the handles that may still start a process
 
     def keep_snapshot(self):
@@ -58,7 +59,7 @@ class Launch:
                 self._snapshot = Snapshot(self.ctx, {"target": self.target_fn,
                                                      "init": self.init_fn,
                                                      "done_event": self.done_event})
-        except (OSError, AttributeError) as e:   # (no pidfds: AttributeError, OSError)
+        except Exception as e:   # (no pidfds: AttributeError, OSError)
             _warn_no_snapshot(f"it could not be started ({type(e).__name__}: {e})")
 
     @property
@@ -76,6 +77,8 @@ class Launch:
         write end of its stack pipe): returns it, with the monotonic ns of its start.  A
         process half started when this raises is stopped.  Raises ``TypeError`` if the
         work function cannot be sent to the process."""
+        if not self._holders:
+            raise RuntimeError("this manager was closed: no process starts now")
         snapshot = self._snapshot
         proc = self._process(index, seg, seed, stack_w, snapshot)
         try:
@@ -96,6 +99,8 @@ class Launch:
                     from None
             snapshot.close(0.5)
             _warn_no_snapshot(f"it ended ({e})")
+            if self.later is not None and not self.later():
+                raise   # (a worker started later copies this process only while allowed)
             return self.start_process(index, seg, seed, stack_w)
         except (pickle.PicklingError, TypeError, AttributeError) as e:
             _os.stop_half_started(proc)

@@ -159,8 +159,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             with a warning carrying its stacks (see `WorkerPool` for its tasks).
         start_later: None: all start now.  A function: worker 0 starts now, the others one
             at a time when the caller would wait (after the first result) while
-            ``start_later()`` is True (asked only under fork with no snapshot process, see
-            `Launch`); tasks skip those starting; [`start_all`][] starts them now.
+            ``start_later()`` is True (asked unless they start from the first one's
+            snapshot: `Launch`); tasks skip those starting; [`start_all`][] starts them.
 
     Threads: every method may be called from any thread.  Calls are serialised (a lock, held
     for the whole call: a second thread waits while the first waits for a result), and

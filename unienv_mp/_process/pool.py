@@ -184,7 +184,11 @@ class WorkerPool:
                     self.deferred.clear()
                     return False
                 w, seed = self.deferred[0]
-                w.start(seed)
+                self.launch.later = self.start_later   # (asked if it cannot be from the snapshot)
+                try:
+                    w.start(seed)
+                finally:
+                    self.launch.later = None
             except Exception as e:
                 if not quiet or self.closed:
                     raise

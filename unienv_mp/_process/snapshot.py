@@ -41,7 +41,8 @@ import select
 import signal
 import socket
 import threading
-from multiprocessing import forkserver, popen_forkserver, process, util
+import time
+from multiprocessing import connection, forkserver, popen_forkserver, process, util
 from multiprocessing.context import reduction, set_spawning_popen
 
 from .. import _os
@@ -209,11 +210,21 @@ class _SnapshotPopen(popen_forkserver.Popen):
                                            (parent_w, self.sentinel, self.pidfd))
             f.write(buf.getbuffer())
 
+    def wait(self, timeout=None):
+        # (popen_fork's wait would hand poll a blocking flag once the status pipe is at
+        # its end; here a timeout is kept whichever descriptor tells the end)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not connection.wait([self.sentinel], left):
+                return None
+            self.poll()
+        return self.returncode
+
     def poll(self, flag=os.WNOHANG):
         if self.returncode is None:
-            from multiprocessing.connection import wait
             timeout = 0 if flag == os.WNOHANG else None
-            if not wait([self.sentinel], timeout):
+            if not connection.wait([self.sentinel], timeout):
                 return None
             try:
                 self.returncode = forkserver.read_signed(self.sentinel)

@@ -196,11 +196,14 @@ class _Pickler(ForkingPickler):
         self._ids = {}          # id(obj) -> its persistent id (one object stays one)
         self._objs = []         # the objects in _ids, alive while it lasts
         self._torch = sys.modules.get("torch")
-        # Types with a reduction registered with multiprocessing (torch's tensors, storages
-        # and parameters, connections): theirs may be bound to one pickling (a descriptor
-        # handed to the process being started, a shared-memory reference count taken
-        # per pickle), so a pickle holding one is not reused (see Parcel).
-        self._others = ForkingPickler._extra_reducers
+        # Types with a reduction registered with multiprocessing by others than
+        # multiprocessing.reduction itself (whose own, for methods and partials, keep
+        # nothing per start): torch's tensors, storages and parameters, connections.
+        # Theirs may be bound to one pickling (a descriptor handed to the process being
+        # started, a shared-memory reference count taken per pickle), so a pickle holding
+        # one is not reused (see Parcel).
+        self._others = {t for t, r in ForkingPickler._extra_reducers.items()
+                        if getattr(r, "__module__", None) != "multiprocessing.reduction"}
         self.reduced_by_others = False
 
     def reducer_override(self, obj):
