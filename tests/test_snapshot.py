@@ -190,3 +190,25 @@ def test_a_worker_started_later_without_its_snapshot_starts_only_while_allowed()
                 pytest.raises(OSError, match="snapshot process"):
             mgr.start_all()
         assert len(mgr.workers) == 1 and mgr.result(mgr.submit(1))[0] == "first"
+
+
+def test_a_child_forked_from_the_training_process_leaves_the_snapshot_process_alone():
+    # (multiprocessing's exit handler in such a child terminated it while it was daemonic)
+    with MultiProcessingSampleManager(Reader(), n_workers=1, ctx="fork") as mgr:
+        mgr.result(mgr.submit(0))
+        snapshot_pid = mgr._pool.launch._snapshot.proc.pid
+        pid = os.fork()
+        if pid == 0:
+            try:
+                mgr.close()
+                # (what a child's normal end runs: multiprocessing's exit handler)
+                from multiprocessing import util
+                util._exit_function()
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        assert process_running(snapshot_pid)
+        _kill_and_wait(mgr)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")        # (no fallback: it is still there)
+            assert mgr.result(mgr.submit(1))[0] == "first"

@@ -58,7 +58,8 @@ class Launch:
             with _os.interrupts_deferred():
                 self._snapshot = Snapshot(self.ctx, {"target": self.target_fn,
                                                      "init": self.init_fn,
-                                                     "done_event": self.done_event})
+                                                     "done_event": self.done_event},
+                                          self.daemon)
         except Exception as e:   # (no pidfds: AttributeError, OSError)
             _warn_no_snapshot(f"it could not be started ({type(e).__name__}: {e})")
 
@@ -143,9 +144,10 @@ class Launch:
     def let_go(self, index):
         """Handle ``index`` starts no more processes; once no handle holds the launch, the
         snapshot is released."""
-        self._holders.discard(index)
-        if not self._holders:
-            self.release()
+        if index in self._holders:   # (after release(), which lets every handle go: no-op)
+            self._holders.discard(index)
+            if not self._holders:
+                self.release()
 
     def release(self):
         """Release the snapshot: no process of the manager starts any more."""

@@ -85,9 +85,11 @@ def _held(name):
 
 class Snapshot:
     """The snapshot process of one manager (see the module's docstring).  ``held``: the
-    objects its workers get by name (`Held`).  Raises ``OSError`` where it cannot run."""
+    objects its workers get by name (`Held`); ``daemon``: the workers' (a daemonic one is
+    terminated by multiprocessing when a process forked from the training process exits).
+    Raises ``OSError`` where it cannot run."""
 
-    def __init__(self, ctx, held):
+    def __init__(self, ctx, held, daemon):
         os.close(os.pidfd_open(os.getpid()))   # (it needs pidfds: OSError, AttributeError)
         self._lock = threading.Lock()
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -97,7 +99,7 @@ class Snapshot:
             self.proc = ctx.Process(
                 target=_serve, args=(theirs, self._sock.fileno(), held, os.getpid(),
                                      pdeathsig),
-                daemon=True, name="unienv_mp-snapshot")
+                daemon=daemon, name="unienv_mp-snapshot")
             with _os.interrupts_deferred(), _os.sigint_held_from_children():
                 self.proc.start()
                 _os.open_pidfd(self.proc)
