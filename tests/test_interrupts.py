@@ -1016,7 +1016,13 @@ NOT_INTERRUPTED = {
     os.path.join("_process", "worker.py"): "runs in the workers, which ignore SIGINT",
     os.path.join("ray", "__init__.py"): "re-exports",
     os.path.join("ray", "_actor.py"): "runs in the Ray actors",
-    os.path.join("ray", "_batch.py"): "packs and unpacks results: returns or raises",
+    os.path.join("ray", "_batch.py"): "the actors' frames (in the actors), and the caller's "
+                                      "record of their slots, which a Ctrl-C can make lose "
+                                      "a slot number (the actor makes another slot) but never "
+                                      "give one slot to two tasks: a number is given back "
+                                      "only after its actor answered, and taken off its task "
+                                      "first",
+    os.path.join("_transport", "result_slots.py"): "runs in the workers and the Ray actors",
     os.path.join("ray", "sampler.py"): "RaySampler's own code builds and closes; its "
                                        "sampling is SamplerBase's (sampler.py)",
 }

@@ -18,7 +18,8 @@ from unienv_interface.backends.numpy import NumpyComputeBackend  # noqa: E402
 
 from unienv_mp import MultiprocessingSampler, WorkerDiedError, WorkerError  # noqa: E402
 from unienv_mp.ray import RaySampler, RemoteSampler  # noqa: E402
-from unienv_mp.ray._batch import TensorLeaf, pack, unpack  # noqa: E402
+from unienv_mp._transport import codec as _codec  # noqa: E402
+from unienv_mp.ray._batch import ActorFrames, LaneSlots, read_frame  # noqa: E402
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -70,15 +71,19 @@ def factory(n=120, batch_size=8, seed=5):
 
 # -- the same batches as MultiprocessingSampler ------------------------------------------
 
-def test_the_same_batches_as_multiprocessing_sampler_bit_for_bit():
+@pytest.mark.parametrize("direct_gather,local_slots", [(None, True), (None, False),
+                                                      (False, True)])
+def test_the_same_batches_as_multiprocessing_sampler_bit_for_bit(direct_gather, local_slots):
     rb = replay_buffer(100)
     with MultiprocessingSampler(StepSampler(rb, 8, seed=3), n_workers=3, ctx="fork") as m:
         want = {name: take(m, 12, name) for name in
                 ("sample", "sample_flat", "sample_with_metadata", "sample_index")}
         want_epoch = list(m.epoch_iter())
         want_flat_epoch = list(m.epoch_flat_iter())
-    with RaySampler(StepSampler(rb, 8, seed=3), n_workers=2, n_buffers=3) as r:
-        assert r.gather_path == "generic" and len(r.workers) == 2
+    with RaySampler(StepSampler(rb, 8, seed=3), n_workers=2, n_buffers=3,
+                    direct_gather=direct_gather, local_slots=local_slots) as r:
+        assert r.gather_path == ("generic" if direct_gather is False else "direct")
+        assert len(r.workers) == 2
         for name, batches in want.items():
             for a, b in zip(batches, take(r, 12, name)):
                 same(a, b)
@@ -268,45 +273,95 @@ def test_a_state_of_another_configuration_is_refused():
 
 # -- what the caller gets --------------------------------------------------------------
 
-def object_store_mapped(ptr):
-    """True if ``ptr`` lies in a shared mapping of Ray's object store (plasma)."""
+def mapping_of(ptr):
+    """The path of the shared mapping that ``ptr`` lies in ("" if none)."""
     with open("/proc/self/maps") as f:
         for line in f:
             fields = line.split()
             lo, hi = (int(x, 16) for x in fields[0].split("-"))
             if lo <= ptr < hi and fields[1][3] == "s":
-                return True
-    return False
+                return fields[5] if len(fields) > 5 else "(anonymous)"
+    return ""
 
 
-def test_batches_are_read_only_views_of_the_object_store_unless_copied():
+def test_batches_from_the_object_store_are_read_only_views_unless_copied():
     data = ToBackendOrDeviceBatch(replay_buffer(100, img=(3, 64, 64)),
                                   backend=NumpyComputeBackend)
-    with RaySampler(StepSampler(data, 16, seed=0), n_workers=1) as r:
+    with RaySampler(StepSampler(data, 16, seed=0), n_workers=1, local_slots=False) as r:
         b = r.sample()
         assert not b["image"].flags.writeable
         with pytest.raises(ValueError, match="read-only"):
             b["image"][0] = 1
-        assert object_store_mapped(b["image"].__array_interface__["data"][0])
+        assert "plasma" in mapping_of(b["image"].__array_interface__["data"][0])
     rb = replay_buffer(100, img=(3, 64, 64))
-    with RaySampler(StepSampler(rb, 16, seed=0), n_workers=1) as r:
+    with RaySampler(StepSampler(rb, 16, seed=0), n_workers=1, local_slots=False) as r:
         t = r.sample()["image"]
-        assert object_store_mapped(t.data_ptr())
-    with RaySampler(StepSampler(rb, 16, seed=0), n_workers=1, copy=True) as r:
+        assert "plasma" in mapping_of(t.data_ptr())
+    with RaySampler(StepSampler(rb, 16, seed=0), n_workers=1, copy=True,
+                    local_slots=False) as r:
         b = r.sample()
-        assert not object_store_mapped(b["image"].data_ptr())
+        assert mapping_of(b["image"].data_ptr()) == ""
         b["image"].add_(1)   # its own memory
         assert torch.equal(b["image"], t + 1)
     # batches stay valid after close
     assert indices_of({"state": t.float()[:, 0, 0, :1].repeat(1, 10)}) is not None
 
 
-def test_tensors_whose_dtype_numpy_lacks_travel_as_their_bits():
-    x = torch.randn(5, 3).to(torch.bfloat16)
-    packed = pack({"x": x, "n": (torch.arange(3), None, "text")})
-    assert type(packed["x"]) is TensorLeaf and packed["x"].dtype == torch.bfloat16
-    back = unpack(pickle.loads(pickle.dumps(packed)), copy=False)
-    same(back, {"x": x, "n": (torch.arange(3), None, "text")})
+def test_batches_from_an_actor_on_this_node_are_views_of_its_slots():
+    rb = replay_buffer(100, img=(3, 64, 64))
+    with RaySampler(StepSampler(rb, 16, seed=0), n_workers=1, n_buffers=2) as r:
+        b = r.sample()
+        where = mapping_of(b["image"].data_ptr())
+        assert "ray-slot0" in where and "plasma" not in where
+        b["image"].add_(1)   # the batch's own slot until it is collected
+        kept = [r.sample() for _ in range(20)]   # held: each has a slot of its own
+        ptrs = {k["image"].data_ptr() for k in kept} | {b["image"].data_ptr()}
+        assert len(ptrs) == 21
+        want = [indices_of(k) for k in kept]
+        del kept, b
+        import gc
+        gc.collect()
+        # slots given back are written again
+        again = {r.sample()["image"].data_ptr() for _ in range(30)}
+        assert again & ptrs
+        t = r.sample()["image"]
+    with RaySampler(StepSampler(rb, 16, seed=0), n_workers=1, n_buffers=2) as r:
+        r.sample()
+        assert [indices_of(r.sample()) for _ in range(20)] == want
+    # batches stay valid after close
+    assert "ray-slot0" in mapping_of(t.data_ptr())
+    assert indices_of({"state": t.float()[:, 0, 0, :1].repeat(1, 10)}) is not None
+
+
+def test_a_frame_travels_whole_through_a_buffer_or_a_slot():
+    value = {"x": torch.randn(5, 3).to(torch.bfloat16),
+             "n": (torch.arange(3), None, "text", np.arange(4.0))}
+    frames = ActorFrames(0)
+    buf = frames.write(value, None)
+    # (Ray hands the caller a read-only copy of the buffer)
+    frame = np.frombuffer(pickle.loads(pickle.dumps(buf)).tobytes(), np.uint8)
+    assert not frame.flags.writeable
+    back = read_frame(frame, copy=False)
+    same(back, value)
+    assert back["x"].data_ptr() >= frame.ctypes.data   # a view of the frame
+    assert not back["n"][3].flags.writeable
+    same(read_frame(frame, copy=True), value)
+    assert read_frame(frame, copy=True)["n"][3].flags.writeable
+    # into a slot: mapped by a reader through /proc (here, this same process)
+    slots = LaneSlots()
+    slots.pid = os.getpid()
+    slot = slots.take()
+    gen, fd, ino, size, nbytes = frames.write(value, slot)
+    seg = slots.segment(slot, (gen, fd, ino, size))
+    batch = _codec.decode(slots.lease(slot, seg, nbytes))
+    same(batch, value)
+    assert slots.take() != slot   # (not free while the batch lives)
+    del batch
+    import gc
+    gc.collect()
+    assert slots.take() == slot   # given back by the last view
+    frames.slots.close()
+    slots.close()
 
 
 # -- input and lifecycle ----------------------------------------------------------------
@@ -354,7 +409,7 @@ def test_stats_count_what_was_sampled():
     with RaySampler(StepSampler(rb, 8, seed=0), n_workers=2, batches_per_task=2) as r:
         take(r, 10)
         s = r.stats(reset=True)
-        assert s.batches == 10 and s.gather_path == "generic"
+        assert s.batches == 10 and s.gather_path == "direct"
         assert 0 < s.wait_seconds <= s.wall_seconds and 0 < s.wait_fraction <= 1
         assert sum(w.batches for w in s.workers) >= 10
         assert all(w.pid is not None and w.seconds_per_batch_mean for w in s.workers)
@@ -380,4 +435,4 @@ def test_the_main_jobs_ray_row():
     res = measure.measure("ray", data.build_buffer(cfg), cfg)
     assert res.error is None and res.batches >= cfg.min_batches
     assert res.label == "unienv_mp RaySampler (local Ray)"
-    assert res.stats.gather_path == "generic" and len(res.stats.workers) == 2
+    assert res.stats.gather_path == "direct" and len(res.stats.workers) == 2

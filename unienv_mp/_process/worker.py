@@ -11,14 +11,13 @@ from .. import _os
 from .. import stats as _stats
 from .._transport import codec as _codec
 from .._transport import protocol as P
-from .._transport.ring import Event, RingBuffer, Segment, segment_from_peer
+from .._transport.result_slots import ResultSlots
+from .._transport.ring import Event, RingBuffer, segment_from_peer
 from ..errors import MAX_TRACEBACK, RingClosed, error_payload
 
 __all__ = ["worker_main"]
 
 _ST_OK = P.ST_OK
-_PAGE = 4096
-_MIN_SLOT = 64 * 1024
 
 
 class _Stop(Exception):
@@ -40,39 +39,6 @@ def _fatal_payload(exc, limit):
                           "traceback": "", "exception": None})
 
 
-class _Slots:
-    """This worker's result slots: one growable segment per slot number, and small reused
-    buffers for SlotWriter results that travel inline."""
-
-    def __init__(self, index):
-        self.index = index
-        self.segs = {}     # slot -> [generation, Segment, cache of the SlotWriters]
-        self.inline = {}   # nbytes -> (bytearray, cache of the SlotWriters)
-
-    def get(self, slot, nbytes):
-        entry = self.segs.get(slot)
-        if entry is None or entry[1].size < nbytes:
-            size = max(_MIN_SLOT, (nbytes + nbytes // 8 + _PAGE - 1) // _PAGE * _PAGE)
-            gen = 1 if entry is None else entry[0] + 1
-            seg = Segment.create(size, f"slot{self.index}")
-            if entry is not None:
-                # (views the old cache holds keep the old mapping until it is dropped here;
-                # the parent keeps its own mapping for as long as it needs)
-                entry[2].clear()
-                entry[1].close()
-            entry = [gen, seg, {}]
-            self.segs[slot] = entry
-        return entry
-
-    def inline_buffer(self, nbytes):
-        entry = self.inline.get(nbytes)
-        if entry is None:
-            if len(self.inline) >= 16:
-                self.inline.clear()
-            entry = self.inline[nbytes] = (bytearray(nbytes), {})
-        return entry
-
-
 class _Results:
     """The worker's side of its result ring: publishes each result, inline or in a slot,
     and rings the parent's doorbell."""
@@ -82,7 +48,7 @@ class _Results:
         self.doorbell = doorbell
         self.check = check
         self.inline_max = ring.entry_size - P.ENTRY_HEADER
-        self.slots = _Slots(index)
+        self.slots = ResultSlots(f"slot{index}")
 
     def send(self, status, slot, ticket, value):
         """Publish the result; returns its status (a result that cannot be written is an

@@ -5,6 +5,8 @@ sampler.
   Cython face of ``csrc/umr_ring.c`` and ``csrc/umr_shm.c``).
 * `.codec`: the slot codec, pytrees of arrays in one flat frame.
 * `.protocol`: the wire format of a ring entry, shared by both users of the rings.
+* `.result_slots`: a writer's result slots, shared by the process workers and the Ray
+  actors on the training node.
 * `.headroom`: the memory left for a new segment.
 * `.shm_queue`: ``ShmQueue``, a ``multiprocessing.Queue`` on a ring.
 

@@ -100,7 +100,7 @@ class SlotLease:
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def __release_buffer__(self, buffer: memoryview, /) -> None: ...
 
-def decode(buffer: ReadableBuffer, copy: bool = False) -> Any:
+def decode(buffer: ReadableBuffer, copy: bool = False, share_readonly: bool = False) -> Any:
     """Decode the encoding at the start of ``buffer`` (a `SlotLease`, or any bytes-like
     object).
 
@@ -109,6 +109,10 @@ def decode(buffer: ReadableBuffer, copy: bool = False) -> Any:
     last view is gone.  With ``copy=True`` the arrays own their memory and nothing refers to
     ``buffer`` afterwards.  Raises `CodecError` when the bytes are not a valid encoding;
     never reads outside ``buffer``.
+
+    A read-only ``buffer`` gives read-only numpy arrays, and torch tensors copied out of it
+    (torch has no read-only tensors); with ``share_readonly=True`` the tensors are views of
+    it all the same, and the caller must never write into them.
     """
 
 def clear_plan_cache() -> None:

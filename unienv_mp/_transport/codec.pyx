@@ -756,7 +756,8 @@ cdef _Plan _parse_plan(bytes meta, uint64_t total_len, uint64_t data_start,
     return plan
 
 
-cdef object _make_array(tuple node, char *base, bint readonly, object owner, bint copy):
+cdef object _make_array(tuple node, char *base, bint readonly, object owner, bint copy,
+                        bint share):
     cdef cnp.npy_intp dims[MAX_NDIM]
     cdef tuple shape = <tuple>node[3]
     cdef int nd = len(shape), i
@@ -774,16 +775,19 @@ cdef object _make_array(tuple node, char *base, bint readonly, object owner, bin
         nbytes = node[5]
         _copy(<char *>cnp.PyArray_DATA(<cnp.ndarray>arr), base + off, nbytes, False)
     else:
+        # (a tensor shared over read-only memory is made from a writeable array: torch
+        # has no read-only tensors, and the array itself is never handed out)
         arr = PyArray_NewFromDescr_raw(<PyTypeObject *>cnp.ndarray, <_Descr *>descr, nd, dims,
                                        NULL, base + off,
-                                       0 if readonly else cnp.NPY_ARRAY_WRITEABLE, NULL)
+                                       cnp.NPY_ARRAY_WRITEABLE if not readonly or (
+                                           share and node[1] == KIND_TORCH) else 0, NULL)
         # let numpy work out contiguity and alignment from the pointer and the shape
         cnp.PyArray_UpdateFlags(<cnp.ndarray>arr, cnp.NPY_ARRAY_UPDATE_ALL)
         Py_INCREF(owner)  # PyArray_SetBaseObject steals a reference to the base
         PyArray_SetBaseObject_raw(<_ArrayObject *>arr, <PyObject *>owner)
     if node[1] == KIND_TORCH:
         # (_parse_node initialised torch, _torch_from_numpy included, to make this node)
-        if readonly and not copy:
+        if readonly and not copy and not share:
             t = _torch_from_numpy(arr.copy())  # torch has no read-only tensors
         else:
             t = _torch_from_numpy(arr)
@@ -794,33 +798,34 @@ cdef object _make_array(tuple node, char *base, bint readonly, object owner, bin
 
 
 cdef object _build(tuple node, char *base, bint readonly, object owner, bint copy,
-                   list objects):
+                   bint share, list objects):
     cdef int tag = node[0]
     cdef tuple keys, children
     cdef Py_ssize_t i
     if tag == P_ARRAY:
-        return _make_array(node, base, readonly, owner, copy)
+        return _make_array(node, base, readonly, owner, copy, share)
     if tag == P_DICT:
         keys = <tuple>node[1]
         children = <tuple>node[2]
         out = {}
         for i in range(len(keys)):
-            out[keys[i]] = _build(<tuple>children[i], base, readonly, owner, copy, objects)
+            out[keys[i]] = _build(<tuple>children[i], base, readonly, owner, copy, share,
+                                  objects)
         return out
     if tag == P_LIST:
-        return [_build(child, base, readonly, owner, copy, objects) for child in node[1]]
+        return [_build(child, base, readonly, owner, copy, share, objects) for child in node[1]]
     if tag == P_TUPLE:
-        return tuple([_build(child, base, readonly, owner, copy, objects)
+        return tuple([_build(child, base, readonly, owner, copy, share, objects)
                       for child in node[1]])
     if tag == P_NAMED:
-        return node[1]._make([_build(child, base, readonly, owner, copy, objects)
+        return node[1]._make([_build(child, base, readonly, owner, copy, share, objects)
                               for child in node[2]])
     if tag == P_OBJECT:
         return objects[node[1]]
     return None
 
 
-def decode(buffer, copy=False):
+def decode(buffer, copy=False, share_readonly=False):
     """Decode the encoding at the start of ``buffer`` (a `SlotLease`, or any bytes-like
     object).
 
@@ -829,6 +834,10 @@ def decode(buffer, copy=False):
     last view is gone.  With ``copy=True`` the arrays own their memory and nothing refers to
     ``buffer`` afterwards.  Raises `CodecError` when the bytes are not a valid encoding;
     never reads outside ``buffer``.
+
+    A read-only ``buffer`` gives read-only numpy arrays, and torch tensors copied out of it
+    (torch has no read-only tensors); with ``share_readonly=True`` the tensors are views of
+    it all the same, and the caller must never write into them.
     """
     cdef Py_buffer view
     cdef uint32_t magic, meta_len, n_arrays, n_objects
@@ -879,6 +888,7 @@ def decode(buffer, copy=False):
                 raise CodecError(f"corrupt slot: object blob is not a list of {n_objects}")
         if owner is None and not copy and (<_Plan>plan).max_end > 0:
             owner = memoryview(buffer)  # holds an export of buffer for as long as views live
-        return _build((<_Plan>plan).root, base, view.readonly, owner, copy, objects)
+        return _build((<_Plan>plan).root, base, view.readonly, owner, copy, share_readonly,
+                      objects)
     finally:
         PyBuffer_Release(&view)

@@ -10,12 +10,21 @@ from .._sampling import state as _state
 from .._sampling.streams import base_seed
 from .._sampling.target import SamplerTarget
 from ..errors import error_payload
-from ._batch import pack
+from ._batch import ActorFrames
 
 __all__ = ["SamplerActor", "OK", "ERROR", "COULD_NOT_START"]
 
 #: The status of a result (see `SamplerActor.run`).
 OK, ERROR, COULD_NOT_START = 0, 1, 2
+
+
+def _not_direct(sampler):
+    """Why the direct gather cannot serve ``sampler`` (None if it can)."""
+    try:
+        _gather.check(sampler)
+    except _gather.NotDirect as e:
+        return str(e)
+    return None
 
 
 class SamplerActor:
@@ -27,16 +36,23 @@ class SamplerActor:
         target: the ``SamplerTarget`` (shipped once through the object store), or None.
         factory: with ``target=None``, a callable that returns the ``BatchSampler`` to run
             (called here, once).
+        home: the id of the caller's Ray node: an actor there writes results into slots
+            that the caller maps (see `unienv_mp.ray._batch`).
+        direct: with ``factory``, whether its sampler's batches are gathered directly
+            where they can be (see `unienv_mp._direct.gather`).
 
     An exception raised while the sampler is made is kept: every call then answers
     ``COULD_NOT_START`` with it, so that the caller gets the error and its traceback
     rather than a dead actor.
     """
 
-    def __init__(self, index, target, factory):
+    def __init__(self, index, target, factory, home=None, direct=True):
+        import ray
         self.index = index
         self.target = None
         self.failure = None
+        self.frames = ActorFrames(index)
+        self.local = home is not None and ray.get_runtime_context().get_node_id() == home
         try:
             if target is None:
                 sampler = factory()
@@ -44,21 +60,24 @@ class SamplerActor:
                     raise TypeError(
                         f"sampler_factory must return a unienv_data BatchSampler, got "
                         f"{type(sampler).__module__}.{type(sampler).__qualname__}")
-                target = SamplerTarget(sampler)
+                target = SamplerTarget(sampler, direct=direct)
             self.target = target
         except Exception as e:
             self.failure = error_payload(e)
 
-    def run(self, work):
-        """``(status, value, ns, pid, cpu)``: the work function's result on ``work``,
-        packed for the trip (status ``OK``), or its exception as
+    def run(self, work, slot=None):
+        """``(status, value, ns, pid, cpu)``: the work function's result on ``work``, as
+        a frame for the trip (status ``OK``; written into result slot ``slot`` if it is
+        not None and this actor is on the caller's node, see
+        `unienv_mp.ray._batch.ActorFrames`), or its exception as
         ``errors.error_payload`` describes it (``ERROR``); how long that took, in
         nanoseconds; and this process's id and CPU seconds so far."""
         start = time.monotonic_ns()
         if self.failure is not None:
             return COULD_NOT_START, self.failure, 0, os.getpid(), time.process_time()
         try:
-            status, value = OK, pack(self.target(work))
+            status, value = OK, self.frames.write(self.target(work),
+                                                  slot if self.local else None)
         except Exception as e:
             status, value = ERROR, error_payload(e)
         return (status, value, time.monotonic_ns() - start, os.getpid(),
@@ -87,6 +106,7 @@ class SamplerActor:
             "methods": methods,
             "rows": {n: _gather.row_nbytes(s, n) for n in methods if n.startswith("sample")},
             "configuration": _state.configuration(s, {}),
+            "not_direct": _not_direct(s) if self.target.direct else "direct_gather=False",
         }
 
     def where(self):

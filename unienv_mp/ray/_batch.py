@@ -1,97 +1,138 @@
-"""How a batch travels from a Ray actor to the caller.
+"""How a batch travels from a Ray actor to the caller: as a slot codec frame
+(`unienv_mp._transport.codec`), gathered straight into its place as the process workers
+gather theirs.
 
-Ray's serializer carries numpy arrays out of band: a reader on the same node maps them
-from the object store without a copy, read-only.  torch tensors it pickles whole (a copy
-on each side).  So an actor sends each tensor of a batch as a `TensorLeaf` around a numpy
-view of it (`pack`), and the caller makes the tensor again over that array (`unpack`).
-Dicts, tuples and lists are walked; any other value travels as Ray pickles it.
+* An actor on the caller's node writes the frame into a result slot of its own, a shared
+  segment (`ResultSlots`), and answers the slot's short description; the caller maps the
+  segment once (through ``/proc/<actor pid>/fd``) and reads the batch from it, zero-copy.
+  The slot goes back to the actor when the last array of the batch is garbage collected,
+  as a process worker's does.  The object store carries nothing.
+* An actor on another node writes the frame into a numpy buffer that Ray copies into the
+  object store as the task returns; the caller maps that object (Ray moves it to the
+  caller's node) and reads the batch from it, zero-copy and read-only.
+
+`ActorFrames` is the actor's side, `LaneSlots` the caller's record of one actor's slots.
 """
-import sys
-import warnings
+import collections
 
 import numpy as np
 
-__all__ = ["TensorLeaf", "pack", "unpack"]
+from .._transport import codec as _codec
+from .._transport.codec import SlotLease
+from .._transport.protocol import SlotWriter
+from .._transport.result_slots import ResultSlots
+from .._transport.ring import segment_from_peer
 
-#: integer dtypes by size, for tensors whose dtype numpy lacks (bfloat16, float8, ...):
-#: their bits travel as these and are viewed back
-_BITS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
-
-
-class TensorLeaf:
-    """A torch tensor on its way: its data as a numpy array, and its torch dtype where
-    numpy has none (the array then holds the bits, as integers of the same size)."""
-    __slots__ = ("array", "dtype")
-
-    def __init__(self, array, dtype=None):
-        self.array = array
-        self.dtype = dtype
-
-    def __reduce__(self):
-        return (TensorLeaf, (self.array, self.dtype))
+__all__ = ["ActorFrames", "LaneSlots", "read_frame"]
 
 
-def _walk(v, leaf):
-    """``v`` with ``leaf`` applied to everything in its dicts, tuples and lists."""
-    t = type(v)
-    if t is dict:
-        return {k: _walk(x, leaf) for k, x in v.items()}
-    if t is tuple:
-        return tuple([_walk(x, leaf) for x in v])
-    if t is list:
-        return [_walk(x, leaf) for x in v]
-    return leaf(v)
+class _Encoded(SlotWriter):
+    """A value the codec lays out (a batch of the generic path, anything else a task
+    returns), written as any `SlotWriter`."""
+    __slots__ = ("prepared", "nbytes")
+
+    def __init__(self, value):
+        self.prepared = _codec.prepare(value)
+        self.nbytes = self.prepared.nbytes
+
+    def write_into(self, buffer, cache):
+        _codec.write(self.prepared, buffer)
 
 
-def pack(value):
-    """``value`` with every torch tensor in its dicts, tuples and lists replaced by a
-    `TensorLeaf` (in the actor)."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return value
-    return _walk(value, lambda v: _leaf(v, torch) if isinstance(v, torch.Tensor) else v)
+class ActorFrames:
+    """The actor's side: where the frame of each result is written.
+
+    Args:
+        index: the actor's worker index (names its segments).
+    """
+
+    def __init__(self, index):
+        self.slots = ResultSlots(f"ray-slot{index}")
+        self.buffers = {}   # nbytes -> (numpy buffer, cache): reused, see write
+
+    def write(self, value, slot):
+        """``value`` (a `SlotWriter`, or anything the codec takes) as it travels: with a
+        slot number, written into that slot, and ``(generation, fd, inode, size, nbytes)``
+        returned; with None, a numpy buffer holding the frame.  The buffer is this
+        actor's and is written again by a later task of the same size: Ray copies it into
+        the object store as the task returns, before the actor runs another."""
+        writer = value if isinstance(value, SlotWriter) else _Encoded(value)
+        nbytes = writer.nbytes
+        if slot is not None:
+            gen, seg, cache = self.slots.get(slot, nbytes)
+            writer.write_into(seg, cache)
+            return gen, seg.fd, seg.ino, seg.size, nbytes
+        entry = self.buffers.get(nbytes)
+        if entry is None:
+            if len(self.buffers) >= 4:
+                self.buffers.clear()
+            entry = self.buffers[nbytes] = (np.empty(nbytes, np.uint8), {})
+        buf, cache = entry
+        writer.write_into(buf, cache)
+        return buf
 
 
-def _leaf(tensor, torch):
-    tensor = tensor.detach()
-    if tensor.device.type != "cpu":
-        raise ValueError(f"a batch holds a tensor on {tensor.device}: RaySampler carries "
-                         f"CPU batches (move them to the device in the training loop)")
-    tensor = tensor.resolve_conj().resolve_neg()
-    try:
-        return TensorLeaf(tensor.numpy())
-    except TypeError:   # a dtype numpy lacks: send the bits
-        bits = getattr(torch, _BITS[tensor.element_size()])
-        return TensorLeaf(tensor.view(bits).numpy(), tensor.dtype)
+class LaneSlots:
+    """The caller's record of one actor's result slots: the slot numbers free, the
+    segments mapped here, and the leases alive (a replacement actor gets a new record).
+
+    Its segments are mapped through ``/proc/<pid>/fd``: ``pid`` is the actor's process id,
+    known once the actor answers.
+    """
+
+    def __init__(self):
+        self.pid = None
+        self.free = []
+        self.next = 0
+        self.mapped = {}     # slot -> (generation, Segment)
+        self.leases = 0
+        self.released = collections.deque()   # slots whose last lease was collected
+
+    def take(self):
+        """A free slot number for a new task (the slots given back since are free again
+        first)."""
+        released = self.released
+        while released:
+            self.leases -= 1
+            self.free.append(released.popleft())
+        if self.free:
+            return self.free.pop()
+        self.next += 1
+        return self.next - 1
+
+    def give_back(self, slot):
+        """``slot``'s result was read (copied) or dropped: it can take new work."""
+        self.free.append(slot)
+
+    def segment(self, slot, desc):
+        """The segment of ``slot`` as the actor described it (``desc``: generation, fd,
+        inode, size), mapped here once per generation.  Raises ``PeerGoneError`` if the
+        actor is gone, ``OSError`` if its descriptors cannot be opened from here."""
+        gen, fd, ino, size = desc
+        entry = self.mapped.get(slot)
+        if entry is not None and entry[0] == gen:
+            return entry[1]
+        seg = segment_from_peer(self.pid, fd, ino, size, f"Ray actor slot {slot}")
+        if entry is not None:
+            entry[1].close()   # (unmapped once the last batch read from it is gone)
+        self.mapped[slot] = (gen, seg)
+        return seg
+
+    def lease(self, slot, seg, nbytes):
+        """A zero-copy lease on ``nbytes`` of ``seg``: ``slot`` is free again once the
+        last view of it is garbage collected."""
+        self.leases += 1
+        return SlotLease(seg, 0, nbytes, self.released.append, slot)
+
+    def close(self):
+        """Unmap the segments (each once no batch read from it is left)."""
+        mapped, self.mapped = self.mapped, {}
+        for _, seg in mapped.values():
+            seg.close()
 
 
-def unpack(value, copy):
-    """``value`` as the caller gets it (after ``ray.get``): every `TensorLeaf` a torch
-    tensor again.  ``copy=False``: arrays and tensors are views of the object store,
-    read-only (numpy arrays are marked so; tensors cannot be, see `RaySampler`).
-    ``copy=True``: each is copied into memory of its own, writable."""
-    if copy:
-        return _walk(value, _copied)
-    with warnings.catch_warnings():
-        # torch warns (once per process) that a tensor over a read-only array is writable
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return _walk(value, _as_is)
-
-
-def _as_is(v):
-    if type(v) is TensorLeaf:
-        import torch
-        tensor = torch.from_numpy(v.array)
-        return tensor if v.dtype is None else tensor.view(v.dtype)
-    return v
-
-
-def _copied(v):
-    t = type(v)
-    if t is TensorLeaf:
-        import torch
-        tensor = torch.from_numpy(v.array.copy())
-        return tensor if v.dtype is None else tensor.view(v.dtype)
-    if t is np.ndarray:
-        return v.copy()
-    return v
+def read_frame(frame, copy):
+    """The batch in an object-store ``frame`` (a read-only numpy buffer): views of it, or
+    (``copy``) arrays of their own.  Tensors that are views cannot be marked read-only
+    (see `RaySampler`'s ``copy``)."""
+    return _codec.decode(frame, copy=copy, share_readonly=True)

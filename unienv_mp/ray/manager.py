@@ -18,6 +18,7 @@ import collections
 import time
 import warnings
 
+import numpy as np
 import ray
 import ray.exceptions as _rx
 
@@ -26,15 +27,20 @@ from .. import stats as _stats
 from .._sampling.target import SamplerTarget
 from .._validate import check_index, check_int, check_seconds
 from ..backend import Dealer, TicketTable, no_result, none_pending, respawn_refusal
-from ..errors import WorkerDiedError, WorkerError
+from .._transport import codec as _codec
+from ..errors import PeerGoneError, WorkerDiedError, WorkerError
 from . import _actor
-from ._batch import unpack
+from ._batch import LaneSlots, read_frame
 
 __all__ = ["RayManager", "check_cpus"]
 
 #: What reading a result raises when the actor that made it, or the copy of it, is gone.
 _LOST = (_rx.RayActorError, _rx.ObjectLostError, _rx.WorkerCrashedError,
          _rx.NodeDiedError)
+
+#: Zero-copy batches alive from one actor's slots beyond which the next are copied (its
+#: slots are not given back while the caller holds them: this bounds their number).
+MAX_LEASES = 64
 
 
 def check_cpus(value, what="num_cpus_per_worker"):
@@ -47,7 +53,7 @@ def check_cpus(value, what="num_cpus_per_worker"):
 
 
 class _Task:
-    __slots__ = ("ticket", "work", "lane", "ref", "cancelled")
+    __slots__ = ("ticket", "work", "lane", "ref", "cancelled", "slot")
 
     def __init__(self, work, lane):
         self.ticket = None
@@ -55,6 +61,14 @@ class _Task:
         self.lane = lane
         self.ref = None
         self.cancelled = False
+        self.slot = None   # the actor's result slot it writes into (None: object store)
+
+    def send(self):
+        """Send the task to its lane's actor, with a slot of it if the actor may be on
+        this node (``lane.local`` not False)."""
+        lane = self.lane
+        self.slot = None if lane.local is False else lane.slots.take()
+        self.ref = lane.actor.run.remote(self.work, self.slot)
 
 
 def _load(lane):
@@ -66,7 +80,7 @@ class _Lane:
     """One worker index: its actor (replaced when it dies), the tickets sent to it and not
     delivered yet, in order, and its counters (see `unienv_mp.stats`)."""
     __slots__ = ("index", "actor", "pid", "cpu", "inflight", "deaths_in_a_row", "counters",
-                 "record", "incarnation")
+                 "record", "incarnation", "slots", "local", "cancelled")
 
     def __init__(self, index, now_ns):
         self.index = index
@@ -78,6 +92,21 @@ class _Lane:
         self.counters = None
         self.record = _stats.WorkerRecord(now_ns)
         self.incarnation = 0
+        self.slots = None   # the actor's result slots (see unienv_mp.ray._batch)
+        self.local = None   # whether the actor is on this node (None: not known yet)
+        self.cancelled = collections.deque()   # cancelled tasks that hold a slot
+
+    def reclaim(self):
+        """Give back the slots of cancelled tasks whose actor has answered them (it no
+        longer writes there)."""
+        cancelled = self.cancelled
+        done, _ = ray.wait([t.ref for t in cancelled], num_returns=len(cancelled),
+                           timeout=0)
+        done = set(done)
+        for task in list(cancelled):
+            if task.ref in done:
+                cancelled.remove(task)
+                self.slots.give_back(task.slot)
 
 
 class RayManager:
@@ -105,11 +134,16 @@ class RayManager:
         actor_options: more options for the actors (``ActorClass.options``), e.g. a
             ``scheduling_strategy`` or ``resources`` to place them on certain nodes, or a
             ``runtime_env``.
+        direct: with ``factory``, whether the actors gather batches directly where they
+            can (see `unienv_mp._direct.gather`).
+        local_slots: ``True``: an actor on this node writes each result into a slot of its
+            own that this process maps (see `unienv_mp.ray._batch`); ``False``: every
+            result travels through Ray's object store.
     """
 
     def __init__(self, n_workers, *, target=None, factory=None, in_order=True, copy=False,
                  timeout=None, respawn=True, max_respawns=3, num_cpus_per_worker=1,
-                 actor_options=None):
+                 actor_options=None, direct=True, local_slots=True):
         self.closed = True
         self._lanes = []
         n_workers = check_int(n_workers, "n_workers")
@@ -125,6 +159,7 @@ class RayManager:
         self.respawn = bool(respawn)
         self.max_respawns = check_int(max_respawns, "max_respawns", 0)
         self._factory = factory
+        self._direct = bool(direct)
         if target is not None:
             try:
                 self._target = ray.put(target)
@@ -150,6 +185,7 @@ class RayManager:
         self._tasks = TicketTable()  # ticket -> _Task, until delivered or cancelled
         self._dealer = Dealer()
         self._caller = _stats.CallerRecord()   # batches handed out, time waited (stats)
+        self._home = ray.get_runtime_context().get_node_id() if local_slots else None
         now = time.monotonic_ns()
         self._lanes = [_Lane(i, now) for i in range(n_workers)]
         self.closed = False
@@ -170,7 +206,13 @@ class RayManager:
 
     def _start(self, lane):
         now = time.monotonic_ns()
-        lane.actor = self._actor_class.remote(lane.index, self._target, self._factory)
+        lane.actor = self._actor_class.remote(lane.index, self._target, self._factory,
+                                              self._home, self._direct)
+        if lane.slots is not None:
+            lane.slots.close()
+        lane.slots = LaneSlots()
+        lane.local = None if self._home is not None else False
+        lane.cancelled.clear()
         lane.pid = lane.cpu = None
         # (this process keeps the actor's counters: they move when a result is collected)
         lane.counters = _stats.WorkerCounters([0] * _stats.COUNTERS, now)
@@ -201,7 +243,7 @@ class RayManager:
             for ticket in lane.inflight:
                 task = tasks.get(ticket)
                 if task is not None:
-                    task.ref = lane.actor.run.remote(task.work)
+                    task.send()
         if verdict is not None:
             raise WorkerDiedError(f"{what} died ({cause}); {verdict}", worker=lane.index)
 
@@ -249,8 +291,10 @@ class RayManager:
             lane = lanes[check_index(worker, "worker", len(lanes))]
         else:
             lane = self._dealer.pick(lanes, self.in_order, _load)
+        if lane.cancelled:
+            lane.reclaim()
         task = _Task(work, lane)
-        task.ref = lane.actor.run.remote(work)
+        task.send()
         # (in the table before in flight: a ticket in flight always has its task)
         ticket = self._tasks.issue(task)
         lane.inflight.append(ticket)
@@ -276,17 +320,35 @@ class RayManager:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             start = time.monotonic_ns()
             try:
-                ready, _ = ray.wait([task.ref], timeout=left)
-            finally:
-                self._caller.wait_ns += time.monotonic_ns() - start
-            if not ready:
-                raise no_result(limit)
-            try:
-                status, value, elapsed_ns, pid, cpu = ray.get(task.ref)
+                status, value, elapsed_ns, pid, cpu = ray.get(task.ref, timeout=left)
+            except _rx.GetTimeoutError:
+                raise no_result(limit) from None
             except _LOST as e:
                 self._replace(task.lane, e)   # (the task is sent again: wait for it)
                 continue
+            finally:
+                self._caller.wait_ns += time.monotonic_ns() - start
+            if status == _actor.OK and type(value) is tuple:
+                try:
+                    value = self._mapped(task, value, pid)
+                except PeerGoneError as e:   # (its actor is gone)
+                    self._replace(task.lane, e)
+                    continue
+                except OSError:
+                    # its segments cannot be opened from here: results come through the
+                    # object store from now on (this one too: it is sent again)
+                    task.lane.local = False
+                    task.slot = None
+                    task.send()
+                    continue
             return self._deliver(task, status, value, elapsed_ns, pid, cpu)
+
+    def _mapped(self, task, desc, pid):
+        """``(segment, nbytes)`` of a result written into ``task``'s slot, as ``desc``
+        describes it, mapped here."""
+        slots = task.lane.slots
+        slots.pid = pid
+        return slots.segment(task.slot, desc[:4]), desc[4]
 
     def _deliver(self, task, status, value, elapsed_ns, pid, cpu):
         lane = task.lane
@@ -297,15 +359,38 @@ class RayManager:
         del self._tasks[task.ticket]
         lane.pid, lane.cpu = pid, cpu
         counters = lane.counters
+        slot, task.slot = task.slot, None
         if status == _actor.OK:
             lane.deaths_in_a_row = 0
             batches = self._batches_in(task.work)
             counters.end(batches, False, elapsed_ns)
             self._caller.batches += batches
-            return unpack(value, self.copy)
+            return self._read(lane, slot, value)
+        if slot is not None:
+            lane.slots.give_back(slot)
         counters.end(0, True, elapsed_ns)
         prefix = "could not start: " if status == _actor.COULD_NOT_START else ""
         raise WorkerError.from_payload(value, lane.index, prefix)
+
+    def _read(self, lane, slot, value):
+        """The batch of a result: from an object-store frame (a numpy buffer), or from
+        ``slot``'s segment (``value`` is ``(segment, nbytes)``), where it is read
+        zero-copy unless ``copy`` or the caller holds ``MAX_LEASES`` batches of the lane."""
+        slots = lane.slots
+        if type(value) is np.ndarray:
+            if slot is not None:   # (the actor is on another node)
+                lane.local = False
+                slots.give_back(slot)
+            return read_frame(value, self.copy)
+        lane.local = True
+        seg, nbytes = value
+        if self.copy or slots.leases >= MAX_LEASES:
+            try:
+                with memoryview(seg) as mv:
+                    return _codec.decode(mv[:nbytes], True)
+            finally:
+                slots.give_back(slot)
+        return _codec.decode(slots.lease(slot, seg, nbytes))
 
     def ready(self, ticket):
         """True if the result of ``ticket`` has arrived."""
@@ -350,6 +435,8 @@ class RayManager:
         except ValueError:
             pass
         self._tasks.pop(ticket, None)
+        if task.slot is not None:
+            task.lane.cancelled.append(task)   # (its slot goes back once it is answered)
         try:
             ray.cancel(task.ref)
         except Exception:
@@ -393,6 +480,8 @@ class RayManager:
                     pass   # (already gone, or Ray was shut down)
                 lane.actor = None
             lane.inflight.clear()
+            if lane.slots is not None:
+                lane.slots.close()   # (each is unmapped once no batch read from it is left)
         self._target = None
 
     def __enter__(self):

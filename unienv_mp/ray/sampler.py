@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, Optional
 import ray
 from unienv_data.base import BatchSampler
 
+from .._direct import gather as _gather
 from .._sampling import state as _state
 from .._sampling.sampler import SamplerBase
 from .._sampling.target import SamplerTarget
@@ -148,6 +149,41 @@ class RemoteSampler(BatchSampler):
         return len(self.data)
 
 
+def _check_input(sampler, sampler_factory, direct_gather):
+    """Refuse a bad ``sampler``, ``sampler_factory`` or ``direct_gather``; returns why
+    the direct gather does not serve the sampler (None if it does, or if the factory's
+    sampler is not known yet)."""
+    if (sampler is None) == (sampler_factory is None):
+        raise TypeError("RaySampler takes a sampler or a sampler_factory (one of them)")
+    if sampler is not None and not isinstance(sampler, BatchSampler):
+        raise TypeError(f"sampler must be a unienv_data BatchSampler (e.g. StepSampler), "
+                        f"got {type(sampler).__module__}.{type(sampler).__qualname__}")
+    if sampler_factory is not None and not callable(sampler_factory):
+        raise TypeError(f"sampler_factory must be callable, got "
+                        f"{type(sampler_factory).__name__}")
+    if direct_gather not in (None, True, False):
+        raise TypeError(f"direct_gather must be None, True or False, got "
+                        f"{direct_gather!r}")
+    if direct_gather is False:
+        return "direct_gather=False"
+    if sampler is None:
+        return None
+    try:
+        _gather.check(sampler)
+    except _gather.NotDirect as e:
+        return _direct_refused(str(e), direct_gather)
+    return None
+
+
+def _direct_refused(reason, direct_gather):
+    """``reason`` (why the direct gather does not serve the sampler, or None), unless
+    ``direct_gather=True`` asked for it: then ``ValueError``."""
+    if direct_gather and reason is not None:
+        raise ValueError(f"direct_gather=True, but batches of this sampler cannot be "
+                         f"gathered directly: {reason}")
+    return reason
+
+
 # -- the sampler ---------------------------------------------------------------------------
 
 class RaySampler(SamplerBase):
@@ -178,12 +214,16 @@ class RaySampler(SamplerBase):
             [`WorkerDiedError`][unienv_mp.WorkerDiedError]).
         batches_per_task: as for
             [`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler].
-        copy: ``False`` (default): a batch's arrays are read zero-copy from Ray's object
-            store and are **read-only**: numpy arrays are marked read-only (writing
-            raises), and torch tensors, which cannot be marked, must not be written into
-            (copy them first, e.g. ``.clone()``, or an in-place op such as ``div_``
-            changes Ray's stored object).  ``True``: every array is copied into memory of
-            its own, writable, at the cost of a copy in the training process.
+        copy: ``False`` (default): a batch's arrays are read zero-copy where they were
+            made.  From an actor on this node, as from
+            [`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler]'s workers: views
+            of the actor's result slot, which goes back to it once the batch is garbage
+            collected.  From an actor on another node: views of Ray's object store, and
+            **read-only**: numpy arrays are marked read-only (writing raises), and torch
+            tensors, which cannot be marked, must not be written into (copy them first,
+            e.g. ``.clone()``, or an in-place op such as ``div_`` changes Ray's stored
+            object).  ``True``: every array is copied into memory of its own, writable,
+            at the cost of a copy in the training process.
         max_respawns: replacements of one actor without a result in between before its
             next death raises [`WorkerDiedError`][unienv_mp.WorkerDiedError].
         address: the Ray cluster to join when this process is not connected to one yet
@@ -191,6 +231,17 @@ class RaySampler(SamplerBase):
         actor_options: more options for the actors (Ray's ``ActorClass.options``), e.g.
             ``{"scheduling_strategy": ...}`` or ``{"resources": {...}}`` to place them on
             certain nodes, or a ``runtime_env``.
+        direct_gather: as for
+            [`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler]: ``None``
+            (default) gathers batches directly where the sampler allows it (see
+            ``gather_path``), ``False`` never, ``True`` raises ``ValueError`` where it
+            cannot (checked in the first actor for a ``sampler_factory``).
+        local_slots: ``True`` (default): actors on this node write batches into result
+            slots that this process maps, as the process workers do, and Ray's object
+            store carries only the batches of other nodes.  ``False``: every batch travels
+            through the object store (e.g. where this process may not open the actors'
+            descriptors through ``/proc``; that is also detected, and those batches then
+            take the object store).
 
     Which Ray: the one this process is connected to (``ray.init(...)`` done by you); else
     the cluster at ``address``; else a running cluster as ``ray.init(address="auto")``
@@ -204,8 +255,10 @@ class RaySampler(SamplerBase):
     Workers see the data as it was when the sampler was made (or as ``sampler_factory``
     opens it): a buffer made with ``multiprocessing=True`` is not shared with them (its
     lock cannot travel to another machine; use a ``sampler_factory``).  Epochs run on the
-    same actors as the ``sample*`` methods.  ``gather_path`` is ``"generic"``: actors
-    call the wrapped sampler's methods.  ``stall_timeout`` is not available.
+    same actors as the ``sample*`` methods.  The actors gather batches as the process
+    workers do: straight into their place where the direct gather serves the sampler
+    (``gather_path`` ``"direct"``), else by calling the wrapped sampler's methods.
+    ``stall_timeout`` is not available.
     """
 
     def __init__(
@@ -224,31 +277,30 @@ class RaySampler(SamplerBase):
         batches_per_task: Optional[int] = None,
         address: Optional[str] = None,
         actor_options: Optional[Dict[str, Any]] = None,
+        direct_gather: Optional[bool] = None,
+        local_slots: bool = True,
     ):
         self._closed = True   # first: __del__ -> close() must work on a half-built sampler
         self._actors = None   # the RayManager (the sample* manager too, until close())
         self._ray_token = None
-        if (sampler is None) == (sampler_factory is None):
-            raise TypeError("RaySampler takes a sampler or a sampler_factory (one of them)")
-        if sampler is not None and not isinstance(sampler, BatchSampler):
-            raise TypeError(f"sampler must be a unienv_data BatchSampler (e.g. StepSampler), "
-                            f"got {type(sampler).__module__}.{type(sampler).__qualname__}")
-        if sampler_factory is not None and not callable(sampler_factory):
-            raise TypeError(f"sampler_factory must be callable, got "
-                            f"{type(sampler_factory).__name__}")
+        not_direct = _check_input(sampler, sampler_factory, direct_gather)
         n_workers = check_int(n_workers, "n_workers")
         num_cpus_per_worker = check_cpus(num_cpus_per_worker)
         self._ray_token = _connect(address, math.ceil(n_workers * num_cpus_per_worker))
         try:
             manager = RayManager(
                 n_workers,
-                target=None if sampler is None else SamplerTarget(sampler),
+                target=None if sampler is None else SamplerTarget(
+                    sampler, direct=not_direct is None),
                 factory=sampler_factory, in_order=in_order, copy=copy, timeout=timeout,
                 respawn=respawn, max_respawns=max_respawns,
-                num_cpus_per_worker=num_cpus_per_worker, actor_options=actor_options)
+                num_cpus_per_worker=num_cpus_per_worker, actor_options=actor_options,
+                direct=direct_gather is not False, local_slots=local_slots)
             self._actors = manager
             if sampler is None:
                 sampler = RemoteSampler(manager.describe(), manager)
+                not_direct = _direct_refused(sampler.description["not_direct"],
+                                             direct_gather)
                 self._shipped_length = None
             else:
                 self._shipped_length = len(sampler.data)
@@ -257,11 +309,12 @@ class RaySampler(SamplerBase):
             self.max_respawns = max_respawns
             self.address = address
             self.actor_options = actor_options
+            self.local_slots = local_slots
+            self.direct_gather = direct_gather
             super().__init__(sampler, n_workers, n_buffers, in_order=in_order, copy=copy,
                              timeout=timeout, respawn=respawn,
                              batches_per_task=batches_per_task,
-                             not_direct="RaySampler's actors call the wrapped sampler's "
-                                        "methods", manager=manager)
+                             not_direct=not_direct, manager=manager)
         except BaseException:
             self._close_actors()
             raise
