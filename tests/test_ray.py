@@ -163,15 +163,19 @@ def test_a_factory_that_raises_is_a_worker_error_with_its_traceback():
 
 # -- faults -----------------------------------------------------------------------------
 
-def test_an_actor_killed_mid_stream_is_replaced_and_the_stream_is_unchanged():
+@pytest.mark.parametrize("tasks_per_call", [1, None])
+def test_an_actor_killed_mid_stream_is_replaced_and_the_stream_is_unchanged(tasks_per_call):
     rb = replay_buffer(100)
     with RaySampler(StepSampler(rb, 8, seed=2), n_workers=2, batches_per_task=1) as r:
-        want = [indices_of(b) for b in take(r, 30)]
-    with RaySampler(StepSampler(rb, 8, seed=2), n_workers=2, batches_per_task=1) as r:
+        want = [indices_of(b) for b in take(r, 130)]
+    with RaySampler(StepSampler(rb, 8, seed=2), n_workers=2, batches_per_task=1,
+                    tasks_per_call=tasks_per_call) as r:
+        # (by default, calls of 8 tasks, and 32 batches requested ahead)
+        assert r.tasks_per_call == (tasks_per_call or 8) and r.n_buffers >= 8
         got = [indices_of(b) for b in take(r, 10)]
         first = r.workers[0]
-        ray.kill(first, no_restart=True)   # (tasks for it are in flight: n_buffers=8)
-        got += [indices_of(b) for b in take(r, 20)]
+        ray.kill(first, no_restart=True)   # (tasks for it are in flight or waiting)
+        got += [indices_of(b) for b in take(r, 120)]
         assert r.workers[0] != first
         stats = r.stats()
         assert stats.workers[0].respawns == 1 and stats.workers[1].respawns == 0
@@ -186,7 +190,7 @@ def test_with_respawn_false_a_killed_actor_raises_worker_died():
         take(r, 9)
         ray.kill(r.workers[0], no_restart=True)
         with pytest.raises(WorkerDiedError, match="respawn=False") as info:
-            take(r, 40)   # (chunks made before the kill are still delivered)
+            take(r, 400)   # (chunks made before the kill are still delivered)
         assert info.value.worker == 0
 
 
@@ -434,5 +438,5 @@ def test_the_main_jobs_ray_row():
     cfg = config.case_config("state", quick=True, seconds=0.3, workers=2)
     res = measure.measure("ray", data.build_buffer(cfg), cfg)
     assert res.error is None and res.batches >= cfg.min_batches
-    assert res.label == "unienv_mp RaySampler (local Ray)"
+    assert res.label == "unienv_mp RaySampler (local Ray, 256 buffers)"   # (its default)
     assert res.stats.gather_path == "direct" and len(res.stats.workers) == 2

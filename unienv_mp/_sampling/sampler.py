@@ -127,16 +127,21 @@ def _extra_methods(s):
 
 def _chunk_size(s, name):
     """Batches per task of ``name``'s stream for sampler ``s``: ``batches_per_task``, or
-    for methods that can be gathered directly as many as fit in 1 MiB (at most 8), else
-    1.  A function of the wrapped sampler and the options alone (not of ``n_workers`` or
-    ``n_buffers``): the stream of batches depends on it."""
+    `default_chunk`.  A function of the wrapped sampler and the options alone (not of
+    ``n_workers`` or ``n_buffers``): the stream of batches depends on it."""
     k = s.batches_per_task
     if k is not None:
         return k
-    row = s.row_nbytes(name)
+    return default_chunk(s.row_nbytes(name), s.batch_size)
+
+
+def default_chunk(row, batch_size):
+    """Batches per task where ``batches_per_task`` is not given: for batches gathered
+    directly, ``row`` bytes per row, as many as fit in 1 MiB (at most 8); else (``row``
+    None) 1."""
     if row is None:
         return 1
-    return max(1, min(_CHUNK_MAX, _CHUNK_BYTES // max(1, row * s.batch_size)))
+    return max(1, min(_CHUNK_MAX, _CHUNK_BYTES // max(1, row * batch_size)))
 
 
 def _close(s, pools, feed):

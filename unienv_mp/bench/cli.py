@@ -97,7 +97,9 @@ def parse_args(argv=None):
                         "1,2,4,8 times each count: batches/s against workers for image, "
                         "state and jpeg (rows without workers run once), a row per "
                         "count for online and latency")
-    p.add_argument("--buffers", type=_positive(int), default=8, help="batches in flight")
+    p.add_argument("--buffers", type=_positive(int), default=None,
+                   help="batches requested ahead, every row (default 8; the ray row: "
+                        "RaySampler's default)")
     p.add_argument("--append", type=_positive(int), default=4,
                    help="online: transitions appended per loop step (default 4)")
     p.add_argument("--epochs", type=_positive(int), default=4,
@@ -152,9 +154,11 @@ def make_config(args, case=None):
     """(``Config`` for ``case`` (default ``args.case``) from the options, a note
     to print or None).  The first of ``--workers`` is the config's worker count."""
     case = case or args.case
+    buffers = {} if args.buffers is None else {"buffers": args.buffers,
+                                                "ray_buffers": args.buffers}
     cfg = case_config(case, quick=args.quick, workers=args.workers[0],
-                              buffers=args.buffers, start_method=args.start_method,
-                              append=args.append, epochs=args.epochs)
+                      start_method=args.start_method, append=args.append,
+                      epochs=args.epochs, **buffers)
     if not args.quick:
         cfg.seconds = args.seconds
     if args.batch_size:

@@ -49,6 +49,9 @@ class Config:
     image_shape: tuple = (3, 128, 128)   # C x H x W; () for none
     workers: int = 4
     buffers: int = 8
+    # the RaySampler row's n_buffers: None for its own default (more than 8 where Ray calls
+    # carry several tasks); --buffers sets every row's
+    ray_buffers: Optional[int] = None
     start_method: str = "fork"
     seconds: float = 6.0          # time spent measuring each implementation
     warmup: int = 3               # batches taken before the clock starts

@@ -140,6 +140,8 @@ def measure(name: str, rb, cfg: Config, progress: Callable[[float], None] = lamb
             del b
         res.startup_s = time.perf_counter() - t0
         owner = getattr(next_batch, "__self__", None)
+        if name == "ray" and cfg.ray_buffers is None and owner is not None:
+            res.label = f"{res.label[:-1]}, {owner.n_buffers} buffers)"   # (its default)
         stats = owner.stats if _is_unienv_mp_sampler(owner) else None
         if stats is not None:
             stats(reset=True)          # (the measured batches only)

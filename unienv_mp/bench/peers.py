@@ -74,7 +74,7 @@ def sampler_object(name: str, rb, cfg: Config, seed: int = 0):
         # (a RaySampler starts a local Ray, with a CPU for each actor, unless this
         # process is connected to one; it shuts it down when closed)
         from ..ray import RaySampler
-        return RaySampler(base, n_workers=cfg.workers, n_buffers=cfg.buffers)
+        return RaySampler(base, n_workers=cfg.workers, n_buffers=cfg.ray_buffers)
     raise ValueError(f"{name!r} is not one of the UniEnv-API samplers")
 
 

@@ -65,23 +65,26 @@ class SamplerActor:
         except Exception as e:
             self.failure = error_payload(e)
 
-    def run(self, work, slot=None):
-        """``(status, value, ns, pid, cpu)``: the work function's result on ``work``, as
-        a frame for the trip (status ``OK``; written into result slot ``slot`` if it is
-        not None and this actor is on the caller's node, see
-        `unienv_mp.ray._batch.ActorFrames`), or its exception as
-        ``errors.error_payload`` describes it (``ERROR``); how long that took, in
-        nanoseconds; and this process's id and CPU seconds so far."""
+    def run(self, items):
+        """``(results, pid, cpu)``: for each ``(work, slot)`` of ``items``, ``(status,
+        value, ns)``: the work function's result on ``work`` as a frame for the trip
+        (status ``OK``; written into result slot ``slot`` if it is not None and this actor
+        is on the caller's node, see `unienv_mp.ray._batch.ActorFrames`), or its exception
+        as ``errors.error_payload`` describes it (``ERROR``), and how long that took, in
+        nanoseconds; then this process's id and its CPU seconds so far."""
+        return ([self._one(work, slot, i) for i, (work, slot) in enumerate(items)],
+                os.getpid(), time.process_time())
+
+    def _one(self, work, slot, place):
         start = time.monotonic_ns()
         if self.failure is not None:
-            return COULD_NOT_START, self.failure, 0, os.getpid(), time.process_time()
+            return COULD_NOT_START, self.failure, 0
         try:
             status, value = OK, self.frames.write(self.target(work),
-                                                  slot if self.local else None)
+                                                  slot if self.local else None, place)
         except Exception as e:
             status, value = ERROR, error_payload(e)
-        return (status, value, time.monotonic_ns() - start, os.getpid(),
-                time.process_time())
+        return status, value, time.monotonic_ns() - start
 
     def describe(self):
         """What the training process needs to know of a sampler made by ``factory``: its

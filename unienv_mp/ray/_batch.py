@@ -48,25 +48,26 @@ class ActorFrames:
 
     def __init__(self, index):
         self.slots = ResultSlots(f"ray-slot{index}")
-        self.buffers = {}   # nbytes -> (numpy buffer, cache): reused, see write
+        self.buffers = {}   # (nbytes, place) -> (numpy buffer, cache): see write
 
-    def write(self, value, slot):
+    def write(self, value, slot, place=0):
         """``value`` (a `SlotWriter`, or anything the codec takes) as it travels: with a
         slot number, written into that slot, and ``(generation, fd, inode, size, nbytes)``
         returned; with None, a numpy buffer holding the frame.  The buffer is this
-        actor's and is written again by a later task of the same size: Ray copies it into
-        the object store as the task returns, before the actor runs another."""
+        actor's, for the result at ``place`` in a call's answer, and is written again by a
+        later call's result of the same size and place: Ray copies the answer into the
+        object store as the call returns, before the actor runs another."""
         writer = value if isinstance(value, SlotWriter) else _Encoded(value)
         nbytes = writer.nbytes
         if slot is not None:
             gen, seg, cache = self.slots.get(slot, nbytes)
             writer.write_into(seg, cache)
             return gen, seg.fd, seg.ino, seg.size, nbytes
-        entry = self.buffers.get(nbytes)
+        entry = self.buffers.get((nbytes, place))
         if entry is None:
-            if len(self.buffers) >= 4:
+            if len(self.buffers) >= 16:
                 self.buffers.clear()
-            entry = self.buffers[nbytes] = (np.empty(nbytes, np.uint8), {})
+            entry = self.buffers[nbytes, place] = (np.empty(nbytes, np.uint8), {})
         buf, cache = entry
         writer.write_into(buf, cache)
         return buf

@@ -14,7 +14,6 @@ is replaced by a new actor, and every task it had not delivered is sent to the r
 with ``respawn=False``, or after ``max_respawns`` replacements in a row without a result,
 `WorkerDiedError` is raised instead.
 """
-import collections
 import time
 import warnings
 
@@ -30,7 +29,8 @@ from ..backend import Dealer, TicketTable, no_result, none_pending, respawn_refu
 from .._transport import codec as _codec
 from ..errors import PeerGoneError, WorkerDiedError, WorkerError
 from . import _actor
-from ._batch import LaneSlots, read_frame
+from ._batch import read_frame
+from ._calls import Lane, Task
 
 __all__ = ["RayManager", "check_cpus"]
 
@@ -52,61 +52,19 @@ def check_cpus(value, what="num_cpus_per_worker"):
     return value
 
 
-class _Task:
-    __slots__ = ("ticket", "work", "lane", "ref", "cancelled", "slot")
-
-    def __init__(self, work, lane):
-        self.ticket = None
-        self.work = work
-        self.lane = lane
-        self.ref = None
-        self.cancelled = False
-        self.slot = None   # the actor's result slot it writes into (None: object store)
-
-    def send(self):
-        """Send the task to its lane's actor, with a slot of it if the actor may be on
-        this node (``lane.local`` not False)."""
-        lane = self.lane
-        self.slot = None if lane.local is False else lane.slots.take()
-        self.ref = lane.actor.run.remote(self.work, self.slot)
+def _sent(task):
+    """``(call, index, slot)`` of ``task`` (see `unienv_mp.ray._calls.Task`), sending it
+    now, with the rest of its lane's outbox, if it has not been sent."""
+    if task.sent is None:
+        task.lane.flush()
+        if task.sent is None:   # (not in the outbox: a Ctrl-C cut its submit short)
+            task.lane.flush([task])
+    return task.sent
 
 
 def _load(lane):
     """How busy a lane is (tasks in flight), for a deal that is not in order."""
     return len(lane.inflight)
-
-
-class _Lane:
-    """One worker index: its actor (replaced when it dies), the tickets sent to it and not
-    delivered yet, in order, and its counters (see `unienv_mp.stats`)."""
-    __slots__ = ("index", "actor", "pid", "cpu", "inflight", "deaths_in_a_row", "counters",
-                 "record", "incarnation", "slots", "local", "cancelled")
-
-    def __init__(self, index, now_ns):
-        self.index = index
-        self.actor = None
-        self.pid = None
-        self.cpu = None   # the actor's CPU seconds at its last result
-        self.inflight = collections.deque()
-        self.deaths_in_a_row = 0
-        self.counters = None
-        self.record = _stats.WorkerRecord(now_ns)
-        self.incarnation = 0
-        self.slots = None   # the actor's result slots (see unienv_mp.ray._batch)
-        self.local = None   # whether the actor is on this node (None: not known yet)
-        self.cancelled = collections.deque()   # cancelled tasks that hold a slot
-
-    def reclaim(self):
-        """Give back the slots of cancelled tasks whose actor has answered them (it no
-        longer writes there)."""
-        cancelled = self.cancelled
-        done, _ = ray.wait([t.ref for t in cancelled], num_returns=len(cancelled),
-                           timeout=0)
-        done = set(done)
-        for task in list(cancelled):
-            if task.ref in done:
-                cancelled.remove(task)
-                self.slots.give_back(task.slot)
 
 
 class RayManager:
@@ -139,11 +97,15 @@ class RayManager:
         local_slots: ``True``: an actor on this node writes each result into a slot of its
             own that this process maps (see `unienv_mp.ray._batch`); ``False``: every
             result travels through Ray's object store.
+        group: tasks sent to an actor in one Ray call at most (see
+            `unienv_mp.ray._calls`): a task submitted waits until ``group`` tasks are
+            waiting for its actor, or until it is asked for (``result``, ``ready``,
+            ``wait_any``).
     """
 
     def __init__(self, n_workers, *, target=None, factory=None, in_order=True, copy=False,
                  timeout=None, respawn=True, max_respawns=3, num_cpus_per_worker=1,
-                 actor_options=None, direct=True, local_slots=True):
+                 actor_options=None, direct=True, local_slots=True, group=1):
         self.closed = True
         self._lanes = []
         n_workers = check_int(n_workers, "n_workers")
@@ -160,6 +122,7 @@ class RayManager:
         self.max_respawns = check_int(max_respawns, "max_respawns", 0)
         self._factory = factory
         self._direct = bool(direct)
+        self.group = check_int(group, "group")
         if target is not None:
             try:
                 self._target = ray.put(target)
@@ -187,7 +150,7 @@ class RayManager:
         self._caller = _stats.CallerRecord()   # batches handed out, time waited (stats)
         self._home = ray.get_runtime_context().get_node_id() if local_slots else None
         now = time.monotonic_ns()
-        self._lanes = [_Lane(i, now) for i in range(n_workers)]
+        self._lanes = [Lane(i, now) for i in range(n_workers)]
         self.closed = False
         for lane in self._lanes:
             self._start(lane)
@@ -206,17 +169,11 @@ class RayManager:
 
     def _start(self, lane):
         now = time.monotonic_ns()
-        lane.actor = self._actor_class.remote(lane.index, self._target, self._factory,
-                                              self._home, self._direct)
-        if lane.slots is not None:
-            lane.slots.close()
-        lane.slots = LaneSlots()
-        lane.local = None if self._home is not None else False
-        lane.cancelled.clear()
-        lane.pid = lane.cpu = None
+        lane.started(self._actor_class.remote(lane.index, self._target, self._factory,
+                                              self._home, self._direct),
+                     None if self._home is not None else False)
         # (this process keeps the actor's counters: they move when a result is collected)
         lane.counters = _stats.WorkerCounters([0] * _stats.COUNTERS, now)
-        lane.incarnation += 1
 
     def _replace(self, lane, error):
         """``lane``'s actor is gone (``error`` said so): start another and send it every
@@ -240,10 +197,8 @@ class RayManager:
                 pass   # (already gone)
             self._start(lane)
             tasks = self._tasks
-            for ticket in lane.inflight:
-                task = tasks.get(ticket)
-                if task is not None:
-                    task.send()
+            lane.outbox = []
+            lane.flush([tasks[t] for t in lane.inflight if t in tasks])
         if verdict is not None:
             raise WorkerDiedError(f"{what} died ({cause}); {verdict}", worker=lane.index)
 
@@ -293,11 +248,14 @@ class RayManager:
             lane = self._dealer.pick(lanes, self.in_order, _load)
         if lane.cancelled:
             lane.reclaim()
-        task = _Task(work, lane)
-        task.send()
-        # (in the table before in flight: a ticket in flight always has its task)
+        task = Task(work, lane)
+        # (in the table before in flight: a ticket in flight always has its task; in
+        # flight before in the outbox: a task sent is in flight)
         ticket = self._tasks.issue(task)
         lane.inflight.append(ticket)
+        lane.outbox.append(task)
+        if len(lane.outbox) >= self.group:
+            lane.flush()
         if record is not None:
             record.append(ticket)
         return ticket
@@ -317,10 +275,11 @@ class RayManager:
         limit = self.timeout if timeout is None else timeout
         deadline = None if limit is None else time.monotonic() + limit
         while True:
+            call, index, slot = _sent(task)
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             start = time.monotonic_ns()
             try:
-                status, value, elapsed_ns, pid, cpu = ray.get(task.ref, timeout=left)
+                results, pid, cpu = call.answers(left)
             except _rx.GetTimeoutError:
                 raise no_result(limit) from None
             except _LOST as e:
@@ -328,38 +287,32 @@ class RayManager:
                 continue
             finally:
                 self._caller.wait_ns += time.monotonic_ns() - start
+            status, value, elapsed_ns = results[index]
             if status == _actor.OK and type(value) is tuple:
+                lane = task.lane
                 try:
-                    value = self._mapped(task, value, pid)
+                    lane.slots.pid = pid
+                    value = lane.slots.segment(slot, value[:4]), value[4]
                 except PeerGoneError as e:   # (its actor is gone)
-                    self._replace(task.lane, e)
+                    self._replace(lane, e)
                     continue
                 except OSError:
                     # its segments cannot be opened from here: results come through the
                     # object store from now on (this one too: it is sent again)
-                    task.lane.local = False
-                    task.slot = None
-                    task.send()
+                    lane.local = False
+                    lane.flush([task])
                     continue
-            return self._deliver(task, status, value, elapsed_ns, pid, cpu)
+            return self._deliver(task, slot, status, value, elapsed_ns, pid, cpu)
 
-    def _mapped(self, task, desc, pid):
-        """``(segment, nbytes)`` of a result written into ``task``'s slot, as ``desc``
-        describes it, mapped here."""
-        slots = task.lane.slots
-        slots.pid = pid
-        return slots.segment(task.slot, desc[:4]), desc[4]
-
-    def _deliver(self, task, status, value, elapsed_ns, pid, cpu):
+    def _deliver(self, task, slot, status, value, elapsed_ns, pid, cpu):
         lane = task.lane
         try:
             lane.inflight.remove(task.ticket)   # (out of flight first, see cancel)
         except ValueError:
             pass
-        del self._tasks[task.ticket]
+        del self._tasks[task.ticket]   # (before its slot goes back: that happens once)
         lane.pid, lane.cpu = pid, cpu
         counters = lane.counters
-        slot, task.slot = task.slot, None
         if status == _actor.OK:
             lane.deaths_in_a_row = 0
             batches = self._batches_in(task.work)
@@ -393,10 +346,13 @@ class RayManager:
         return _codec.decode(slots.lease(slot, seg, nbytes))
 
     def ready(self, ticket):
-        """True if the result of ``ticket`` has arrived."""
+        """True if the result of ``ticket`` has arrived (a task still waiting in its
+        lane's outbox is sent now)."""
         self._ensure_open()
-        task = self._tasks.pending(ticket)
-        ready, _ = ray.wait([task.ref], timeout=0)
+        call = _sent(self._tasks.pending(ticket))[0]
+        if call.answer is not None:
+            return True
+        ready, _ = ray.wait([call.ref], timeout=0)
         return bool(ready)
 
     def wait_any(self, tickets, timeout=None):
@@ -409,7 +365,10 @@ class RayManager:
         for t in tickets:
             task = self._tasks.get(t)
             if task is not None and not task.cancelled:
-                by_ref[task.ref] = t
+                call = _sent(task)[0]
+                if call.answer is not None:
+                    return t
+                by_ref.setdefault(call.ref, t)
         if not by_ref:
             raise none_pending(tickets)
         limit = self.timeout if timeout is None else timeout
@@ -423,24 +382,36 @@ class RayManager:
         return by_ref[ready[0]]
 
     def cancel(self, ticket):
-        """Forget a ticket; its task is cancelled if it has not started.  (Out of flight
-        before out of the table: cut short in between, the task is still known, and is
-        forgotten by the next cancel of it.)"""
+        """Forget a ticket; its task is not sent if it has not been, and its Ray call is
+        cancelled once every task of it is, if it has not started.  (Out of flight before
+        out of the table: cut short in between, the task is still known, and is forgotten
+        by the next cancel of it.)"""
         task = self._tasks.get(ticket)
         if task is None:
             return
         task.cancelled = True
+        lane = task.lane
         try:
-            task.lane.inflight.remove(ticket)
+            lane.inflight.remove(ticket)
         except ValueError:
             pass
         self._tasks.pop(ticket, None)
-        if task.slot is not None:
-            task.lane.cancelled.append(task)   # (its slot goes back once it is answered)
-        try:
-            ray.cancel(task.ref)
-        except Exception:
-            pass   # (done, or its actor is gone)
+        sent = task.sent
+        if sent is None:
+            try:
+                lane.outbox.remove(task)
+            except ValueError:
+                pass
+            return
+        call, _, slot = sent
+        if slot is not None:
+            lane.cancelled.append(task)   # (its slot goes back once its call is answered)
+        call.live -= 1
+        if call.live <= 0 and call.answer is None:
+            try:
+                ray.cancel(call.ref)
+            except Exception:
+                pass   # (done, or its actor is gone)
 
     # -- where the time goes --------------------------------------------------------------
 
@@ -451,11 +422,14 @@ class RayManager:
         actor's process (None until its first result), and ``cpu_fraction`` its CPU time, as
         of its last result, over its time alive."""
         now = time.monotonic_ns()
-        refs = {task.ref: task for task in self._tasks.values()}
+        calls = {}
+        for task in self._tasks.values():
+            if task.sent is not None:
+                calls.setdefault(task.sent[0].ref, []).append(task)
         ready = 0
-        if refs:
-            done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
-            ready = sum(self._batches_in(refs[r].work) for r in done)
+        if calls:
+            done, _ = ray.wait(list(calls), num_returns=len(calls), timeout=0)
+            ready = sum(self._batches_in(t.work) for r in done for t in calls[r])
         workers = []
         for lane in self._lanes:
             counters = lane.counters.view

@@ -11,12 +11,22 @@ from unienv_data.base import BatchSampler
 
 from .._direct import gather as _gather
 from .._sampling import state as _state
-from .._sampling.sampler import SamplerBase
+from .._sampling.sampler import SamplerBase, default_chunk
 from .._sampling.target import SamplerTarget
-from .._validate import check_int
+from .._validate import MAX_BATCHES_PER_TASK, MAX_BUFFERS, check_int
 from .manager import RayManager, check_cpus
 
 __all__ = ["RaySampler", "RemoteSampler", "RemoteData"]
+
+#: A Ray call carries tasks of up to about this many bytes of batches (at least 2 tasks
+#: where they are smaller than _CALL_PAIR) ...
+_CALL_BYTES = 1 << 20
+_CALL_PAIR = 64 << 20
+#: ... and at most this many tasks.
+_CALL_TASKS = 8
+#: The default n_buffers keeps at most about this many bytes of batches requested (but
+#: never fewer than 8 batches).
+_AHEAD_BYTES = 256 << 20
 
 
 # -- which Ray ------------------------------------------------------------------------------
@@ -149,6 +159,22 @@ class RemoteSampler(BatchSampler):
         return len(self.data)
 
 
+def _calls(row, batch_size, batches_per_task, n_workers, n_buffers, tasks_per_call):
+    """``(n_buffers, tasks_per_call)`` by default (see `RaySampler`), for batches of
+    ``batch_size`` rows of ``row`` bytes (None: not known)."""
+    k = batches_per_task if batches_per_task is not None else default_chunk(row, batch_size)
+    if row is None:
+        return (8 if n_buffers is None else n_buffers), tasks_per_call or 1
+    batch = max(1, row * batch_size)
+    if tasks_per_call is None:
+        tasks_per_call = max(2 if batch * k <= _CALL_PAIR else 1,
+                             min(_CALL_TASKS, _CALL_BYTES // (batch * k)))
+    if n_buffers is None:
+        n_buffers = min(MAX_BUFFERS, max(8, min(2 * n_workers * tasks_per_call * k,
+                                                _AHEAD_BYTES // batch)))
+    return n_buffers, tasks_per_call
+
+
 def _check_input(sampler, sampler_factory, direct_gather):
     """Refuse a bad ``sampler``, ``sampler_factory`` or ``direct_gather``; returns why
     the direct gather does not serve the sampler (None if it does, or if the factory's
@@ -199,7 +225,10 @@ class RaySampler(SamplerBase):
         sampler: the ``BatchSampler`` to run (e.g. a ``StepSampler``), put into Ray's
             object store once and read by every actor, replacements included ...
         n_workers: actors.
-        n_buffers: batches requested ahead of the caller, per method.
+        n_buffers: batches requested ahead of the caller, per method.  By default
+            enough for two calls per actor (see ``tasks_per_call``), up to 256 MiB of
+            batches where their size is known, and at least 8.  It does not change the
+            batches.
         sampler_factory: ... or, instead of ``sampler``, a callable (picklable by Ray)
             that each actor calls to make its own sampler: a dataset too large to ship is
             opened by each actor where it is (shared storage), never sent.  The training
@@ -231,6 +260,11 @@ class RaySampler(SamplerBase):
         actor_options: more options for the actors (Ray's ``ActorClass.options``), e.g.
             ``{"scheduling_strategy": ...}`` or ``{"resources": {...}}`` to place them on
             certain nodes, or a ``runtime_env``.
+        tasks_per_call: tasks of one actor that travel together in one Ray call (and
+            come back in one answer): Ray costs the training process a few hundred
+            microseconds of CPU per call, whatever it carries.  By default, for batches
+            gathered directly, as many as make up to 1 MiB, at least 2 (1 for tasks over
+            64 MiB) and at most 8; else 1.  It does not change the batches.
         direct_gather: as for
             [`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler]: ``None``
             (default) gathers batches directly where the sampler allows it (see
@@ -265,7 +299,7 @@ class RaySampler(SamplerBase):
         self,
         sampler: Optional[BatchSampler] = None,
         n_workers: int = 4,
-        n_buffers: int = 8,
+        n_buffers: Optional[int] = None,
         *,
         sampler_factory: Optional[Callable[[], BatchSampler]] = None,
         num_cpus_per_worker: float = 1,
@@ -279,6 +313,7 @@ class RaySampler(SamplerBase):
         actor_options: Optional[Dict[str, Any]] = None,
         direct_gather: Optional[bool] = None,
         local_slots: bool = True,
+        tasks_per_call: Optional[int] = None,
     ):
         self._closed = True   # first: __del__ -> close() must work on a half-built sampler
         self._actors = None   # the RayManager (the sample* manager too, until close())
@@ -286,6 +321,12 @@ class RaySampler(SamplerBase):
         not_direct = _check_input(sampler, sampler_factory, direct_gather)
         n_workers = check_int(n_workers, "n_workers")
         num_cpus_per_worker = check_cpus(num_cpus_per_worker)
+        if batches_per_task is not None:
+            batches_per_task = check_int(batches_per_task, "batches_per_task", 1,
+                                         MAX_BATCHES_PER_TASK)
+        if tasks_per_call is not None:
+            tasks_per_call = check_int(tasks_per_call, "tasks_per_call", 1,
+                                       MAX_BATCHES_PER_TASK)
         self._ray_token = _connect(address, math.ceil(n_workers * num_cpus_per_worker))
         try:
             manager = RayManager(
@@ -311,6 +352,13 @@ class RaySampler(SamplerBase):
             self.actor_options = actor_options
             self.local_slots = local_slots
             self.direct_gather = direct_gather
+            row = (sampler.description["rows"].get("sample")
+                   if isinstance(sampler, RemoteSampler)
+                   else _gather.row_nbytes(sampler, "sample"))
+            n_buffers, manager.group = _calls(
+                row if not_direct is None else None,
+                sampler.batch_size, batches_per_task, n_workers, n_buffers, tasks_per_call)
+            self.tasks_per_call = manager.group
             super().__init__(sampler, n_workers, n_buffers, in_order=in_order, copy=copy,
                              timeout=timeout, respawn=respawn,
                              batches_per_task=batches_per_task,
