@@ -1023,6 +1023,12 @@ NOT_INTERRUPTED = {
                                       "only after its actor answered, and taken off its task "
                                       "first",
     os.path.join("_transport", "result_slots.py"): "runs in the workers and the Ray actors",
+    os.path.join("ray", "_ship.py"): "pickles the sampler once, as the RayManager is made, "
+                                     "and unpickles it in the actors: returns or raises",
+    os.path.join("ray", "_calls.py"): "the RayManager's records; flush, the one step that "
+                                      "changes several, holds SIGINT back (the manager's "
+                                      "code around it is interrupted in "
+                                      "test_backend_contract.py)",
     os.path.join("ray", "sampler.py"): "RaySampler's own code builds and closes; its "
                                        "sampling is SamplerBase's (sampler.py)",
 }

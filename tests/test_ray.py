@@ -337,6 +337,35 @@ def test_batches_from_an_actor_on_this_node_are_views_of_its_slots():
     assert indices_of({"state": t.float()[:, 0, 0, :1].repeat(1, 10)}) is not None
 
 
+def _large_tensors_mapped_from(actor, min_numel):
+    """In the actor: where each large tensor's memory is mapped from."""
+    import gc
+    paths = []
+    for t in gc.get_objects():
+        if isinstance(t, torch.Tensor) and t.numel() >= min_numel:
+            with open("/proc/self/maps") as f:
+                for line in f:
+                    fields = line.split()
+                    lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                    if lo <= t.data_ptr() < hi:
+                        paths.append(fields[5] if len(fields) > 5 else "(anonymous)")
+                        break
+    return paths
+
+
+def test_actors_read_a_shipped_buffer_from_the_object_store_without_a_copy():
+    rb = replay_buffer(2000, img=(3, 32, 32))   # the image storage: 6 MB
+    with RaySampler(StepSampler(rb, 8, seed=0), n_workers=2) as r:
+        want = take(r, 3)
+        for actor in r.workers:
+            paths = ray.get(actor.__ray_call__.remote(_large_tensors_mapped_from,
+                                                      2000 * 3 * 32 * 32))
+            assert paths and all("plasma" in p for p in paths), paths
+    with MultiprocessingSampler(StepSampler(rb, 8, seed=0), n_workers=2) as m:
+        for a, b in zip(take(m, 3), want):
+            same(a, b)
+
+
 def test_a_frame_travels_whole_through_a_buffer_or_a_slot():
     value = {"x": torch.randn(5, 3).to(torch.bfloat16),
              "n": (torch.arange(3), None, "text", np.arange(4.0))}

@@ -31,6 +31,7 @@ from ..errors import PeerGoneError, WorkerDiedError, WorkerError
 from . import _actor
 from ._batch import read_frame
 from ._calls import Lane, Task
+from ._ship import Shipped
 
 __all__ = ["RayManager", "check_cpus"]
 
@@ -125,7 +126,7 @@ class RayManager:
         self.group = check_int(group, "group")
         if target is not None:
             try:
-                self._target = ray.put(target)
+                self._target = ray.put(Shipped(target))
             except Exception as e:
                 raise TypeError(
                     f"the sampler cannot be sent to Ray actors ({type(e).__name__}: {e}); "
