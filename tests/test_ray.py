@@ -94,6 +94,53 @@ def test_the_same_batches_as_multiprocessing_sampler_bit_for_bit(direct_gather, 
         assert r.sampled_space.contains(r.sample())
 
 
+@pytest.mark.parametrize("tasks_per_call,in_order", [(1, True), (3, True), (3, False)])
+def test_tasks_per_call_do_not_change_the_batches(tasks_per_call, in_order):
+    rb = replay_buffer(100)
+    with MultiprocessingSampler(StepSampler(rb, 8, seed=6), n_workers=2, ctx="fork",
+                                batches_per_task=2) as m:
+        want = [indices_of(b) for b in take(m, 60)]
+        it = m.epoch_iter()
+        want_first = [indices_of(next(it)) for _ in range(3)]
+        del it
+        want_epoch = [indices_of(b) for b in m.epoch_iter()]
+        want_after = [indices_of(b) for b in take(m, 20)]
+    with RaySampler(StepSampler(rb, 8, seed=6), n_workers=2, batches_per_task=2,
+                    tasks_per_call=tasks_per_call, n_buffers=20, in_order=in_order) as r:
+        got = [indices_of(b) for b in take(r, 60)]
+        it = r.epoch_iter()
+        first = [indices_of(next(it)) for _ in range(3)]
+        del it   # (an epoch left early: its tasks, sent or waiting, are cancelled)
+        epoch = [indices_of(b) for b in r.epoch_iter()]
+        after = [indices_of(b) for b in take(r, 20)]
+        assert r.tasks_per_call == tasks_per_call
+        stats = r.stats()
+    if in_order:
+        assert got == want and after == want_after
+    else:   # (whole chunks of 2 of the same stream, in another order)
+        assert all(b in want for b in got[:30])   # (requested within the first 60)
+        assert len({tuple(b) for b in got}) == 60
+    assert sorted(i for b in epoch for i in b) == list(range(100))
+    assert (first, epoch) == (want_first, want_epoch) or not in_order
+    assert sum(w.batches for w in stats.workers) >= 80
+
+
+def test_the_default_calls_and_depth_follow_the_batch_size():
+    small = replay_buffer(200)                  # 2 KiB batches of 8 rows
+    large = replay_buffer(200, img=(3, 256, 256))   # 1.5 MiB batches
+    with RaySampler(StepSampler(small, 8, seed=0), n_workers=2) as r:
+        assert (r.tasks_per_call, r._chunk_size("sample")) == (8, 8)
+        assert r.n_buffers == 2 * 2 * 8 * 8   # two calls per actor
+        take(r, 300)
+    with RaySampler(StepSampler(large, 8, seed=0), n_workers=2) as r:
+        assert (r.tasks_per_call, r._chunk_size("sample"), r.n_buffers) == (2, 1, 8)
+    with RaySampler(StepSampler(large, 8, seed=0), n_workers=2, direct_gather=False) as r:
+        assert (r.tasks_per_call, r.n_buffers) == (2, 8)   # (a size not known)
+    with RaySampler(StepSampler(small, 8, seed=0), n_workers=2, n_buffers=5,
+                    tasks_per_call=1) as r:
+        assert (r.tasks_per_call, r.n_buffers) == (1, 5)
+
+
 def test_epochs_cover_every_index_once_with_a_partial_last_batch():
     rb = replay_buffer(61)
     with RaySampler(StepSampler(rb, 8, seed=0), n_workers=2, in_order=False) as r:
@@ -413,6 +460,11 @@ def test_bad_input_is_refused():
         RaySampler(StepSampler(rb, 4), n_workers=0)
     with pytest.raises(ValueError, match="num_cpus_per_worker"):
         RaySampler(StepSampler(rb, 4), num_cpus_per_worker=-1)
+    for bad, error in ((0, ValueError), (1.5, TypeError), ("2", TypeError)):
+        with pytest.raises(error, match="tasks_per_call"):
+            RaySampler(StepSampler(rb, 4), tasks_per_call=bad)
+    with pytest.raises(TypeError, match="direct_gather"):
+        RaySampler(StepSampler(rb, 4), direct_gather="yes")
     # a buffer shared with multiprocessing=True holds a lock that cannot travel
     shared = replay_buffer(20, multiprocessing=True)
     with pytest.raises(TypeError, match="sampler_factory"):

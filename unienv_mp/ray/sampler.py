@@ -159,12 +159,18 @@ class RemoteSampler(BatchSampler):
         return len(self.data)
 
 
-def _calls(row, batch_size, batches_per_task, n_workers, n_buffers, tasks_per_call):
-    """``(n_buffers, tasks_per_call)`` by default (see `RaySampler`), for batches of
-    ``batch_size`` rows of ``row`` bytes (None: not known)."""
+def _calls(sampler, batches_per_task, n_workers, n_buffers, tasks_per_call):
+    """``(n_buffers, tasks_per_call)`` by default (see `RaySampler`), for the batches of
+    ``sampler`` gathered directly (None: not gathered directly, their size not known)."""
+    row = None
+    if isinstance(sampler, RemoteSampler):
+        row = sampler.description["rows"].get("sample")
+    elif sampler is not None:
+        row = _gather.row_nbytes(sampler, "sample")
+    batch_size = 1 if sampler is None else sampler.batch_size
     k = batches_per_task if batches_per_task is not None else default_chunk(row, batch_size)
-    if row is None:
-        return (8 if n_buffers is None else n_buffers), tasks_per_call or 1
+    if row is None:   # (the size of a batch is not known: as many ahead as the others)
+        return (8 if n_buffers is None else n_buffers), tasks_per_call or 2
     batch = max(1, row * batch_size)
     if tasks_per_call is None:
         tasks_per_call = max(2 if batch * k <= _CALL_PAIR else 1,
@@ -175,10 +181,10 @@ def _calls(row, batch_size, batches_per_task, n_workers, n_buffers, tasks_per_ca
     return n_buffers, tasks_per_call
 
 
-def _check_input(sampler, sampler_factory, direct_gather):
-    """Refuse a bad ``sampler``, ``sampler_factory`` or ``direct_gather``; returns why
-    the direct gather does not serve the sampler (None if it does, or if the factory's
-    sampler is not known yet)."""
+def _check_input(sampler, sampler_factory, direct_gather, batches_per_task, tasks_per_call):
+    """Refuse a bad ``sampler``, ``sampler_factory``, ``direct_gather``,
+    ``batches_per_task`` or ``tasks_per_call``; returns why the direct gather does not
+    serve the sampler (None if it does, or if the factory's sampler is not known yet)."""
     if (sampler is None) == (sampler_factory is None):
         raise TypeError("RaySampler takes a sampler or a sampler_factory (one of them)")
     if sampler is not None and not isinstance(sampler, BatchSampler):
@@ -187,6 +193,10 @@ def _check_input(sampler, sampler_factory, direct_gather):
     if sampler_factory is not None and not callable(sampler_factory):
         raise TypeError(f"sampler_factory must be callable, got "
                         f"{type(sampler_factory).__name__}")
+    for value, what in ((batches_per_task, "batches_per_task"),
+                        (tasks_per_call, "tasks_per_call")):
+        if value is not None:
+            check_int(value, what, 1, MAX_BATCHES_PER_TASK)
     if direct_gather not in (None, True, False):
         raise TypeError(f"direct_gather must be None, True or False, got "
                         f"{direct_gather!r}")
@@ -225,10 +235,10 @@ class RaySampler(SamplerBase):
         sampler: the ``BatchSampler`` to run (e.g. a ``StepSampler``), put into Ray's
             object store once and read by every actor, replacements included ...
         n_workers: actors.
-        n_buffers: batches requested ahead of the caller, per method.  By default
-            enough for two calls per actor (see ``tasks_per_call``), up to 256 MiB of
-            batches where their size is known, and at least 8.  It does not change the
-            batches.
+        n_buffers: batches requested ahead of the caller, per method.  By default,
+            for batches gathered directly (whose size is known), enough for two calls
+            per actor (see ``tasks_per_call``), up to 256 MiB of batches, and at least 8;
+            else 8.  It does not change the batches.
         sampler_factory: ... or, instead of ``sampler``, a callable (picklable by Ray)
             that each actor calls to make its own sampler: a dataset too large to ship is
             opened by each actor where it is (shared storage), never sent.  The training
@@ -264,7 +274,7 @@ class RaySampler(SamplerBase):
             come back in one answer): Ray costs the training process a few hundred
             microseconds of CPU per call, whatever it carries.  By default, for batches
             gathered directly, as many as make up to 1 MiB, at least 2 (1 for tasks over
-            64 MiB) and at most 8; else 1.  It does not change the batches.
+            64 MiB) and at most 8; else 2.  It does not change the batches.
         direct_gather: as for
             [`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler]: ``None``
             (default) gathers batches directly where the sampler allows it (see
@@ -318,15 +328,10 @@ class RaySampler(SamplerBase):
         self._closed = True   # first: __del__ -> close() must work on a half-built sampler
         self._actors = None   # the RayManager (the sample* manager too, until close())
         self._ray_token = None
-        not_direct = _check_input(sampler, sampler_factory, direct_gather)
+        not_direct = _check_input(sampler, sampler_factory, direct_gather,
+                                  batches_per_task, tasks_per_call)
         n_workers = check_int(n_workers, "n_workers")
         num_cpus_per_worker = check_cpus(num_cpus_per_worker)
-        if batches_per_task is not None:
-            batches_per_task = check_int(batches_per_task, "batches_per_task", 1,
-                                         MAX_BATCHES_PER_TASK)
-        if tasks_per_call is not None:
-            tasks_per_call = check_int(tasks_per_call, "tasks_per_call", 1,
-                                       MAX_BATCHES_PER_TASK)
         self._ray_token = _connect(address, math.ceil(n_workers * num_cpus_per_worker))
         try:
             manager = RayManager(
@@ -352,12 +357,9 @@ class RaySampler(SamplerBase):
             self.actor_options = actor_options
             self.local_slots = local_slots
             self.direct_gather = direct_gather
-            row = (sampler.description["rows"].get("sample")
-                   if isinstance(sampler, RemoteSampler)
-                   else _gather.row_nbytes(sampler, "sample"))
             n_buffers, manager.group = _calls(
-                row if not_direct is None else None,
-                sampler.batch_size, batches_per_task, n_workers, n_buffers, tasks_per_call)
+                sampler if not_direct is None else None, batches_per_task, n_workers,
+                n_buffers, tasks_per_call)
             self.tasks_per_call = manager.group
             super().__init__(sampler, n_workers, n_buffers, in_order=in_order, copy=copy,
                              timeout=timeout, respawn=respawn,
