@@ -240,3 +240,14 @@ class GoneOnSeed(StepSampler):
         if self.bad_seed is not None and seed == self.bad_seed:
             raise ValueError(f"bad seed {seed}")
         return super().manual_seed(seed)
+
+
+def mapping_of(ptr):
+    """The path of the shared mapping that ``ptr`` lies in ("" if none)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= ptr < hi and fields[1][3] == "s":
+                return fields[5] if len(fields) > 5 else "(anonymous)"
+    return ""

@@ -11,7 +11,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.
                                         "(CI installs it)")
 
 import _data  # noqa: E402
-from _data import indices_of, replay_buffer  # noqa: E402
+from _data import indices_of, mapping_of, replay_buffer  # noqa: E402
 from unienv_data.batches.backend_compat import ToBackendOrDeviceBatch  # noqa: E402
 from unienv_data.samplers import StepSampler  # noqa: E402
 from unienv_interface.backends.numpy import NumpyComputeBackend  # noqa: E402
@@ -139,6 +139,28 @@ def test_the_default_calls_and_depth_follow_the_batch_size():
     with RaySampler(StepSampler(small, 8, seed=0), n_workers=2, n_buffers=5,
                     tasks_per_call=1) as r:
         assert (r.tasks_per_call, r.n_buffers) == (1, 5)
+
+
+@pytest.mark.parametrize("persistent_workers", [None, True, False])
+def test_epochs_see_the_data_as_it_is_and_keep_their_actors_while_it_does_not_change(
+        persistent_workers):
+    rb = replay_buffer(40, capacity=200)
+    with RaySampler(StepSampler(rb, 8, seed=0), n_workers=2,
+                    persistent_workers=persistent_workers) as r:
+        sample_actors = list(r.workers)
+        assert sorted(i for b in r.epoch_iter() for i in indices_of(b)) == list(range(40))
+        first = r.epoch_workers
+        rb.extend(_data.transitions(40, 20))   # (the actors hold the first 40 rows)
+        assert sorted(i for b in r.epoch_iter() for i in indices_of(b)) == list(range(60))
+        second = r.epoch_workers
+        assert sorted(i for b in r.epoch_iter() for i in indices_of(b)) == list(range(60))
+        third = r.epoch_workers
+        assert max(max(indices_of(r.sample())) for _ in range(30)) < 40   # (sample* too)
+        assert r.workers == sample_actors
+    if persistent_workers is False:
+        assert (first, second, third) == ("new", "new", "new")
+    else:
+        assert (first, second, third) == ("kept", "new", "kept")
 
 
 def test_epochs_cover_every_index_once_with_a_partial_last_batch():
@@ -323,17 +345,6 @@ def test_a_state_of_another_configuration_is_refused():
 
 
 # -- what the caller gets --------------------------------------------------------------
-
-def mapping_of(ptr):
-    """The path of the shared mapping that ``ptr`` lies in ("" if none)."""
-    with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split()
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            if lo <= ptr < hi and fields[1][3] == "s":
-                return fields[5] if len(fields) > 5 else "(anonymous)"
-    return ""
-
 
 def test_batches_from_the_object_store_are_read_only_views_unless_copied():
     data = ToBackendOrDeviceBatch(replay_buffer(100, img=(3, 64, 64)),

@@ -11,7 +11,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.
                                         "(CI installs it)")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from _data import indices_of, replay_buffer  # noqa: E402
+from _data import indices_of, mapping_of, replay_buffer  # noqa: E402
 from unienv_data.samplers import StepSampler  # noqa: E402
 
 from unienv_mp import MultiprocessingSampler  # noqa: E402
@@ -60,6 +60,8 @@ def test_batches_made_on_other_nodes_are_the_multiprocessing_samplers(cluster):
                 assert list(a) == list(b)
                 for k in a:
                     assert b[k].dtype == a[k].dtype and torch.equal(a[k], b[k])
+            # (from another node: a read-only view of this node's object store)
+            assert "plasma" in mapping_of(r.sample()["state"].data_ptr())
             epoch = [indices_of(b) for b in r.epoch_iter()]
             assert epoch == want_epoch
             assert r.stats().machine_idle_fraction is None   # (other nodes: not measured)

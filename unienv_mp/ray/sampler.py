@@ -275,6 +275,15 @@ class RaySampler(SamplerBase):
             microseconds of CPU per call, whatever it carries.  By default, for batches
             gathered directly, as many as make up to 1 MiB, at least 2 (1 for tasks over
             64 MiB) and at most 8; else 2.  It does not change the batches.
+        persistent_workers: as for
+            [`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler]: an epoch runs
+            on actors that exist (the ``sample*`` actors, or those of an earlier epoch)
+            while their copy of the data is the data as it is now, else on new actors
+            sent the data as it is then, kept for the next epochs unless ``False``.
+            Those reserve no CPUs in Ray (the ``sample*`` actors hold the sampler's
+            reservation; an epoch waiting for CPUs they hold would wait for ever).  With
+            a ``sampler_factory``, every epoch runs on the ``sample*`` actors (their data
+            cannot be told from here).
         direct_gather: as for
             [`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler]: ``None``
             (default) gathers batches directly where the sampler allows it (see
@@ -298,8 +307,7 @@ class RaySampler(SamplerBase):
 
     Workers see the data as it was when the sampler was made (or as ``sampler_factory``
     opens it): a buffer made with ``multiprocessing=True`` is not shared with them (its
-    lock cannot travel to another machine; use a ``sampler_factory``).  Epochs run on the
-    same actors as the ``sample*`` methods.  The actors gather batches as the process
+    lock cannot travel to another machine; use a ``sampler_factory``).  The actors gather batches as the process
     workers do: straight into their place where the direct gather serves the sampler
     (``gather_path`` ``"direct"``), else by calling the wrapped sampler's methods.
     ``stall_timeout`` is not available.
@@ -324,6 +332,7 @@ class RaySampler(SamplerBase):
         direct_gather: Optional[bool] = None,
         local_slots: bool = True,
         tasks_per_call: Optional[int] = None,
+        persistent_workers: Optional[bool] = None,
     ):
         self._closed = True   # first: __del__ -> close() must work on a half-built sampler
         self._actors = None   # the RayManager (the sample* manager too, until close())
@@ -332,24 +341,22 @@ class RaySampler(SamplerBase):
                                   batches_per_task, tasks_per_call)
         n_workers = check_int(n_workers, "n_workers")
         num_cpus_per_worker = check_cpus(num_cpus_per_worker)
+        if persistent_workers is not None and type(persistent_workers) is not bool:
+            raise TypeError(f"persistent_workers must be None, True or False, got "
+                            f"{persistent_workers!r}")
         self._ray_token = _connect(address, math.ceil(n_workers * num_cpus_per_worker))
+        self._manager_options = dict(
+            factory=sampler_factory, in_order=in_order, copy=copy, timeout=timeout,
+            respawn=respawn, max_respawns=max_respawns,
+            num_cpus_per_worker=num_cpus_per_worker, actor_options=actor_options,
+            direct=direct_gather is not False, local_slots=local_slots)
         try:
-            manager = RayManager(
-                n_workers,
-                target=None if sampler is None else SamplerTarget(
-                    sampler, direct=not_direct is None),
-                factory=sampler_factory, in_order=in_order, copy=copy, timeout=timeout,
-                respawn=respawn, max_respawns=max_respawns,
-                num_cpus_per_worker=num_cpus_per_worker, actor_options=actor_options,
-                direct=direct_gather is not False, local_slots=local_slots)
-            self._actors = manager
+            manager = self._actors = self._new_actors(sampler, not_direct is None, n_workers)
             if sampler is None:
                 sampler = RemoteSampler(manager.describe(), manager)
                 not_direct = _direct_refused(sampler.description["not_direct"],
                                              direct_gather)
-                self._shipped_length = None
-            else:
-                self._shipped_length = len(sampler.data)
+            self.persistent_workers = persistent_workers
             self.sampler_factory = sampler_factory
             self.num_cpus_per_worker = num_cpus_per_worker
             self.max_respawns = max_respawns
@@ -365,9 +372,23 @@ class RaySampler(SamplerBase):
                              timeout=timeout, respawn=respawn,
                              batches_per_task=batches_per_task,
                              not_direct=not_direct, manager=manager)
+            if sampler_factory is None:   # (the data the actors were sent)
+                self._pools.sample_fp = self._pools.data_now()[0]
         except BaseException:
             self._close_actors()
             raise
+
+    def _new_actors(self, sampler, direct, n_workers, **more):
+        """A new `RayManager` of ``n_workers`` actors: each sent ``sampler`` as it is now
+        (``direct``: gathering its batches directly), or, with a ``sampler_factory``, each
+        making its own; ``more`` options replace the sampler's."""
+        options = dict(self._manager_options, **more)
+        target = None
+        if options["factory"] is None:
+            target = SamplerTarget(sampler, direct=direct)
+        manager = RayManager(n_workers, target=target, **options)
+        manager.group = getattr(self, "tasks_per_call", 1)
+        return manager
 
     @property
     def workers(self):
@@ -375,8 +396,16 @@ class RaySampler(SamplerBase):
         return [] if self._actors is None else self._actors.workers
 
     def new_manager(self):
-        # (made in __init__, and not again: a closed sampler stays closed)
-        raise RuntimeError(f"this {type(self).__name__} is closed")
+        # (an epoch's actors, sent the sampler as it is now: see epoch_manager)
+        if self._closed:
+            raise RuntimeError(f"this {type(self).__name__} is closed")
+        return self._new_actors(self.sampler, self._direct, self.n_workers,
+                                num_cpus_per_worker=0)
+
+    def epoch_manager(self):
+        if self.sampler_factory is not None:   # (their data cannot be told from here)
+            return self._pools.every_epoch_on_sample_workers()
+        return self._pools.epoch_manager()
 
     def sampler_methods(self):
         if isinstance(self.sampler, RemoteSampler):
@@ -395,15 +424,6 @@ class RaySampler(SamplerBase):
         out = dict(self.sampler.description["configuration"])
         out["chunks"] = {m: self._chunk_size(m) for m in methods}
         return out
-
-    def check_epoch(self, getter):
-        if not self._closed and self._shipped_length is not None \
-                and len(self.sampler.data) != self._shipped_length:
-            raise RuntimeError(
-                f"the sampler's data has {len(self.sampler.data)} rows, but the "
-                f"RaySampler's actors hold the {self._shipped_length} it had when the "
-                f"RaySampler was made: make a new RaySampler to sample the data as it is "
-                f"now")
 
     def stats(self, reset: bool = False):
         """As [`MultiprocessingSampler.stats`][unienv_mp.MultiprocessingSampler.stats];
