@@ -50,9 +50,9 @@ def main():
     # Ray of its own (docs/guides/ray.md); on a cluster, ray.init(address=...) instead.
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        # The sampler, with rb inside, goes into Ray's object store once, and every actor
-        # reads its own copy. (For data too big to ship, each actor can open its own:
-        # sampler_factory, in docs/guides/ray.md.)
+        # The sampler, with rb inside, goes into Ray's object store once, and the actors
+        # of a node map its tensors from there, without a copy each. (For data too big
+        # to ship, each actor can open its own: sampler_factory, in docs/guides/ray.md.)
         with RaySampler(StepSampler(rb, BATCH, seed=0), n_workers=2) as sampler:
             for j in range(args.steps):
                 batch = sampler.sample()
@@ -62,10 +62,12 @@ def main():
             shapes = {k: tuple(v.shape) for k, v in batch.items()}
             print(f"{args.steps} batches from {len(sampler.workers)} Ray actors, "
                   f"the same as MultiprocessingSampler's: {shapes}")
-            # Ray batches are read-only: they are read zero-copy from Ray's object store,
-            # and writing into one would change the stored object. numpy arrays are marked
-            # read-only; torch tensors cannot be, so do not write into them in place:
-            # .clone() first, or make the sampler with copy=True.
+            # Batches made on this node are views of an actor's result slot, as the
+            # process workers' are. Those made on other nodes are read zero-copy from
+            # Ray's object store, where writing into one would change the stored object:
+            # numpy arrays are marked read-only; torch tensors cannot be, so do not write
+            # into a batch in place unless it is yours: .clone() first, or make the
+            # sampler with copy=True.
             obs = batch["obs"].clone()
             obs.mul_(2)   # fine: the clone is ours
     finally:

@@ -1127,6 +1127,22 @@ def test_lease_read_only_source():
     out["t"] += 1  # tensors of read-only memory are copies
 
 
+def test_tensors_of_read_only_memory_are_shared_when_asked():
+    value = {"a": np.arange(4), "t": torch.arange(3.0), "b": torch.ones(2, dtype=torch.bfloat16)}
+    data = bytes(_codec.encode(value))
+    base = np.frombuffer(data, np.uint8).ctypes.data
+    out = _codec.decode(data, share_readonly=True)
+    assert not out["a"].flags.writeable
+    for k in ("t", "b"):   # views of the read-only bytes, bit for bit
+        assert base <= out[k].data_ptr() < base + len(data)
+        assert out[k].dtype == value[k].dtype and torch.equal(out[k], value[k])
+    copied = _codec.decode(data, copy=True, share_readonly=True)
+    assert not base <= copied["t"].data_ptr() < base + len(data)
+    assert copied["a"].flags.writeable
+    writable = bytearray(data)
+    assert _codec.decode(writable, share_readonly=True)["a"].flags.writeable
+
+
 def test_raising_callback_still_releases_the_source(monkeypatch):
     # An exception from on_release must not skip PyBuffer_Release in __dealloc__: the
     # source would stay exported (locked bytearray, pinned Segment mapping) for good.
