@@ -33,14 +33,13 @@ class Task:
 
 
 class Call:
-    """One Ray call: its object reference, its answer once fetched (see
-    ``SamplerActor.run``), and how many of its tasks are not cancelled."""
-    __slots__ = ("ref", "answer", "live")
+    """One Ray call: its object reference, and its answer once fetched (see
+    ``SamplerActor.run``)."""
+    __slots__ = ("ref", "answer")
 
-    def __init__(self, ref, n):
+    def __init__(self, ref):
         self.ref = ref
         self.answer = None
-        self.live = n
 
     def answers(self, timeout):
         """``(results, pid, cpu)`` of the call, fetched once (``ray.get``'s errors and
@@ -95,8 +94,7 @@ class Lane:
             if not tasks:
                 return
             slots = [None if self.local is False else self.slots.take() for _ in tasks]
-            call = Call(self.actor.run.remote([(t.work, s) for t, s in zip(tasks, slots)]),
-                        len(tasks))
+            call = Call(self.actor.run.remote([(t.work, s) for t, s in zip(tasks, slots)]))
             for i, (task, slot) in enumerate(zip(tasks, slots)):
                 task.sent = (call, i, slot)
 

@@ -3,9 +3,10 @@ actors replaced.
 
 The ticket interface of `MultiProcessingSampleManager` (``submit``, ``result``, ``ready``,
 ``wait_any``, ``cancel``, ``stats``, ``close``), which `SamplerBase` runs on, with Ray
-actors instead of processes and object references instead of rings.  Each worker is a
-`SamplerActor` that runs the tasks sent to it one after the other; a task's result is an
-object reference, read zero-copy from the object store on the node where it is read.
+actors instead of processes and Ray calls instead of rings.  Each worker is a
+`SamplerActor` that runs the tasks sent to it one after the other, several to a call (see
+`unienv_mp.ray._calls`); a result is read zero-copy from the actor's result slot when the
+actor is on this node, else from the object store (see `unienv_mp.ray._batch`).
 
 Faults: an exception in the work function comes back as
 `WorkerError` with the actor's traceback.  An actor found dead when a result is read
@@ -78,8 +79,8 @@ class RayManager:
         factory: ... or, instead, a callable each actor calls to make its own sampler.
         in_order: ``True``: tasks are dealt round-robin (results are collected by ticket
             either way).  ``False``: each task goes to the actor with the fewest tasks.
-        copy: ``False``: results are read-only views of the object store; ``True``:
-            copies (see `unienv_mp.ray._batch.unpack`).
+        copy: ``False``: results are views of an actor's result slot (on this node) or
+            read-only views of the object store (from another node); ``True``: copies.
         timeout: seconds to wait for one result before ``TimeoutError`` (None: as long as
             the actors live).
         respawn: ``True``: an actor found dead (``ray.kill``-ed, its process killed, its
@@ -250,15 +251,20 @@ class RayManager:
         if lane.cancelled:
             lane.reclaim()
         task = Task(work, lane)
-        # (in the table before in flight: a ticket in flight always has its task; in
-        # flight before in the outbox: a task sent is in flight)
-        ticket = self._tasks.issue(task)
-        lane.inflight.append(ticket)
-        lane.outbox.append(task)
-        if len(lane.outbox) >= self.group:
-            lane.flush()
-        if record is not None:
-            record.append(ticket)
+        # One step that a Ctrl-C does not cut: a ticket issued is recorded (else the
+        # caller could not cancel it, and it would stay in flight, holding its slot).
+        with _os.interrupts_deferred():
+            ticket = self._tasks.issue(task)
+            lane.inflight.append(ticket)
+            lane.outbox.append(task)
+            try:
+                if len(lane.outbox) >= self.group:
+                    lane.flush()
+            except BaseException:
+                self.cancel(ticket)   # (Ray refused the call: no ticket to record)
+                raise
+            if record is not None:
+                record.append(ticket)
         return ticket
 
     def reset_order(self):
@@ -383,10 +389,11 @@ class RayManager:
         return by_ref[ready[0]]
 
     def cancel(self, ticket):
-        """Forget a ticket; its task is not sent if it has not been, and its Ray call is
-        cancelled once every task of it is, if it has not started.  (Out of flight before
-        out of the table: cut short in between, the task is still known, and is forgotten
-        by the next cancel of it.)"""
+        """Forget a ticket.  A task not sent yet is not sent; one sent still runs, and its
+        answer is dropped: Ray's own cancel of an actor task interrupts the actor's
+        thread, and after a Ctrl-C in the caller it was seen to hold the actor's later
+        answers up for 20 s and more.  (Out of flight before out of the table: cut short
+        in between, the task is still known, and is forgotten by the next cancel of it.)"""
         task = self._tasks.get(ticket)
         if task is None:
             return
@@ -403,16 +410,8 @@ class RayManager:
                 lane.outbox.remove(task)
             except ValueError:
                 pass
-            return
-        call, _, slot = sent
-        if slot is not None:
+        elif sent[2] is not None:
             lane.cancelled.append(task)   # (its slot goes back once its call is answered)
-        call.live -= 1
-        if call.live <= 0 and call.answer is None:
-            try:
-                ray.cancel(call.ref)
-            except Exception:
-                pass   # (done, or its actor is gone)
 
     # -- where the time goes --------------------------------------------------------------
 
