@@ -348,8 +348,11 @@ def test_a_ctrl_c_anywhere_in_the_ray_managers_calls_and_slots_loses_and_overwri
         files = {ray_manager.__file__, _calls.__file__, _batch.__file__}
         interrupter = Interrupter(files, within=("submit", "result"))
         assert interrupt_everywhere(interrupter, round_, recover) > 20
-        lane = m._lanes[0]
-        assert len(lane.slots.free) + lane.slots.leases <= lane.slots.next
+        del held[:]
+        for lane in m._lanes:   # (no slot number lost: a lost one holds a segment for good)
+            lane.slots.take()   # (the leases given back since: free again)
+            assert lane.slots.next <= 40 and lane.slots.leases == 0, (
+                lane.slots.next, len(lane.slots.free), lane.slots.leases)
     finally:
         m.close()
 

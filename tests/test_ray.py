@@ -424,6 +424,57 @@ def test_actors_read_a_shipped_buffer_from_the_object_store_without_a_copy():
             same(a, b)
 
 
+def test_where_this_process_cannot_map_an_actors_slots_batches_take_the_object_store(
+        monkeypatch):
+    from unienv_mp.ray import _batch
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "not allowed to open the actor's descriptors")
+    monkeypatch.setattr(_batch, "segment_from_peer", refused)
+    rb = replay_buffer(100, img=(3, 32, 32))
+    with MultiprocessingSampler(StepSampler(rb, 8, seed=9), n_workers=2, ctx="fork") as m:
+        want = take(m, 40)
+    with RaySampler(StepSampler(rb, 8, seed=9), n_workers=2, tasks_per_call=2) as r:
+        for a, b in zip(want, take(r, 40)):
+            same(a, b)
+        lanes = r._actors._lanes
+        assert [lane.local for lane in lanes] == [False, False]   # (for good)
+        tasks = r._actors._tasks
+        for lane in lanes:   # (every slot number taken is free, or a task's in flight)
+            sent = [tasks[t].sent for t in lane.inflight if tasks[t].sent is not None]
+            held = {s[2] for s in sent if s[2] is not None}
+            assert set(lane.slots.free) | held == set(range(lane.slots.next))
+        assert "plasma" in mapping_of(r.sample()["image"].data_ptr())
+
+
+def test_a_slot_is_mapped_again_for_another_process_with_the_same_generation():
+    from unienv_mp import Segment
+    a, b = Segment.create(4096, "a"), Segment.create(4096, "b")
+    memoryview(a)[:1] = b"a"
+    memoryview(b)[:1] = b"b"
+    import subprocess
+    import sys
+    # (another process holding b's descriptor, as a restarted actor holds its own; not a
+    # fork of this one, which is a Ray driver)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            pass_fds=[b.fd])
+    child = proc.pid
+    try:
+        slots = LaneSlots()
+        first = slots.segment(0, os.getpid(), (1, a.fd, a.ino, a.size))
+        assert bytes(memoryview(first)[:1]) == b"a"
+        try:
+            again = slots.segment(0, child, (1, b.fd, b.ino, b.size))
+            assert again is not first and bytes(memoryview(again)[:1]) == b"b"
+        finally:
+            slots.close()
+    finally:
+        proc.kill()
+        proc.wait()
+        a.close()
+        b.close()
+
+
 def test_a_frame_travels_whole_through_a_buffer_or_a_slot():
     value = {"x": torch.randn(5, 3).to(torch.bfloat16),
              "n": (torch.arange(3), None, "text", np.arange(4.0))}
@@ -440,10 +491,9 @@ def test_a_frame_travels_whole_through_a_buffer_or_a_slot():
     assert read_frame(frame, copy=True)["n"][3].flags.writeable
     # into a slot: mapped by a reader through /proc (here, this same process)
     slots = LaneSlots()
-    slots.pid = os.getpid()
     slot = slots.take()
     gen, fd, ino, size, nbytes = frames.write(value, slot)
-    seg = slots.segment(slot, (gen, fd, ino, size))
+    seg = slots.segment(slot, os.getpid(), (gen, fd, ino, size))
     batch = _codec.decode(slots.lease(slot, seg, nbytes))
     same(batch, value)
     assert slots.take() != slot   # (not free while the batch lives)
@@ -474,6 +524,14 @@ def test_bad_input_is_refused():
     for bad, error in ((0, ValueError), (1.5, TypeError), ("2", TypeError)):
         with pytest.raises(error, match="tasks_per_call"):
             RaySampler(StepSampler(rb, 4), tasks_per_call=bad)
+    with pytest.raises(TypeError, match="local_slots"):
+        RaySampler(StepSampler(rb, 4), local_slots="no")
+    with pytest.raises(ValueError, match="finite"):
+        RaySampler(StepSampler(rb, 4), num_cpus_per_worker=float("inf"))
+    # (the manager replaces actors itself; an actor runs one call at a time)
+    for key in ("max_restarts", "max_task_retries", "max_concurrency", "concurrency_groups"):
+        with pytest.raises(ValueError, match=f"may not set '{key}'"):
+            RaySampler(StepSampler(rb, 4), actor_options={key: 2})
     with pytest.raises(TypeError, match="direct_gather"):
         RaySampler(StepSampler(rb, 4), direct_gather="yes")
     # a buffer shared with multiprocessing=True holds a lock that cannot travel

@@ -77,15 +77,13 @@ class LaneSlots:
     """The caller's record of one actor's result slots: the slot numbers free, the
     segments mapped here, and the leases alive (a replacement actor gets a new record).
 
-    Its segments are mapped through ``/proc/<pid>/fd``: ``pid`` is the actor's process id,
-    known once the actor answers.
+    Its segments are mapped through ``/proc/<pid>/fd`` of the actor's process.
     """
 
     def __init__(self):
-        self.pid = None
         self.free = []
         self.next = 0
-        self.mapped = {}     # slot -> (generation, Segment)
+        self.mapped = {}     # slot -> (generation, pid, Segment)
         self.leases = 0
         self.released = collections.deque()   # slots whose last lease was collected
 
@@ -105,18 +103,19 @@ class LaneSlots:
         """``slot``'s result was read (copied) or dropped: it can take new work."""
         self.free.append(slot)
 
-    def segment(self, slot, desc):
-        """The segment of ``slot`` as the actor described it (``desc``: generation, fd,
-        inode, size), mapped here once per generation.  Raises ``PeerGoneError`` if the
-        actor is gone, ``OSError`` if its descriptors cannot be opened from here."""
+    def segment(self, slot, pid, desc):
+        """The segment of ``slot`` as the actor's process ``pid`` described it (``desc``:
+        generation, fd, inode, size), mapped here once per generation and process.
+        Raises ``PeerGoneError`` if the actor is gone, ``OSError`` if its descriptors
+        cannot be opened from here."""
         gen, fd, ino, size = desc
         entry = self.mapped.get(slot)
-        if entry is not None and entry[0] == gen:
-            return entry[1]
-        seg = segment_from_peer(self.pid, fd, ino, size, f"Ray actor slot {slot}")
+        if entry is not None and entry[0] == gen and entry[1] == pid:
+            return entry[2]
+        seg = segment_from_peer(pid, fd, ino, size, f"Ray actor slot {slot}")
         if entry is not None:
-            entry[1].close()   # (unmapped once the last batch read from it is gone)
-        self.mapped[slot] = (gen, seg)
+            entry[2].close()   # (unmapped once the last batch read from it is gone)
+        self.mapped[slot] = (gen, pid, seg)
         return seg
 
     def lease(self, slot, seg, nbytes):
@@ -128,7 +127,7 @@ class LaneSlots:
     def close(self):
         """Unmap the segments (each once no batch read from it is left)."""
         mapped, self.mapped = self.mapped, {}
-        for _, seg in mapped.values():
+        for _, _, seg in mapped.values():
             seg.close()
 
 

@@ -11,11 +11,18 @@ import collections
 
 import ray
 
+import numpy as np
+
 from .. import _os
 from .. import stats as _stats
-from ._batch import LaneSlots
+from .._transport import codec as _codec
+from ._batch import LaneSlots, read_frame
 
-__all__ = ["Task", "Call", "Lane"]
+__all__ = ["Task", "Call", "Lane", "MAX_LEASES"]
+
+#: Zero-copy batches alive from one actor's slots beyond which the next are copied (its
+#: slots are not given back while the caller holds them: this bounds their number).
+MAX_LEASES = 64
 
 
 class Task:
@@ -97,6 +104,28 @@ class Lane:
             call = Call(self.actor.run.remote([(t.work, s) for t, s in zip(tasks, slots)]))
             for i, (task, slot) in enumerate(zip(tasks, slots)):
                 task.sent = (call, i, slot)
+
+    def read(self, slot, value, copy):
+        """The batch of an answer: from an object-store frame (a numpy buffer), or from
+        ``slot``'s segment (``value`` is ``(segment, nbytes)``), where it is read
+        zero-copy unless ``copy`` or the caller holds ``MAX_LEASES`` batches of this
+        actor."""
+        slots = self.slots
+        if type(value) is np.ndarray:
+            if slot is not None:   # (the actor is on another node)
+                self.local = False
+                slots.give_back(slot)
+            return read_frame(value, copy)
+        if self.local is None:
+            self.local = True
+        seg, nbytes = value
+        if copy or slots.leases >= MAX_LEASES:
+            try:
+                with memoryview(seg) as mv:
+                    return _codec.decode(mv[:nbytes], True)
+            finally:
+                slots.give_back(slot)
+        return _codec.decode(slots.lease(slot, seg, nbytes))
 
     def reclaim(self):
         """Give back the slots of cancelled tasks whose call the actor has answered (it no

@@ -18,19 +18,16 @@ with ``respawn=False``, or after ``max_respawns`` replacements in a row without 
 import time
 import warnings
 
-import numpy as np
 import ray
 import ray.exceptions as _rx
 
 from .. import _os
 from .. import stats as _stats
 from .._sampling.target import SamplerTarget
-from .._validate import check_index, check_int, check_seconds
+from .._validate import check_bool, check_index, check_int, check_seconds
 from ..backend import Dealer, TicketTable, no_result, none_pending, respawn_refusal
-from .._transport import codec as _codec
 from ..errors import PeerGoneError, WorkerDiedError, WorkerError
 from . import _actor
-from ._batch import read_frame
 from ._calls import Lane, Task
 from ._ship import Shipped
 
@@ -40,17 +37,24 @@ __all__ = ["RayManager", "check_cpus"]
 _LOST = (_rx.RayActorError, _rx.ObjectLostError, _rx.WorkerCrashedError,
          _rx.NodeDiedError)
 
-#: Zero-copy batches alive from one actor's slots beyond which the next are copied (its
-#: slots are not given back while the caller holds them: this bounds their number).
-MAX_LEASES = 64
+#: Actor options the manager sets itself, and why.
+_REFUSED_OPTIONS = {
+    "max_restarts": "the manager replaces a dead actor itself, and sends it the tasks the "
+                    "dead one had not delivered (a restart by Ray would not be seen)",
+    "max_task_retries": "the manager sends a dead actor's tasks again itself",
+    "max_concurrency": "an actor runs one call at a time (its sampler and result slots "
+                       "are not shared between threads)",
+    "concurrency_groups": "an actor runs one call at a time",
+}
+
 
 
 def check_cpus(value, what="num_cpus_per_worker"):
     """``value`` as a number of CPUs >= 0 (Ray takes fractions)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         raise TypeError(f"{what} must be a number, got {type(value).__name__} {value!r}")
-    if value < 0:
-        raise ValueError(f"{what} must be >= 0, got {value}")
+    if value < 0 or value == float("inf"):
+        raise ValueError(f"{what} must be >= 0 and finite, got {value}")
     return value
 
 
@@ -117,6 +121,10 @@ class RayManager:
         if actor_options is not None and not isinstance(actor_options, dict):
             raise TypeError(f"actor_options must be a dict, got "
                             f"{type(actor_options).__name__}")
+        for key, why in _REFUSED_OPTIONS.items():
+            if key in (actor_options or {}):
+                raise ValueError(f"actor_options may not set {key!r}: {why}")
+        local_slots = check_bool(local_slots, "local_slots")
         self.in_order = bool(in_order)
         self.copy = bool(copy)
         self.timeout = check_seconds(timeout, "timeout")
@@ -248,12 +256,12 @@ class RayManager:
             lane = lanes[check_index(worker, "worker", len(lanes))]
         else:
             lane = self._dealer.pick(lanes, self.in_order, _load)
-        if lane.cancelled:
-            lane.reclaim()
         task = Task(work, lane)
         # One step that a Ctrl-C does not cut: a ticket issued is recorded (else the
         # caller could not cancel it, and it would stay in flight, holding its slot).
         with _os.interrupts_deferred():
+            if lane.cancelled:
+                lane.reclaim()
             ticket = self._tasks.issue(task)
             lane.inflight.append(ticket)
             lane.outbox.append(task)
@@ -294,22 +302,25 @@ class RayManager:
                 continue
             finally:
                 self._caller.wait_ns += time.monotonic_ns() - start
-            status, value, elapsed_ns = results[index]
-            if status == _actor.OK and type(value) is tuple:
-                lane = task.lane
-                try:
-                    lane.slots.pid = pid
-                    value = lane.slots.segment(slot, value[:4]), value[4]
-                except PeerGoneError as e:   # (its actor is gone)
-                    self._replace(lane, e)
-                    continue
-                except OSError:
-                    # its segments cannot be opened from here: results come through the
-                    # object store from now on (this one too: it is sent again)
-                    lane.local = False
-                    lane.flush([task])
-                    continue
-            return self._deliver(task, slot, status, value, elapsed_ns, pid, cpu)
+            # One step that a Ctrl-C does not cut (it is raised after it): a slot number
+            # is given back or held by a lease, never lost.
+            with _os.interrupts_deferred():
+                status, value, elapsed_ns = results[index]
+                if status == _actor.OK and type(value) is tuple:
+                    lane = task.lane
+                    try:
+                        value = lane.slots.segment(slot, pid, value[:4]), value[4]
+                    except PeerGoneError as e:   # (its actor is gone)
+                        self._replace(lane, e)
+                        continue
+                    except OSError:
+                        # its segments cannot be opened from here: results come through
+                        # the object store from now on (this one too: it is sent again)
+                        lane.local = False
+                        lane.slots.give_back(slot)   # (answered: the actor is done with it)
+                        lane.flush([task])
+                        continue
+                return self._deliver(task, slot, status, value, elapsed_ns, pid, cpu)
 
     def _deliver(self, task, slot, status, value, elapsed_ns, pid, cpu):
         lane = task.lane
@@ -325,32 +336,12 @@ class RayManager:
             batches = self._batches_in(task.work)
             counters.end(batches, False, elapsed_ns)
             self._caller.batches += batches
-            return self._read(lane, slot, value)
+            return lane.read(slot, value, self.copy)
         if slot is not None:
             lane.slots.give_back(slot)
         counters.end(0, True, elapsed_ns)
         prefix = "could not start: " if status == _actor.COULD_NOT_START else ""
         raise WorkerError.from_payload(value, lane.index, prefix)
-
-    def _read(self, lane, slot, value):
-        """The batch of a result: from an object-store frame (a numpy buffer), or from
-        ``slot``'s segment (``value`` is ``(segment, nbytes)``), where it is read
-        zero-copy unless ``copy`` or the caller holds ``MAX_LEASES`` batches of the lane."""
-        slots = lane.slots
-        if type(value) is np.ndarray:
-            if slot is not None:   # (the actor is on another node)
-                lane.local = False
-                slots.give_back(slot)
-            return read_frame(value, self.copy)
-        lane.local = True
-        seg, nbytes = value
-        if self.copy or slots.leases >= MAX_LEASES:
-            try:
-                with memoryview(seg) as mv:
-                    return _codec.decode(mv[:nbytes], True)
-            finally:
-                slots.give_back(slot)
-        return _codec.decode(slots.lease(slot, seg, nbytes))
 
     def ready(self, ticket):
         """True if the result of ``ticket`` has arrived (a task still waiting in its

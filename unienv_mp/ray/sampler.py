@@ -13,7 +13,7 @@ from .._direct import gather as _gather
 from .._sampling import state as _state
 from .._sampling.sampler import SamplerBase, default_chunk
 from .._sampling.target import SamplerTarget
-from .._validate import MAX_BATCHES_PER_TASK, MAX_BUFFERS, check_int
+from .._validate import MAX_BATCHES_PER_TASK, MAX_BUFFERS, check_bool, check_int
 from .manager import RayManager, check_cpus
 
 __all__ = ["RaySampler", "RemoteSampler", "RemoteData"]
@@ -341,6 +341,7 @@ class RaySampler(SamplerBase):
                                   batches_per_task, tasks_per_call)
         n_workers = check_int(n_workers, "n_workers")
         num_cpus_per_worker = check_cpus(num_cpus_per_worker)
+        local_slots = check_bool(local_slots, "local_slots")
         if persistent_workers is not None and type(persistent_workers) is not bool:
             raise TypeError(f"persistent_workers must be None, True or False, got "
                             f"{persistent_workers!r}")
