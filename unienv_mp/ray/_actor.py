@@ -5,6 +5,7 @@ import time
 
 from unienv_data.base import BatchSampler
 
+from .. import _os
 from .._direct import gather as _gather
 from .._sampling import state as _state
 from .._sampling.streams import base_seed
@@ -48,6 +49,7 @@ class SamplerActor:
 
     def __init__(self, index, target, factory, home=None, direct=True):
         import ray
+        _os.limit_threads()   # (the actors are the parallelism, as worker processes are)
         self.index = index
         self.target = None
         self.failure = None
