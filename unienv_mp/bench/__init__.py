@@ -44,8 +44,10 @@ The implementations (``config.IMPLEMENTATIONS``, their samplers ``peers.make_sam
   prefetch threads) over the same rows; for the action chunks of the views case, its
   ``SliceSampler`` (slices of 16 by the episode key); needs ``torchrl``, which is
   optional;
-* ``ray``: unienv_mp's RaySampler on a local Ray that it starts, one actor per worker;
-  needs ``ray``, which is optional.  Not in ``DEFAULT_IMPLEMENTATIONS``: asked for by name.
+* ``ray``: unienv_mp's RaySampler on a local Ray that it starts, one actor per worker,
+  with RaySampler's own default ``n_buffers`` (its label says how many) unless
+  ``--buffers`` sets every row's; needs ``ray``, which is optional.  Not in
+  ``DEFAULT_IMPLEMENTATIONS``: asked for by name.
 
 Each measurement returns a result object (``Result``, ``OnlineResult``,
 ``LatencyResult``); the main job turns each case's results into one table.
