@@ -1,7 +1,9 @@
 """RaySampler on a local Ray: the same batches as MultiprocessingSampler, epochs, the
 factory, faults, checkpoints, what the caller gets, and which Ray it uses."""
+import gc
 import os
 import pickle
+import weakref
 
 import numpy as np
 import pytest
@@ -134,8 +136,21 @@ def test_the_default_calls_and_depth_follow_the_batch_size():
         take(r, 300)
     with RaySampler(StepSampler(large, 8, seed=0), n_workers=2) as r:
         assert (r.tasks_per_call, r._chunk_size("sample"), r.n_buffers) == (2, 1, 8)
-    with RaySampler(StepSampler(large, 8, seed=0), n_workers=2, direct_gather=False) as r:
-        assert (r.tasks_per_call, r.n_buffers) == (2, 8)   # (a size not known)
+    with RaySampler(StepSampler(large, 8, seed=0), n_workers=3, direct_gather=False,
+                    num_cpus_per_worker=0.5) as r:
+        assert (r.tasks_per_call, r.n_buffers) == (2, 8)   # (a size not known yet)
+        r.sample_index()   # (indices: not what a batch's size is told by)
+        assert r.n_buffers == 8
+        r.sample()
+        assert r.n_buffers == 2 * 3 * 2   # (two calls of two per actor)
+    with RaySampler(StepSampler(small, 8, seed=0), n_workers=2, direct_gather=False,
+                    batches_per_task=4) as r:
+        r.sample()   # (then known: tasks of 4 small batches)
+        assert (r.tasks_per_call, r.n_buffers) == (2, 2 * 2 * 2 * 4)
+        sampler = weakref.ref(r)
+    del r
+    gc.collect()
+    assert sampler() is None
     with RaySampler(StepSampler(small, 8, seed=0), n_workers=2, n_buffers=5,
                     tasks_per_call=1) as r:
         assert (r.tasks_per_call, r.n_buffers) == (1, 5)

@@ -133,6 +133,8 @@ class RayManager:
         self._factory = factory
         self._direct = bool(direct)
         self.group = check_int(group, "group")
+        #: None, or a callable told ``(work, size in bytes)`` of each answer delivered
+        self.sized = None
         if target is not None:
             try:
                 self._target = ray.put(Shipped(target))
@@ -333,6 +335,9 @@ class RayManager:
         counters = lane.counters
         if status == _actor.OK:
             lane.deaths_in_a_row = 0
+            sized = self.sized
+            if sized is not None:
+                sized(task.work, value.nbytes if type(value) is not tuple else value[1])
             batches = self._batches_in(task.work)
             counters.end(batches, False, elapsed_ns)
             self._caller.batches += batches

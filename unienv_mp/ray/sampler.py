@@ -4,6 +4,7 @@ import dataclasses
 import math
 import os
 import threading
+import weakref
 from typing import Any, Callable, Dict, Optional
 
 import ray
@@ -169,16 +170,32 @@ def _calls(sampler, batches_per_task, n_workers, n_buffers, tasks_per_call):
         row = _gather.row_nbytes(sampler, "sample")
     batch_size = 1 if sampler is None else sampler.batch_size
     k = batches_per_task if batches_per_task is not None else default_chunk(row, batch_size)
-    if row is None:   # (the size of a batch is not known: as many ahead as the others)
+    if row is None:   # (the size of a batch is not known yet: see RaySampler._sized)
         return (8 if n_buffers is None else n_buffers), tasks_per_call or 2
     batch = max(1, row * batch_size)
     if tasks_per_call is None:
         tasks_per_call = max(2 if batch * k <= _CALL_PAIR else 1,
                              min(_CALL_TASKS, _CALL_BYTES // (batch * k)))
     if n_buffers is None:
-        n_buffers = min(MAX_BUFFERS, max(8, min(2 * n_workers * tasks_per_call * k,
-                                                _AHEAD_BYTES // batch)))
+        n_buffers = _depth(batch * k, k, n_workers, tasks_per_call)
     return n_buffers, tasks_per_call
+
+
+def _weakly(method):
+    """A callable that calls ``method`` (a ``WeakMethod``) if its object still lives."""
+    def call(*args):
+        bound = method()
+        if bound is not None:
+            bound(*args)
+    return call
+
+
+def _depth(task_bytes, k, n_workers, tasks_per_call):
+    """The default ``n_buffers`` for tasks of ``k`` batches and ``task_bytes`` bytes:
+    two calls per actor, up to ``_AHEAD_BYTES`` of batches, at least 8."""
+    batch = max(1, task_bytes // k)
+    return min(MAX_BUFFERS, max(8, min(2 * n_workers * tasks_per_call * k,
+                                       _AHEAD_BYTES // batch)))
 
 
 def _check_input(sampler, sampler_factory, direct_gather, batches_per_task, tasks_per_call):
@@ -235,10 +252,11 @@ class RaySampler(SamplerBase):
         sampler: the ``BatchSampler`` to run (e.g. a ``StepSampler``), put into Ray's
             object store once and read by every actor, replacements included ...
         n_workers: actors.
-        n_buffers: batches requested ahead of the caller, per method.  By default,
-            for batches gathered directly (whose size is known), enough for two calls
-            per actor (see ``tasks_per_call``), up to 256 MiB of batches, and at least 8;
-            else 8.  It does not change the batches.
+        n_buffers: batches requested ahead of the caller, per method.  By default
+            enough for two calls per actor (see ``tasks_per_call``), up to 256 MiB of
+            batches, and at least 8: for batches gathered directly, whose size is known,
+            from the start; for others, 8 until the first batch comes, which tells their
+            size.  It does not change the batches.
         sampler_factory: ... or, instead of ``sampler``, a callable (picklable by Ray)
             that each actor calls to make its own sampler: a dataset too large to ship is
             opened by each actor where it is (shared storage), never sent.  The training
@@ -365,6 +383,7 @@ class RaySampler(SamplerBase):
             self.actor_options = actor_options
             self.local_slots = local_slots
             self.direct_gather = direct_gather
+            sized = n_buffers is None and not_direct is not None   # (see _sized)
             n_buffers, manager.group = _calls(
                 sampler if not_direct is None else None, batches_per_task, n_workers,
                 n_buffers, tasks_per_call)
@@ -373,11 +392,23 @@ class RaySampler(SamplerBase):
                              timeout=timeout, respawn=respawn,
                              batches_per_task=batches_per_task,
                              not_direct=not_direct, manager=manager)
+            if sized:   # (weakly: the manager must not keep its sampler alive)
+                manager.sized = _weakly(weakref.WeakMethod(self._sized))
             if sampler_factory is None:   # (the data the actors were sent)
                 self._pools.sample_fp = self._pools.data_now()[0]
         except BaseException:
             self._close_actors()
             raise
+
+    def _sized(self, work, task_bytes):
+        """The answer of task ``work`` was ``task_bytes`` long: at the first chunk of a
+        ``sample*`` stream, the default ``n_buffers`` for batches of that size (they are
+        not gathered directly, so their size was not known before)."""
+        if len(work) != 3 or work[0] == "sample_index":   # (not a chunk of batches)
+            return
+        self.n_buffers = _depth(task_bytes, work[2], self.n_workers, self.tasks_per_call)
+        if self._actors is not None:
+            self._actors.sized = None
 
     def _new_actors(self, sampler, direct, n_workers, **more):
         """A new `RayManager` of ``n_workers`` actors: each sent ``sampler`` as it is now
