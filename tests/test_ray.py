@@ -132,21 +132,21 @@ def test_the_default_calls_and_depth_follow_the_batch_size():
     large = replay_buffer(200, img=(3, 256, 256))   # 1.5 MiB batches
     with RaySampler(StepSampler(small, 8, seed=0), n_workers=2) as r:
         assert (r.tasks_per_call, r._chunk_size("sample")) == (8, 8)
-        assert r.n_buffers == 2 * 2 * 8 * 8   # two calls per actor
+        assert r.n_buffers == 4 * 2 * 8 * 8   # four calls per actor
         take(r, 300)
     with RaySampler(StepSampler(large, 8, seed=0), n_workers=2) as r:
-        assert (r.tasks_per_call, r._chunk_size("sample"), r.n_buffers) == (2, 1, 8)
+        assert (r.tasks_per_call, r._chunk_size("sample"), r.n_buffers) == (2, 1, 16)
     with RaySampler(StepSampler(large, 8, seed=0), n_workers=3, direct_gather=False,
                     num_cpus_per_worker=0.5) as r:
         assert (r.tasks_per_call, r.n_buffers) == (2, 8)   # (a size not known yet)
         r.sample_index()   # (indices: not what a batch's size is told by)
         assert r.n_buffers == 8
         r.sample()
-        assert r.n_buffers == 2 * 3 * 2   # (two calls of two per actor)
+        assert r.n_buffers == 4 * 3 * 2   # (four calls of two per actor)
     with RaySampler(StepSampler(small, 8, seed=0), n_workers=2, direct_gather=False,
                     batches_per_task=4) as r:
         r.sample()   # (then known: tasks of 4 small batches)
-        assert (r.tasks_per_call, r.n_buffers) == (2, 2 * 2 * 2 * 4)
+        assert (r.tasks_per_call, r.n_buffers) == (2, 4 * 2 * 2 * 4)
         sampler = weakref.ref(r)
     del r
     gc.collect()
@@ -603,5 +603,5 @@ def test_the_main_jobs_ray_row():
     cfg = config.case_config("state", quick=True, seconds=0.3, workers=2)
     res = measure.measure("ray", data.build_buffer(cfg), cfg)
     assert res.error is None and res.batches >= cfg.min_batches
-    assert res.label == "unienv_mp RaySampler (local Ray, 256 buffers)"   # (its default)
+    assert res.label == "unienv_mp RaySampler (local Ray, 512 buffers)"   # (its default)
     assert res.stats.gather_path == "direct" and len(res.stats.workers) == 2

@@ -192,9 +192,10 @@ def _weakly(method):
 
 def _depth(task_bytes, k, n_workers, tasks_per_call):
     """The default ``n_buffers`` for tasks of ``k`` batches and ``task_bytes`` bytes:
-    two calls per actor, up to ``_AHEAD_BYTES`` of batches, at least 8."""
+    four calls per actor (with fewer, an actor's next call is at times sent too late, and
+    the caller waits), up to ``_AHEAD_BYTES`` of batches, at least 8."""
     batch = max(1, task_bytes // k)
-    return min(MAX_BUFFERS, max(8, min(2 * n_workers * tasks_per_call * k,
+    return min(MAX_BUFFERS, max(8, min(4 * n_workers * tasks_per_call * k,
                                        _AHEAD_BYTES // batch)))
 
 
@@ -253,7 +254,7 @@ class RaySampler(SamplerBase):
             object store once and read by every actor, replacements included ...
         n_workers: actors.
         n_buffers: batches requested ahead of the caller, per method.  By default
-            enough for two calls per actor (see ``tasks_per_call``), up to 256 MiB of
+            enough for four calls per actor (see ``tasks_per_call``), up to 256 MiB of
             batches, and at least 8: for batches gathered directly, whose size is known,
             from the start; for others, 8 until the first batch comes, which tells their
             size.  It does not change the batches.
