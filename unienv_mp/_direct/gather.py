@@ -40,7 +40,7 @@ from .base import (BUFFER_METHODS, DIRECT_METHODS, EPOCH_GETTERS, SAMPLER_METHOD
                    NotDirect, PlannedBatch, is_index_tensor, sampled_rows)
 
 # (NotDirect, sampled_rows, DIRECT_METHODS and PlannedBatch are base's, named here too)
-__all__ = ["NotDirect", "check", "row_nbytes", "sampled_rows", "Planner", "Gatherer",
+__all__ = ["NotDirect", "check", "why_not", "row_nbytes", "sampled_rows", "Planner", "Gatherer",
            "DIRECT_METHODS", "PlannedBatch"]
 
 
@@ -59,6 +59,20 @@ def check(sampler):
     planner.structure("get_at")
     if planner.view is not None:
         _views.layout_check(planner.view, sampler)
+
+
+def why_not(sampler):
+    """Why ``sampler.sample()`` cannot be gathered directly (what
+    [`check`][unienv_mp.gather.check] raises, as a string), or None if it can.
+
+    Args:
+        sampler: the wrapped sampler, as the workers get it.
+    """
+    try:
+        check(sampler)
+    except NotDirect as e:
+        return str(e)
+    return None
 
 
 def row_nbytes(sampler, method):

@@ -19,15 +19,6 @@ __all__ = ["SamplerActor", "OK", "ERROR", "COULD_NOT_START"]
 OK, ERROR, COULD_NOT_START = 0, 1, 2
 
 
-def _not_direct(sampler):
-    """Why the direct gather cannot serve ``sampler`` (None if it can)."""
-    try:
-        _gather.check(sampler)
-    except _gather.NotDirect as e:
-        return str(e)
-    return None
-
-
 class SamplerActor:
     """Runs a `SamplerTarget` (the work function of `MultiprocessingSampler`'s workers) on
     the tasks it is sent.
@@ -111,7 +102,7 @@ class SamplerActor:
             "methods": methods,
             "rows": {n: _gather.row_nbytes(s, n) for n in methods if n.startswith("sample")},
             "configuration": _state.configuration(s, {}),
-            "not_direct": _not_direct(s) if self.target.direct else "direct_gather=False",
+            "not_direct": _gather.why_not(s) if self.target.direct else "direct_gather=False",
         }
 
     def where(self):

@@ -222,11 +222,7 @@ def _check_input(sampler, sampler_factory, direct_gather, batches_per_task, task
         return "direct_gather=False"
     if sampler is None:
         return None
-    try:
-        _gather.check(sampler)
-    except _gather.NotDirect as e:
-        return _direct_refused(str(e), direct_gather)
-    return None
+    return _direct_refused(_gather.why_not(sampler), direct_gather)
 
 
 def _direct_refused(reason, direct_gather):
