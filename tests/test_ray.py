@@ -619,20 +619,6 @@ def test_an_actor_that_cannot_start_leaves_its_batches_to_the_others():
         assert 1 <= sum(started) <= 2, started
 
 
-def test_out_of_order_an_actor_that_cannot_start_holds_no_batch_back():
-    # (results are waited for in any order here: the tasks dealt to the actor that never
-    # starts must move all the same, or the epoch never ends)
-    rb = replay_buffer(100)
-    with pytest.warns(RuntimeWarning, match="do not fit"):
-        r = RaySampler(StepSampler(rb, 8, seed=3), n_workers=3, n_buffers=6, timeout=120,
-                       in_order=False)
-    with r:
-        assert len(take(r, 40)) == 40
-        for _ in range(2):
-            rows = sorted(i for b in r.epoch_iter() for i in indices_of(b))
-            assert rows == list(range(100))
-
-
 def test_the_main_jobs_ray_row():
     from unienv_mp.bench import config, data, measure
     cfg = config.case_config("state", quick=True, seconds=0.3, workers=2)

@@ -15,7 +15,7 @@ whichever actors make them: a chunk of a ``sample*`` stream carries its seed, a
 ``get*_at`` call its indices.  So once an actor is *late* (it has not started
 ``LATE_NS`` after another did), a task of that kind (*movable*) dealt to it that the
 caller waits for is sent to an actor that has started, the one with the fewest tasks in
-flight (``relayed``, ``Lane.move``): the old copy runs if its actor ever starts, and its
+flight (``stand_in``, ``Lane.move``): the old copy runs if its actor ever starts, and its
 answer is dropped, as a cancelled task's is.  New tasks are not dealt to a late actor
 (``taking``, the ``Dealer``'s ``up``).  An actor has started once it has answered
 anything, or the probe (``where``) sent when it was asked for.  Before any actor is late,
@@ -26,7 +26,6 @@ import collections
 import time
 
 import ray
-from ray.exceptions import GetTimeoutError
 
 import numpy as np
 
@@ -35,8 +34,8 @@ from .. import stats as _stats
 from .._transport import codec as _codec
 from ._batch import LaneSlots, read_frame
 
-__all__ = ["Task", "Call", "Lane", "MAX_LEASES", "LATE_NS", "taking", "relayed",
-           "wait_start", "first_up"]
+__all__ = ["Task", "Call", "Lane", "MAX_LEASES", "LATE_NS", "taking", "stand_in",
+           "await_start"]
 
 #: Zero-copy batches alive from one actor's slots beyond which the next are copied (its
 #: slots are not given back while the caller holds them: this bounds their number).
@@ -88,7 +87,7 @@ class Lane:
     `unienv_mp.stats`)."""
     __slots__ = ("index", "actor", "pid", "cpu", "inflight", "outbox", "deaths_in_a_row",
                  "counters", "record", "incarnation", "slots", "local", "cancelled",
-                 "probe", "up", "ok", "up_ns", "asked_ns")
+                 "probe", "up", "up_ns", "asked_ns")
 
     def __init__(self, index, now_ns):
         self.index = index
@@ -105,9 +104,8 @@ class Lane:
         self.local = None   # whether the actor is on this node (None: not known yet)
         self.cancelled = collections.deque()   # cancelled tasks that hold a slot
         self.probe = None   # the actor's first call (see is_up)
-        self.up = False    # (it has answered)
-        self.ok = False    # (it has answered, not with an error: it may stand in)
-        self.up_ns = 0     # (when it was first seen up)
+        self.up = False
+        self.up_ns = 0   # (when it was first seen up)
         self.asked_ns = 0
 
     def started(self, actor, local):
@@ -121,24 +119,13 @@ class Lane:
         self.cancelled.clear()
         self.pid = self.cpu = None
         self.incarnation += 1
-        self.up = self.ok = False
+        self.up = False
         self.probe = actor.where.remote()
 
-    def mark_up(self, ok=True):
-        """The actor has answered (``ok``: not with an error, which a dead actor's probe
-        is): it has started."""
+    def mark_up(self):
+        """The actor has answered: it has started."""
         if not self.up:
             self.up, self.up_ns = True, time.monotonic_ns()
-        self.ok = self.ok or ok
-
-    def probed(self):
-        """The probe has come back: mark the actor up, and ok unless it is an error."""
-        try:
-            ray.get(self.probe, timeout=0)
-        except Exception:
-            self.mark_up(False)
-        else:
-            self.mark_up()
 
     def is_up(self):
         """Whether the actor has started: it has answered its probe or a call (an actor
@@ -149,7 +136,7 @@ class Lane:
                 self.asked_ns = now
                 ready, _ = ray.wait([self.probe], timeout=0)
                 if ready:
-                    self.probed()
+                    self.mark_up()
         return self.up
 
     def withdraw(self, task):
@@ -236,7 +223,7 @@ def _late(lane, lanes, now):
     """Whether ``lane``'s actor has not started while another of ``lanes`` has, for
     ``LATE_NS`` or more."""
     return not lane.is_up() and any(
-        other.ok and now - other.up_ns >= LATE_NS for other in lanes)
+        other.up and now - other.up_ns >= LATE_NS for other in lanes)
 
 
 def taking(lanes, lane):
@@ -244,54 +231,33 @@ def taking(lanes, lane):
     return lane.up or not _late(lane, lanes, time.monotonic_ns())
 
 
-def relayed(task, lanes, table):
-    """``task``; or, if it is movable and its actor is late, a copy of it sent under its
-    ticket (in ``table``) to the actor among ``lanes`` that has started (and answered
-    without error) with the fewest tasks in flight."""
-    if not task.movable or task.lane.up or not _late(task.lane, lanes, time.monotonic_ns()):
-        return task
-    up = [lane for lane in lanes if lane is not task.lane and lane.is_up() and lane.ok]
-    if not up:
-        return task
-    return min(up, key=lambda lane: len(lane.inflight)).move(task, table)
-
-
-def wait_start(refs, lanes, waiting, timeout):
-    """Wait until one of the calls ``refs`` is answered, and return it.  With ``waiting``
-    (movable tasks whose actors have not started), also come back with None when another
-    actor of ``lanes`` starts, or when one that has becomes ``LATE_NS`` older than theirs
-    (their tasks may move now).  Raises ``GetTimeoutError`` after ``timeout`` seconds."""
-    mine = {task.lane for task in waiting}
-    others = {} if not waiting else {
-        lane.probe: lane for lane in lanes
-        if lane not in mine and not lane.up and lane.probe is not None}
-    since = [lane.up_ns for lane in lanes if lane.ok] if waiting else []
-    limit, wake = timeout, False
-    if since:
-        # (+1 ms: ray.wait rounds its timeout down to whole milliseconds)
-        late_in = max(0.0, (min(since) + LATE_NS - time.monotonic_ns()) / 1e9) + 0.001
-        if timeout is None or late_in < timeout:
-            limit, wake = late_in, True
-    ready, _ = ray.wait([*refs, *others], num_returns=1, timeout=limit)
-    if not ready:
-        if wake:
-            return None
-        raise GetTimeoutError(f"no answer within {timeout} s")
-    lane = others.get(ready[0])
-    if lane is not None:
-        lane.probed()
+def stand_in(task, lanes):
+    """For a movable ``task`` whose actor is late: the lane, among ``lanes``, of an actor
+    that has started, with the fewest tasks in flight; else None."""
+    if not task.movable or not _late(task.lane, lanes, time.monotonic_ns()):
         return None
-    return ready[0]
+    up = [lane for lane in lanes if lane is not task.lane and lane.is_up()]
+    return min(up, key=lambda lane: len(lane.inflight)) if up else None
 
 
-def first_up(lanes):
-    """The lane of the first actor to answer its probe, waiting for one (a lane whose
-    actor has answered without error, if there is one)."""
-    for lane in lanes:
-        if lane.ok:
-            return lane
-    by_probe = {lane.probe: lane for lane in lanes}
-    ready, _ = ray.wait(list(by_probe), num_returns=1)
-    lane = by_probe[ready[0]]
-    lane.probed()
-    return lane
+def await_start(task, call, lanes, timeout):
+    """For a movable ``task`` whose actor has not started, sent in ``call``: wait until
+    the call is answered or ``timeout`` seconds pass (True), or until another actor of
+    ``lanes`` starts, or one that has becomes ``LATE_NS`` older than this one (False: the
+    task may move)."""
+    others = {lane.probe: lane for lane in lanes
+              if lane is not task.lane and not lane.up and lane.probe is not None}
+    since = [lane.up_ns for lane in lanes if lane is not task.lane and lane.up]
+    late_in = None if not since else max(
+        0.0, (min(since) + LATE_NS - time.monotonic_ns()) / 1e9)
+    if not others and late_in is None:
+        return True
+    limit = timeout if late_in is None or (timeout is not None and timeout <= late_in) \
+        else late_in
+    ready, _ = ray.wait([call.ref, *others], num_returns=1, timeout=limit)
+    if not ready:
+        return limit is timeout   # (else the task is late now)
+    if ready[0] == call.ref:
+        return True
+    others[ready[0]].mark_up()
+    return False

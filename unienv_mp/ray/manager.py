@@ -29,7 +29,7 @@ from .._validate import check_bool, check_index, check_int, check_seconds
 from ..backend import Dealer, TicketTable, no_result, none_pending, respawn_refusal
 from ..errors import PeerGoneError, WorkerDiedError, WorkerError
 from . import _actor
-from ._calls import Lane, Task, first_up, relayed, taking, wait_start
+from ._calls import Lane, Task, await_start, stand_in, taking
 from ._ship import Shipped
 
 __all__ = ["RayManager", "check_cpus"]
@@ -218,11 +218,11 @@ class RayManager:
             raise WorkerDiedError(f"{what} died ({cause}); {verdict}", worker=lane.index)
 
     def _ask(self, method, *args):
-        """Call ``method`` of the first actor to start and return what it answers (the
+        """Call ``method`` of the first worker's actor and return what it answers (the
         ``(status, value)`` of `SamplerActor`'s methods), replacing the actor if it is found
         dead."""
         self._ensure_open()
-        lane = first_up(self._lanes)   # (one that does not fit may never start)
+        lane = self._lanes[0]
         while True:
             try:
                 status, value = ray.get(getattr(lane.actor, method).remote(*args))
@@ -262,9 +262,8 @@ class RayManager:
         else:
             lane = self._dealer.pick(lanes, self.in_order, _load)
         # (a chunk of a sample* stream, or a get*_at call, gives the same result on any
-        # actor: see unienv_mp.ray._calls on stand-ins; a function's call may not)
-        task = Task(work, lane, movable=worker is None and work[0] is not None
-                    and work[-1] is not NO_ARG)
+        # actor: see unienv_mp.ray._calls on stand-ins)
+        task = Task(work, lane, movable=worker is None and work[-1] is not NO_ARG)
         # One step that a Ctrl-C does not cut: a ticket issued is recorded (else the
         # caller could not cancel it, and it would stay in flight, holding its slot).
         with _os.interrupts_deferred():
@@ -298,14 +297,17 @@ class RayManager:
         limit = self.timeout if timeout is None else timeout
         deadline = None if limit is None else time.monotonic() + limit
         while True:
-            task = relayed(task, self._lanes, self._tasks)   # (see unienv_mp.ray._calls)
+            if task.movable and not task.lane.up:   # (see stand-ins, unienv_mp.ray._calls)
+                lane = stand_in(task, self._lanes)
+                if lane is not None:
+                    task = lane.move(task, self._tasks)
             call, index, slot = _sent(task)
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             start = time.monotonic_ns()
             try:
                 if (task.movable and not task.lane.up
-                        and wait_start([call.ref], self._lanes, [task], left) is None):
-                    continue   # (its actor may be late now)
+                        and not await_start(task, call, self._lanes, left)):
+                    continue   # (another actor has started: the task may go there)
                 results, pid, cpu = call.answers(left)
             except _rx.GetTimeoutError:
                 raise no_result(limit) from None
@@ -342,7 +344,7 @@ class RayManager:
             pass
         del self._tasks[task.ticket]   # (before its slot goes back: that happens once)
         lane.pid, lane.cpu = pid, cpu
-        lane.mark_up()   # (an answer: the actor lives)
+        lane.mark_up()
         counters = lane.counters
         if status == _actor.OK:
             lane.deaths_in_a_row = 0
@@ -375,43 +377,43 @@ class RayManager:
         ``TimeoutError`` after ``timeout`` (default: the manager's) seconds, ``KeyError`` if
         no ticket is pending."""
         self._ensure_open()
+        by_ref = {}
+        for t in tickets:
+            task = self._tasks.get(t)
+            if task is not None and not task.cancelled:
+                call = _sent(task)[0]
+                if call.answer is not None:
+                    return t
+                by_ref.setdefault(call.ref, t)
+        if not by_ref:
+            raise none_pending(tickets)
         limit = self.timeout if timeout is None else timeout
-        deadline = None if limit is None else time.monotonic() + limit
-        while True:
-            by_ref, waiting = {}, []
-            for t in tickets:
-                task = self._tasks.get(t)
-                if task is not None and not task.cancelled:
-                    task = relayed(task, self._lanes, self._tasks)
-                    call = _sent(task)[0]
-                    if call.answer is not None:
-                        return t
-                    by_ref.setdefault(call.ref, t)
-                    if task.movable and not task.lane.up:
-                        waiting.append(task)
-            if not by_ref:
-                raise none_pending(tickets)
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            start = time.monotonic_ns()
-            try:
-                ref = wait_start(list(by_ref), self._lanes, waiting, left)
-            except _rx.GetTimeoutError:
-                raise no_result(limit) from None
-            finally:
-                self._caller.wait_ns += time.monotonic_ns() - start
-            if ref is not None:
-                return by_ref[ref]
+        start = time.monotonic_ns()
+        try:
+            ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=limit)
+        finally:
+            self._caller.wait_ns += time.monotonic_ns() - start
+        if not ready:
+            raise no_result(limit)
+        return by_ref[ready[0]]
 
     def cancel(self, ticket):
         """Forget a ticket.  A task not sent yet is not sent; one sent still runs, and its
         answer is dropped: Ray's own cancel of an actor task interrupts the actor's
         thread, and after a Ctrl-C in the caller it was seen to hold the actor's later
-        answers up for 20 s and more."""
-        with _os.interrupts_deferred():   # (one step: a slot is never lost)
-            task = self._tasks.pop(ticket, None)
-            if task is not None:
-                task.cancelled = True
-                task.lane.withdraw(task)
+        answers up for 20 s and more.  (Out of flight before out of the table: cut short
+        in between, the task is still known, and is forgotten by the next cancel of it.)"""
+        task = self._tasks.get(ticket)
+        if task is None:
+            return
+        task.cancelled = True
+        lane = task.lane
+        try:
+            lane.inflight.remove(ticket)
+        except ValueError:
+            pass
+        self._tasks.pop(ticket, None)
+        lane.withdraw(task)   # (the rest of it: once, as the ticket is known no more)
 
     # -- where the time goes --------------------------------------------------------------
 
