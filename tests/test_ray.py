@@ -598,27 +598,6 @@ def test_actors_that_do_not_fit_in_the_cluster_are_warned_about():
         assert len(take(r, 10)) == 10
 
 
-def test_an_actor_that_cannot_start_leaves_its_batches_to_the_others():
-    # 3 actors of a CPU on 2 CPUs: one waits for a CPU for ever, and its share of the
-    # stream and of the epochs is made by the other two, bit for bit the same
-    rb = replay_buffer(100)
-    with MultiprocessingSampler(StepSampler(rb, 8, seed=3), n_workers=2, ctx="fork") as m:
-        want = take(m, 40)
-        want_index = take(m, 10, "sample_index")
-        want_epoch = list(m.epoch_iter())
-    with pytest.warns(RuntimeWarning, match="do not fit"):
-        r = RaySampler(StepSampler(rb, 8, seed=3), n_workers=3, n_buffers=6, timeout=120)
-    with r:
-        for a, b in zip(want, take(r, 40), strict=True):
-            same(a, b)
-        for a, b in zip(want_index, take(r, 10, "sample_index"), strict=True):
-            same(a, b)
-        for a, b in zip(want_epoch, list(r.epoch_iter()), strict=True):
-            same(a, b)
-        started = [w.pid is not None for w in r.stats().workers]
-        assert 1 <= sum(started) <= 2, started
-
-
 def test_the_main_jobs_ray_row():
     from unienv_mp.bench import config, data, measure
     cfg = config.case_config("state", quick=True, seconds=0.3, workers=2)

@@ -6,24 +6,8 @@ whatever it carries, so small tasks travel together.  A task submitted waits in 
 lane's *outbox* until the outbox holds ``group`` tasks, or until the caller asks for it
 (``Lane.flush``); its answer is read from its call's, which one ``ray.get`` fetches for
 all of them (``Call.answers``).
-
-*Stand-ins.*  Ray actors start one to three seconds after they are asked for (each
-imports torch), and not all at once: on 2 cores the last of 4 answered up to 0.8 s after
-the first; an actor that does not fit in the cluster's CPUs does not start at all, and a
-stream dealt round-robin waited for it for ever.  RaySampler promises the same batches
-whichever actors make them: a chunk of a ``sample*`` stream carries its seed, a
-``get*_at`` call its indices.  So once an actor is *late* (it has not started
-``LATE_NS`` after another did), a task of that kind (*movable*) dealt to it that the
-caller waits for is sent to an actor that has started, the one with the fewest tasks in
-flight (``stand_in``, ``Lane.move``): the old copy runs if its actor ever starts, and its
-answer is dropped, as a cancelled task's is.  New tasks are not dealt to a late actor
-(``taking``, the ``Dealer``'s ``up``).  An actor has started once it has answered
-anything, or the probe (``where``) sent when it was asked for.  Before any actor is late,
-tasks wait for theirs: moving them while all start together made the first thousands of
-batches no sooner (the CPU goes to the actors' imports), and split the calls.
 """
 import collections
-import time
 
 import ray
 
@@ -34,33 +18,25 @@ from .. import stats as _stats
 from .._transport import codec as _codec
 from ._batch import LaneSlots, read_frame
 
-__all__ = ["Task", "Call", "Lane", "MAX_LEASES", "LATE_NS", "taking", "stand_in",
-           "await_start"]
+__all__ = ["Task", "Call", "Lane", "MAX_LEASES"]
 
 #: Zero-copy batches alive from one actor's slots beyond which the next are copied (its
 #: slots are not given back while the caller holds them: this bounds their number).
 MAX_LEASES = 64
-
-#: How often (ns) whether an actor has started is asked of Ray, at most.
-_ASK_EVERY_NS = 1_000_000
-#: How long (ns) an actor may be later than the first to start before its tasks go to
-#: others (see the stand-ins above).
-LATE_NS = 1_000_000_000
 
 
 class Task:
     """One task: its ticket, work and lane, and once sent, ``sent``: ``(call, index in
     the call, slot)`` (the slot of the actor it writes into, None for the object store),
     set in one step."""
-    __slots__ = ("ticket", "work", "lane", "sent", "cancelled", "movable")
+    __slots__ = ("ticket", "work", "lane", "sent", "cancelled")
 
-    def __init__(self, work, lane, movable=False):
+    def __init__(self, work, lane):
         self.ticket = None
         self.work = work
         self.lane = lane
         self.sent = None
         self.cancelled = False
-        self.movable = movable   # (any actor may run it: see the stand-ins above)
 
 
 class Call:
@@ -86,8 +62,7 @@ class Lane:
     and not delivered yet, in order, the tasks in its outbox, and its counters (see
     `unienv_mp.stats`)."""
     __slots__ = ("index", "actor", "pid", "cpu", "inflight", "outbox", "deaths_in_a_row",
-                 "counters", "record", "incarnation", "slots", "local", "cancelled",
-                 "probe", "up", "up_ns", "asked_ns")
+                 "counters", "record", "incarnation", "slots", "local", "cancelled")
 
     def __init__(self, index, now_ns):
         self.index = index
@@ -103,10 +78,6 @@ class Lane:
         self.slots = None   # the actor's result slots (see unienv_mp.ray._batch)
         self.local = None   # whether the actor is on this node (None: not known yet)
         self.cancelled = collections.deque()   # cancelled tasks that hold a slot
-        self.probe = None   # the actor's first call (see is_up)
-        self.up = False
-        self.up_ns = 0   # (when it was first seen up)
-        self.asked_ns = 0
 
     def started(self, actor, local):
         """``actor`` is this lane's now (``local``: whether it may be on this node, None if
@@ -119,56 +90,6 @@ class Lane:
         self.cancelled.clear()
         self.pid = self.cpu = None
         self.incarnation += 1
-        self.up = False
-        self.probe = actor.where.remote()
-
-    def mark_up(self):
-        """The actor has answered: it has started."""
-        if not self.up:
-            self.up, self.up_ns = True, time.monotonic_ns()
-
-    def is_up(self):
-        """Whether the actor has started: it has answered its probe or a call (an actor
-        that died answers with its error, and counts: the call that waits finds it)."""
-        if not self.up:
-            now = time.monotonic_ns()
-            if now - self.asked_ns >= _ASK_EVERY_NS:   # (a ray.wait costs ~50 us)
-                self.asked_ns = now
-                ready, _ = ray.wait([self.probe], timeout=0)
-                if ready:
-                    self.mark_up()
-        return self.up
-
-    def withdraw(self, task):
-        """Take ``task`` out of this lane: out of flight, and out of the outbox if it was
-        not sent; if it was, it runs, and its slot goes back once its call is answered
-        (see ``reclaim``)."""
-        try:
-            self.inflight.remove(task.ticket)
-        except ValueError:
-            pass
-        if task.sent is None:
-            try:
-                self.outbox.remove(task)
-            except ValueError:
-                pass
-        elif task.sent[2] is not None:
-            self.cancelled.append(task)
-
-    def move(self, task, tasks):
-        """``task`` (of another lane, whose actor has not started) again, as a task of this
-        lane under the same ticket in ``tasks`` (the ticket table), sent now with this
-        lane's outbox; the old one is cancelled.  One step that a Ctrl-C does not cut."""
-        with _os.interrupts_deferred():
-            new = Task(task.work, self, movable=True)
-            new.ticket = task.ticket
-            task.cancelled = True
-            task.lane.withdraw(task)
-            tasks[new.ticket] = new
-            self.inflight.append(new.ticket)
-            self.outbox.append(new)
-            self.flush()
-        return new
 
     def flush(self, tasks=None):
         """Send ``tasks`` (default: the outbox) to the actor in one call, each with a
@@ -217,47 +138,3 @@ class Lane:
             if task.sent[0].ref in done:
                 cancelled.remove(task)
                 self.slots.give_back(task.sent[2])
-
-
-def _late(lane, lanes, now):
-    """Whether ``lane``'s actor has not started while another of ``lanes`` has, for
-    ``LATE_NS`` or more."""
-    return not lane.is_up() and any(
-        other.up and now - other.up_ns >= LATE_NS for other in lanes)
-
-
-def taking(lanes, lane):
-    """Whether new tasks may be dealt to ``lane`` (of ``lanes``): unless it is late."""
-    return lane.up or not _late(lane, lanes, time.monotonic_ns())
-
-
-def stand_in(task, lanes):
-    """For a movable ``task`` whose actor is late: the lane, among ``lanes``, of an actor
-    that has started, with the fewest tasks in flight; else None."""
-    if not task.movable or not _late(task.lane, lanes, time.monotonic_ns()):
-        return None
-    up = [lane for lane in lanes if lane is not task.lane and lane.is_up()]
-    return min(up, key=lambda lane: len(lane.inflight)) if up else None
-
-
-def await_start(task, call, lanes, timeout):
-    """For a movable ``task`` whose actor has not started, sent in ``call``: wait until
-    the call is answered or ``timeout`` seconds pass (True), or until another actor of
-    ``lanes`` starts, or one that has becomes ``LATE_NS`` older than this one (False: the
-    task may move)."""
-    others = {lane.probe: lane for lane in lanes
-              if lane is not task.lane and not lane.up and lane.probe is not None}
-    since = [lane.up_ns for lane in lanes if lane is not task.lane and lane.up]
-    late_in = None if not since else max(
-        0.0, (min(since) + LATE_NS - time.monotonic_ns()) / 1e9)
-    if not others and late_in is None:
-        return True
-    limit = timeout if late_in is None or (timeout is not None and timeout <= late_in) \
-        else late_in
-    ready, _ = ray.wait([call.ref, *others], num_returns=1, timeout=limit)
-    if not ready:
-        return limit is timeout   # (else the task is late now)
-    if ready[0] == call.ref:
-        return True
-    others[ready[0]].mark_up()
-    return False

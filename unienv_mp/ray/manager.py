@@ -15,7 +15,6 @@ is replaced by a new actor, and every task it had not delivered is sent to the r
 with ``respawn=False``, or after ``max_respawns`` replacements in a row without a result,
 `WorkerDiedError` is raised instead.
 """
-import functools
 import time
 import warnings
 
@@ -24,12 +23,12 @@ import ray.exceptions as _rx
 
 from .. import _os
 from .. import stats as _stats
-from .._sampling.target import NO_ARG, SamplerTarget
+from .._sampling.target import SamplerTarget
 from .._validate import check_bool, check_index, check_int, check_seconds
 from ..backend import Dealer, TicketTable, no_result, none_pending, respawn_refusal
 from ..errors import PeerGoneError, WorkerDiedError, WorkerError
 from . import _actor
-from ._calls import Lane, Task, await_start, stand_in, taking
+from ._calls import Lane, Task
 from ._ship import Shipped
 
 __all__ = ["RayManager", "check_cpus"]
@@ -150,8 +149,7 @@ class RayManager:
             warnings.warn(
                 f"{n_workers} actors of {num_cpus_per_worker:g} CPU each do not fit in the "
                 f"Ray cluster's {have:g} CPUs: those that do not fit wait for CPUs (or nodes) "
-                f"to be free, and the others make the batches meanwhile.  Ask for fewer "
-                f"workers, or "
+                f"to be free, and so do the tasks dealt to them.  Ask for fewer workers, or "
                 f"fewer CPUs each (num_cpus_per_worker may be 0)", RuntimeWarning,
                 stacklevel=3)
         options = {"num_cpus": num_cpus_per_worker, "max_restarts": 0,
@@ -160,12 +158,11 @@ class RayManager:
         self._actor_class = ray.remote(_actor.SamplerActor).options(**options)
         self._batches_in = SamplerTarget.batches_in
         self._tasks = TicketTable()  # ticket -> _Task, until delivered or cancelled
+        self._dealer = Dealer()
         self._caller = _stats.CallerRecord()   # batches handed out, time waited (stats)
         self._home = ray.get_runtime_context().get_node_id() if local_slots else None
         now = time.monotonic_ns()
         self._lanes = [Lane(i, now) for i in range(n_workers)]
-        # (a late actor is passed over: see stand-ins, unienv_mp.ray._calls)
-        self._dealer = Dealer(up=functools.partial(taking, self._lanes))
         self.closed = False
         for lane in self._lanes:
             self._start(lane)
@@ -261,9 +258,7 @@ class RayManager:
             lane = lanes[check_index(worker, "worker", len(lanes))]
         else:
             lane = self._dealer.pick(lanes, self.in_order, _load)
-        # (a chunk of a sample* stream, or a get*_at call, gives the same result on any
-        # actor: see unienv_mp.ray._calls on stand-ins)
-        task = Task(work, lane, movable=worker is None and work[-1] is not NO_ARG)
+        task = Task(work, lane)
         # One step that a Ctrl-C does not cut: a ticket issued is recorded (else the
         # caller could not cancel it, and it would stay in flight, holding its slot).
         with _os.interrupts_deferred():
@@ -297,17 +292,10 @@ class RayManager:
         limit = self.timeout if timeout is None else timeout
         deadline = None if limit is None else time.monotonic() + limit
         while True:
-            if task.movable and not task.lane.up:   # (see stand-ins, unienv_mp.ray._calls)
-                lane = stand_in(task, self._lanes)
-                if lane is not None:
-                    task = lane.move(task, self._tasks)
             call, index, slot = _sent(task)
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             start = time.monotonic_ns()
             try:
-                if (task.movable and not task.lane.up
-                        and not await_start(task, call, self._lanes, left)):
-                    continue   # (another actor has started: the task may go there)
                 results, pid, cpu = call.answers(left)
             except _rx.GetTimeoutError:
                 raise no_result(limit) from None
@@ -344,7 +332,6 @@ class RayManager:
             pass
         del self._tasks[task.ticket]   # (before its slot goes back: that happens once)
         lane.pid, lane.cpu = pid, cpu
-        lane.mark_up()
         counters = lane.counters
         if status == _actor.OK:
             lane.deaths_in_a_row = 0
@@ -413,7 +400,14 @@ class RayManager:
         except ValueError:
             pass
         self._tasks.pop(ticket, None)
-        lane.withdraw(task)   # (the rest of it: once, as the ticket is known no more)
+        sent = task.sent
+        if sent is None:
+            try:
+                lane.outbox.remove(task)
+            except ValueError:
+                pass
+        elif sent[2] is not None:
+            lane.cancelled.append(task)   # (its slot goes back once its call is answered)
 
     # -- where the time goes --------------------------------------------------------------
 
