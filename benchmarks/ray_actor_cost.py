@@ -146,13 +146,25 @@ def start(rounds):
               + ", ".join(f"{1e3 * w:.0f} ms before batch {i}" for w, i in waits))
 
 
+def _positive(kind):
+    def parse(text):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+        return value
+    return parse
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", choices=("gather", "call", "start"), action="append",
                    help="run only this measurement (may be repeated)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of gather and start")
-    p.add_argument("--batches", type=int, default=120, help="batches a process (gather)")
-    p.add_argument("--seconds", type=float, default=4.0, help="seconds a depth (call)")
+    p.add_argument("--rounds", type=_positive(int), default=3,
+                   help="rounds of gather and start")
+    p.add_argument("--batches", type=_positive(int), default=120,
+                   help="batches a process (gather)")
+    p.add_argument("--seconds", type=_positive(float), default=4.0,
+                   help="seconds a depth (call)")
     args = p.parse_args(argv)
     which = args.only or ["gather", "call", "start"]
     import ray
