@@ -605,3 +605,15 @@ def test_the_main_jobs_ray_row():
     assert res.error is None and res.batches >= cfg.min_batches
     assert res.label == "unienv_mp RaySampler (local Ray, 512 buffers)"   # (its default)
     assert res.stats.gather_path == "direct" and len(res.stats.workers) == 2
+
+
+def test_the_actor_cost_script_refuses_counts_and_times_of_zero(capsys):
+    import importlib.util
+    path = os.path.join(os.path.dirname(TESTS), "benchmarks", "ray_actor_cost.py")
+    spec = importlib.util.spec_from_file_location("ray_actor_cost", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for argv in (["--rounds", "0"], ["--batches", "-1"], ["--seconds", "0"]):
+        with pytest.raises(SystemExit):
+            script.main(argv)
+        assert "must be more than 0" in capsys.readouterr().err
