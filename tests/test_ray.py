@@ -187,17 +187,30 @@ def test_epochs_cover_every_index_once_with_a_partial_last_batch():
             assert sorted(i for b in batches for i in b) == list(range(61))
 
 
+def whole_chunks(got, want, k):
+    """The indices of the chunks of ``k`` batches of stream ``want`` (batches' indices)
+    that ``got``, cut into chunks of ``k``, is made of; fails if any is not one."""
+    chunks = [want[i:i + k] for i in range(0, len(want), k)]
+    found = []
+    for i in range(0, len(got), k):
+        assert got[i:i + k] in chunks, f"batches {i}.. are not a chunk of the stream"
+        found.append(chunks.index(got[i:i + k]))
+    return found
+
+
 def test_in_order_false_gives_the_same_batches():
-    # (a task makes a chunk of 8 batches: out of order, whole chunks come in another order)
+    # (a task makes a chunk of 8 batches: out of order, whole chunks of the in-order
+    # stream come in another order, each at most once.  Which come first is Ray's
+    # scheduling, and a late actor's tasks go to the back of another's queue: any chunk
+    # requested may, and those lie within n_buffers batches of the first not handed out)
     rb = replay_buffer(100)
-    with RaySampler(StepSampler(rb, 8, seed=1), n_workers=2) as r:
-        want = [indices_of(b) for b in take(r, 80)]
-    chunks = [want[i:i + 8] for i in range(0, 80, 8)]
     with RaySampler(StepSampler(rb, 8, seed=1), n_workers=2, in_order=False) as r:
         got = [indices_of(b) for b in take(r, 24)]
-    got = [got[i:i + 8] for i in range(0, 24, 8)]
-    assert all(c in chunks for c in got)
-    assert len({chunks.index(c) for c in got}) == 3
+        ahead, k = r.n_buffers, r._chunk_size("sample")
+    assert k == 8
+    with RaySampler(StepSampler(rb, 8, seed=1), n_workers=2) as r:
+        want = [indices_of(b) for b in take(r, 24 + ahead + k)]
+    assert len(set(whole_chunks(got, want, k))) == 3
 
 
 def test_numpy_batches_arrive_as_numpy():
@@ -596,6 +609,52 @@ def test_actors_that_do_not_fit_in_the_cluster_are_warned_about():
     # fractions of a CPU (or none) fit
     with RaySampler(StepSampler(rb, 4, seed=0), n_workers=3, num_cpus_per_worker=0.5) as r:
         assert len(take(r, 10)) == 10
+
+
+def test_an_actor_that_cannot_start_leaves_its_batches_to_the_others():
+    # 3 actors of a CPU on 2 CPUs: one waits for a CPU for ever, and its share of the
+    # stream and of the epochs is made by the other two, bit for bit the same
+    rb = replay_buffer(100)
+    with MultiprocessingSampler(StepSampler(rb, 8, seed=3), n_workers=2, ctx="fork") as m:
+        want = take(m, 40)
+        want_index = take(m, 10, "sample_index")
+        want_epoch = list(m.epoch_iter())
+    with pytest.warns(RuntimeWarning, match="do not fit"):
+        r = RaySampler(StepSampler(rb, 8, seed=3), n_workers=3, n_buffers=6, timeout=120)
+    with r:
+        for a, b in zip(want, take(r, 40), strict=True):
+            same(a, b)
+        for a, b in zip(want_index, take(r, 10, "sample_index"), strict=True):
+            same(a, b)
+        for a, b in zip(want_epoch, list(r.epoch_iter()), strict=True):
+            same(a, b)
+        started = [w.pid is not None for w in r.stats().workers]
+        assert 1 <= sum(started) <= 2, started
+
+
+def test_out_of_order_an_actor_that_cannot_start_holds_no_batch_back(monkeypatch):
+    # (results are waited for in any order here: the tasks dealt to the actor that never
+    # starts must move all the same, or the epoch never ends; and what moved is still
+    # whole chunks of the stream.  Once the first batch is in, the next three chunks are
+    # dealt one to each actor; then a late actor is one that has not started at all, so
+    # that its chunk moves at once, among the chunks taken here)
+    from unienv_mp.ray import _calls
+    rb = replay_buffer(100)
+    with pytest.warns(RuntimeWarning, match="do not fit"):
+        r = RaySampler(StepSampler(rb, 8, seed=3), n_workers=3, n_buffers=24, timeout=120,
+                       in_order=False)
+    with r:
+        k = r._chunk_size("sample")
+        got = [indices_of(r.sample())]
+        monkeypatch.setattr(_calls, "LATE_NS", 0)
+        got += [indices_of(b) for b in take(r, 12 * k - 1)]
+        with MultiprocessingSampler(StepSampler(rb, 8, seed=3), n_workers=1,
+                                    batches_per_task=k, ctx="fork") as m:
+            want = [indices_of(b) for b in take(m, 13 * k + r.n_buffers)]
+        assert len(set(whole_chunks(got, want, k))) == 12
+        for _ in range(2):
+            rows = sorted(i for b in r.epoch_iter() for i in indices_of(b))
+            assert rows == list(range(100))
 
 
 def test_the_main_jobs_ray_row():

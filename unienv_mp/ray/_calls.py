@@ -6,10 +6,27 @@ whatever it carries, so small tasks travel together.  A task submitted waits in 
 lane's *outbox* until the outbox holds ``group`` tasks, or until the caller asks for it
 (``Lane.flush``); its answer is read from its call's, which one ``ray.get`` fetches for
 all of them (``Call.answers``).
+
+*Stand-ins.*  Ray actors start one to three seconds after they are asked for (each
+imports torch), and not all at once: on 2 cores the last of 4 answered up to 0.8 s after
+the first; an actor that does not fit in the cluster's CPUs does not start at all, and a
+stream dealt round-robin waited for it for ever.  RaySampler promises the same batches
+whichever actors make them: a chunk of a ``sample*`` stream carries its seed, a
+``get*_at`` call its indices.  So once an actor is *late* (it has not started
+``LATE_NS`` after another did), a task of that kind (*movable*) dealt to it that the
+caller waits for is sent to an actor that has started, the one with the fewest tasks in
+flight (``relayed``, ``Lane.move``): the old copy runs if its actor ever starts, and its
+answer is dropped, as a cancelled task's is.  New tasks are not dealt to a late actor
+(``taking``, the ``Dealer``'s ``up``).  An actor has started once it has answered
+anything, or the probe (``where``) sent when it was asked for.  Before any actor is late,
+tasks wait for theirs: moving them while all start together made the first thousands of
+batches no sooner (the CPU goes to the actors' imports), and split the calls.
 """
 import collections
+import time
 
 import ray
+from ray.exceptions import GetTimeoutError
 
 import numpy as np
 
@@ -18,25 +35,33 @@ from .. import stats as _stats
 from .._transport import codec as _codec
 from ._batch import LaneSlots, read_frame
 
-__all__ = ["Task", "Call", "Lane", "MAX_LEASES"]
+__all__ = ["Task", "Call", "Lane", "MAX_LEASES", "LATE_NS", "taking", "relayed",
+           "wait_start", "first_up"]
 
 #: Zero-copy batches alive from one actor's slots beyond which the next are copied (its
 #: slots are not given back while the caller holds them: this bounds their number).
 MAX_LEASES = 64
+
+#: How often (ns) whether an actor has started is asked of Ray, at most.
+_ASK_EVERY_NS = 1_000_000
+#: How long (ns) an actor may be later than the first to start before its tasks go to
+#: others (see the stand-ins above).
+LATE_NS = 1_000_000_000
 
 
 class Task:
     """One task: its ticket, work and lane, and once sent, ``sent``: ``(call, index in
     the call, slot)`` (the slot of the actor it writes into, None for the object store),
     set in one step."""
-    __slots__ = ("ticket", "work", "lane", "sent", "cancelled")
+    __slots__ = ("ticket", "work", "lane", "sent", "cancelled", "movable")
 
-    def __init__(self, work, lane):
+    def __init__(self, work, lane, movable=False):
         self.ticket = None
         self.work = work
         self.lane = lane
         self.sent = None
         self.cancelled = False
+        self.movable = movable   # (any actor may run it: see the stand-ins above)
 
 
 class Call:
@@ -62,7 +87,8 @@ class Lane:
     and not delivered yet, in order, the tasks in its outbox, and its counters (see
     `unienv_mp.stats`)."""
     __slots__ = ("index", "actor", "pid", "cpu", "inflight", "outbox", "deaths_in_a_row",
-                 "counters", "record", "incarnation", "slots", "local", "cancelled")
+                 "counters", "record", "incarnation", "slots", "local", "cancelled",
+                 "probe", "up", "ok", "up_ns", "asked_ns")
 
     def __init__(self, index, now_ns):
         self.index = index
@@ -78,6 +104,11 @@ class Lane:
         self.slots = None   # the actor's result slots (see unienv_mp.ray._batch)
         self.local = None   # whether the actor is on this node (None: not known yet)
         self.cancelled = collections.deque()   # cancelled tasks that hold a slot
+        self.probe = None   # the actor's first call (see is_up)
+        self.up = False    # (it has answered)
+        self.ok = False    # (it has answered, not with an error: it may stand in)
+        self.up_ns = 0     # (when it was first seen up)
+        self.asked_ns = 0
 
     def started(self, actor, local):
         """``actor`` is this lane's now (``local``: whether it may be on this node, None if
@@ -90,6 +121,67 @@ class Lane:
         self.cancelled.clear()
         self.pid = self.cpu = None
         self.incarnation += 1
+        self.up = self.ok = False
+        self.probe = actor.where.remote()
+
+    def mark_up(self, ok=True):
+        """The actor has answered (``ok``: not with an error, which a dead actor's probe
+        is): it has started."""
+        if not self.up:
+            self.up, self.up_ns = True, time.monotonic_ns()
+        self.ok = self.ok or ok
+
+    def probed(self):
+        """The probe has come back: mark the actor up, and ok unless it is an error."""
+        try:
+            ray.get(self.probe, timeout=0)
+        except Exception:
+            self.mark_up(False)
+        else:
+            self.mark_up()
+
+    def is_up(self):
+        """Whether the actor has started: it has answered its probe or a call (an actor
+        that died answers with its error, and counts: the call that waits finds it)."""
+        if not self.up:
+            now = time.monotonic_ns()
+            if now - self.asked_ns >= _ASK_EVERY_NS:   # (a ray.wait costs ~50 us)
+                self.asked_ns = now
+                ready, _ = ray.wait([self.probe], timeout=0)
+                if ready:
+                    self.probed()
+        return self.up
+
+    def withdraw(self, task):
+        """Take ``task`` out of this lane: out of flight, and out of the outbox if it was
+        not sent; if it was, it runs, and its slot goes back once its call is answered
+        (see ``reclaim``)."""
+        try:
+            self.inflight.remove(task.ticket)
+        except ValueError:
+            pass
+        if task.sent is None:
+            try:
+                self.outbox.remove(task)
+            except ValueError:
+                pass
+        elif task.sent[2] is not None:
+            self.cancelled.append(task)
+
+    def move(self, task, tasks):
+        """``task`` (of another lane, whose actor has not started) again, as a task of this
+        lane under the same ticket in ``tasks`` (the ticket table), sent now with this
+        lane's outbox; the old one is cancelled.  One step that a Ctrl-C does not cut."""
+        with _os.interrupts_deferred():
+            new = Task(task.work, self, movable=True)
+            new.ticket = task.ticket
+            task.cancelled = True
+            task.lane.withdraw(task)
+            tasks[new.ticket] = new
+            self.inflight.append(new.ticket)
+            self.outbox.append(new)
+            self.flush()
+        return new
 
     def flush(self, tasks=None):
         """Send ``tasks`` (default: the outbox) to the actor in one call, each with a
@@ -138,3 +230,68 @@ class Lane:
             if task.sent[0].ref in done:
                 cancelled.remove(task)
                 self.slots.give_back(task.sent[2])
+
+
+def _late(lane, lanes, now):
+    """Whether ``lane``'s actor has not started while another of ``lanes`` has, for
+    ``LATE_NS`` or more."""
+    return not lane.is_up() and any(
+        other.ok and now - other.up_ns >= LATE_NS for other in lanes)
+
+
+def taking(lanes, lane):
+    """Whether new tasks may be dealt to ``lane`` (of ``lanes``): unless it is late."""
+    return lane.up or not _late(lane, lanes, time.monotonic_ns())
+
+
+def relayed(task, lanes, table):
+    """``task``; or, if it is movable and its actor is late, a copy of it sent under its
+    ticket (in ``table``) to the actor among ``lanes`` that has started (and answered
+    without error) with the fewest tasks in flight."""
+    if not task.movable or task.lane.up or not _late(task.lane, lanes, time.monotonic_ns()):
+        return task
+    up = [lane for lane in lanes if lane is not task.lane and lane.is_up() and lane.ok]
+    if not up:
+        return task
+    return min(up, key=lambda lane: len(lane.inflight)).move(task, table)
+
+
+def wait_start(refs, lanes, waiting, timeout):
+    """Wait until one of the calls ``refs`` is answered, and return it.  With ``waiting``
+    (movable tasks whose actors have not started), also come back with None when another
+    actor of ``lanes`` starts, or when one that has becomes ``LATE_NS`` older than theirs
+    (their tasks may move now).  Raises ``GetTimeoutError`` after ``timeout`` seconds."""
+    mine = {task.lane for task in waiting}
+    others = {} if not waiting else {
+        lane.probe: lane for lane in lanes
+        if lane not in mine and not lane.up and lane.probe is not None}
+    since = [lane.up_ns for lane in lanes if lane.ok] if waiting else []
+    limit, wake = timeout, False
+    if since:
+        # (+1 ms: ray.wait rounds its timeout down to whole milliseconds)
+        late_in = max(0.0, (min(since) + LATE_NS - time.monotonic_ns()) / 1e9) + 0.001
+        if timeout is None or late_in < timeout:
+            limit, wake = late_in, True
+    ready, _ = ray.wait([*refs, *others], num_returns=1, timeout=limit)
+    if not ready:
+        if wake:
+            return None
+        raise GetTimeoutError(f"no answer within {timeout} s")
+    lane = others.get(ready[0])
+    if lane is not None:
+        lane.probed()
+        return None
+    return ready[0]
+
+
+def first_up(lanes):
+    """The lane of the first actor to answer its probe, waiting for one (a lane whose
+    actor has answered without error, if there is one)."""
+    for lane in lanes:
+        if lane.ok:
+            return lane
+    by_probe = {lane.probe: lane for lane in lanes}
+    ready, _ = ray.wait(list(by_probe), num_returns=1)
+    lane = by_probe[ready[0]]
+    lane.probed()
+    return lane

@@ -15,6 +15,7 @@ is replaced by a new actor, and every task it had not delivered is sent to the r
 with ``respawn=False``, or after ``max_respawns`` replacements in a row without a result,
 `WorkerDiedError` is raised instead.
 """
+import functools
 import time
 import warnings
 
@@ -23,12 +24,12 @@ import ray.exceptions as _rx
 
 from .. import _os
 from .. import stats as _stats
-from .._sampling.target import SamplerTarget
+from .._sampling.target import NO_ARG, SamplerTarget
 from .._validate import check_bool, check_index, check_int, check_seconds
 from ..backend import Dealer, TicketTable, no_result, none_pending, respawn_refusal
 from ..errors import PeerGoneError, WorkerDiedError, WorkerError
 from . import _actor
-from ._calls import Lane, Task
+from ._calls import Lane, Task, first_up, relayed, taking, wait_start
 from ._ship import Shipped
 
 __all__ = ["RayManager", "check_cpus"]
@@ -149,7 +150,8 @@ class RayManager:
             warnings.warn(
                 f"{n_workers} actors of {num_cpus_per_worker:g} CPU each do not fit in the "
                 f"Ray cluster's {have:g} CPUs: those that do not fit wait for CPUs (or nodes) "
-                f"to be free, and so do the tasks dealt to them.  Ask for fewer workers, or "
+                f"to be free, and the others make the batches meanwhile.  Ask for fewer "
+                f"workers, or "
                 f"fewer CPUs each (num_cpus_per_worker may be 0)", RuntimeWarning,
                 stacklevel=3)
         options = {"num_cpus": num_cpus_per_worker, "max_restarts": 0,
@@ -158,11 +160,12 @@ class RayManager:
         self._actor_class = ray.remote(_actor.SamplerActor).options(**options)
         self._batches_in = SamplerTarget.batches_in
         self._tasks = TicketTable()  # ticket -> _Task, until delivered or cancelled
-        self._dealer = Dealer()
         self._caller = _stats.CallerRecord()   # batches handed out, time waited (stats)
         self._home = ray.get_runtime_context().get_node_id() if local_slots else None
         now = time.monotonic_ns()
         self._lanes = [Lane(i, now) for i in range(n_workers)]
+        # (a late actor is passed over: see stand-ins, unienv_mp.ray._calls)
+        self._dealer = Dealer(up=functools.partial(taking, self._lanes))
         self.closed = False
         for lane in self._lanes:
             self._start(lane)
@@ -215,11 +218,11 @@ class RayManager:
             raise WorkerDiedError(f"{what} died ({cause}); {verdict}", worker=lane.index)
 
     def _ask(self, method, *args):
-        """Call ``method`` of the first worker's actor and return what it answers (the
+        """Call ``method`` of the first actor to start and return what it answers (the
         ``(status, value)`` of `SamplerActor`'s methods), replacing the actor if it is found
         dead."""
         self._ensure_open()
-        lane = self._lanes[0]
+        lane = first_up(self._lanes)   # (one that does not fit may never start)
         while True:
             try:
                 status, value = ray.get(getattr(lane.actor, method).remote(*args))
@@ -258,7 +261,10 @@ class RayManager:
             lane = lanes[check_index(worker, "worker", len(lanes))]
         else:
             lane = self._dealer.pick(lanes, self.in_order, _load)
-        task = Task(work, lane)
+        # (a chunk of a sample* stream, or a get*_at call, gives the same result on any
+        # actor: see unienv_mp.ray._calls on stand-ins; a function's call may not)
+        task = Task(work, lane, movable=worker is None and work[0] is not None
+                    and work[-1] is not NO_ARG)
         # One step that a Ctrl-C does not cut: a ticket issued is recorded (else the
         # caller could not cancel it, and it would stay in flight, holding its slot).
         with _os.interrupts_deferred():
@@ -292,10 +298,14 @@ class RayManager:
         limit = self.timeout if timeout is None else timeout
         deadline = None if limit is None else time.monotonic() + limit
         while True:
+            task = relayed(task, self._lanes, self._tasks)   # (see unienv_mp.ray._calls)
             call, index, slot = _sent(task)
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             start = time.monotonic_ns()
             try:
+                if (task.movable and not task.lane.up
+                        and wait_start([call.ref], self._lanes, [task], left) is None):
+                    continue   # (its actor may be late now)
                 results, pid, cpu = call.answers(left)
             except _rx.GetTimeoutError:
                 raise no_result(limit) from None
@@ -332,6 +342,7 @@ class RayManager:
             pass
         del self._tasks[task.ticket]   # (before its slot goes back: that happens once)
         lane.pid, lane.cpu = pid, cpu
+        lane.mark_up()   # (an answer: the actor lives)
         counters = lane.counters
         if status == _actor.OK:
             lane.deaths_in_a_row = 0
@@ -364,50 +375,43 @@ class RayManager:
         ``TimeoutError`` after ``timeout`` (default: the manager's) seconds, ``KeyError`` if
         no ticket is pending."""
         self._ensure_open()
-        by_ref = {}
-        for t in tickets:
-            task = self._tasks.get(t)
-            if task is not None and not task.cancelled:
-                call = _sent(task)[0]
-                if call.answer is not None:
-                    return t
-                by_ref.setdefault(call.ref, t)
-        if not by_ref:
-            raise none_pending(tickets)
         limit = self.timeout if timeout is None else timeout
-        start = time.monotonic_ns()
-        try:
-            ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=limit)
-        finally:
-            self._caller.wait_ns += time.monotonic_ns() - start
-        if not ready:
-            raise no_result(limit)
-        return by_ref[ready[0]]
+        deadline = None if limit is None else time.monotonic() + limit
+        while True:
+            by_ref, waiting = {}, []
+            for t in tickets:
+                task = self._tasks.get(t)
+                if task is not None and not task.cancelled:
+                    task = relayed(task, self._lanes, self._tasks)
+                    call = _sent(task)[0]
+                    if call.answer is not None:
+                        return t
+                    by_ref.setdefault(call.ref, t)
+                    if task.movable and not task.lane.up:
+                        waiting.append(task)
+            if not by_ref:
+                raise none_pending(tickets)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            start = time.monotonic_ns()
+            try:
+                ref = wait_start(list(by_ref), self._lanes, waiting, left)
+            except _rx.GetTimeoutError:
+                raise no_result(limit) from None
+            finally:
+                self._caller.wait_ns += time.monotonic_ns() - start
+            if ref is not None:
+                return by_ref[ref]
 
     def cancel(self, ticket):
         """Forget a ticket.  A task not sent yet is not sent; one sent still runs, and its
         answer is dropped: Ray's own cancel of an actor task interrupts the actor's
         thread, and after a Ctrl-C in the caller it was seen to hold the actor's later
-        answers up for 20 s and more.  (Out of flight before out of the table: cut short
-        in between, the task is still known, and is forgotten by the next cancel of it.)"""
-        task = self._tasks.get(ticket)
-        if task is None:
-            return
-        task.cancelled = True
-        lane = task.lane
-        try:
-            lane.inflight.remove(ticket)
-        except ValueError:
-            pass
-        self._tasks.pop(ticket, None)
-        sent = task.sent
-        if sent is None:
-            try:
-                lane.outbox.remove(task)
-            except ValueError:
-                pass
-        elif sent[2] is not None:
-            lane.cancelled.append(task)   # (its slot goes back once its call is answered)
+        answers up for 20 s and more."""
+        with _os.interrupts_deferred():   # (one step: a slot is never lost)
+            task = self._tasks.pop(ticket, None)
+            if task is not None:
+                task.cancelled = True
+                task.lane.withdraw(task)
 
     # -- where the time goes --------------------------------------------------------------
 

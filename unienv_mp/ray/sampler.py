@@ -317,8 +317,10 @@ class RaySampler(SamplerBase):
     start``); else a new local Ray, started for the samplers (with a CPU for each actor,
     or the machine's CPUs if it has more) and shut down when the last of them is closed.
     A Ray it did not start is never shut down.  Actors that do not fit in the cluster's
-    CPUs wait until CPUs are free or nodes join, and so do the batches dealt to them: a
-    ``RuntimeWarning`` says so when the cluster has fewer CPUs than the actors ask for.
+    CPUs wait until CPUs are free or nodes join (a ``RuntimeWarning`` says so when the
+    cluster has fewer CPUs than the actors ask for).  An actor that has not started a
+    second after another did is passed over: its batches are made by the actors that
+    have started, and are the same.
 
     Workers see the data as it was when the sampler was made (or as ``sampler_factory``
     opens it): a buffer made with ``multiprocessing=True`` is not shared with them (its
