@@ -135,7 +135,8 @@ def test_the_default_calls_and_depth_follow_the_batch_size():
         assert r.n_buffers == 4 * 2 * 8 * 8   # four calls per actor
         take(r, 300)
     with RaySampler(StepSampler(large, 8, seed=0), n_workers=2) as r:
-        assert (r.tasks_per_call, r._chunk_size("sample"), r.n_buffers) == (2, 1, 16)
+        # (four tasks a call: four calls of them per actor fit in 256 MiB)
+        assert (r.tasks_per_call, r._chunk_size("sample"), r.n_buffers) == (4, 1, 32)
     with RaySampler(StepSampler(large, 8, seed=0), n_workers=3, direct_gather=False,
                     num_cpus_per_worker=0.5) as r:
         assert (r.tasks_per_call, r.n_buffers) == (2, 8)   # (a size not known yet)
@@ -196,6 +197,15 @@ def whole_chunks(got, want, k):
         assert got[i:i + k] in chunks, f"batches {i}.. are not a chunk of the stream"
         found.append(chunks.index(got[i:i + k]))
     return found
+
+
+def test_calls_of_four_only_where_every_actor_still_gets_a_call_and_one_more():
+    from unienv_mp.ray import sampler as ray_sampler
+    large = StepSampler(replay_buffer(200, img=(3, 256, 256)), 64)   # 12 MiB batches
+    # 256 MiB ahead is 21 batches: 5 calls of 4, or 10 of 2 (one actor: four calls of 4)
+    for workers, depth, per_call in ((1, 16, 4), (4, 21, 4), (5, 21, 2), (8, 21, 2)):
+        assert ray_sampler._calls(large, None, workers, None, None) == (depth, per_call)
+    assert ray_sampler._calls(large, None, 8, None, 3) == (21, 3)   # (as asked)
 
 
 def test_in_order_false_gives_the_same_batches():

@@ -20,9 +20,11 @@ from .manager import RayManager, check_cpus
 __all__ = ["RaySampler", "RemoteSampler", "RemoteData"]
 
 #: A Ray call carries tasks of up to about this many bytes of batches (at least 2 tasks
-#: where they are smaller than _CALL_PAIR) ...
+#: where they are smaller than _CALL_PAIR, and _CALL_FEW where the batches requested
+#: ahead still make one call for each actor and one more) ...
 _CALL_BYTES = 1 << 20
 _CALL_PAIR = 64 << 20
+_CALL_FEW = 4
 #: ... and at most this many tasks.
 _CALL_TASKS = 8
 #: The default n_buffers keeps at most about this many bytes of batches requested (but
@@ -176,6 +178,9 @@ def _calls(sampler, batches_per_task, n_workers, n_buffers, tasks_per_call):
     if tasks_per_call is None:
         tasks_per_call = max(2 if batch * k <= _CALL_PAIR else 1,
                              min(_CALL_TASKS, _CALL_BYTES // (batch * k)))
+        if tasks_per_call < _CALL_FEW and (
+                _depth(batch * k, k, n_workers, _CALL_FEW) // (_CALL_FEW * k) > n_workers):
+            tasks_per_call = _CALL_FEW   # (each call costs the caller ~0.4 ms of CPU)
     if n_buffers is None:
         n_buffers = _depth(batch * k, k, n_workers, tasks_per_call)
     return n_buffers, tasks_per_call
@@ -288,8 +293,10 @@ class RaySampler(SamplerBase):
         tasks_per_call: tasks of one actor that travel together in one Ray call (and
             come back in one answer): Ray costs the training process a few hundred
             microseconds of CPU per call, whatever it carries.  By default, for batches
-            gathered directly, as many as make up to 1 MiB, at least 2 (1 for tasks over
-            64 MiB) and at most 8; else 2.  It does not change the batches.
+            gathered directly, as many as make up to 1 MiB, at most 8, and at least 4
+            where the default ``n_buffers`` then still holds a call for every actor and
+            one more, else at least 2 (1 for tasks over 64 MiB); for other batches, 2.
+            It does not change the batches.
         persistent_workers: as for
             [`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler]: an epoch runs
             on actors that exist (the ``sample*`` actors, or those of an earlier epoch)
