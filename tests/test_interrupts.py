@@ -1025,10 +1025,12 @@ NOT_INTERRUPTED = {
     os.path.join("_transport", "result_slots.py"): "runs in the workers and the Ray actors",
     os.path.join("ray", "_ship.py"): "pickles the sampler once, as the RayManager is made, "
                                      "and unpickles it in the actors: returns or raises",
-    os.path.join("ray", "_calls.py"): "the RayManager's records; flush, the one step that "
-                                      "changes several, holds SIGINT back (the manager's "
-                                      "code around it is interrupted in "
-                                      "test_backend_contract.py)",
+    os.path.join("ray", "_calls.py"): "the RayManager's records; flush and move, "
+                                      "the steps that change several, hold SIGINT back "
+                                      "(withdraw runs inside move and the manager's "
+                                      "cancel, which do), and mark_up is ordered so that "
+                                      "a cut is harmless (the manager's code around them is "
+                                      "interrupted in test_backend_contract.py)",
     os.path.join("ray", "sampler.py"): "RaySampler's own code builds and closes; its "
                                        "sampling is SamplerBase's (sampler.py)",
 }

@@ -268,6 +268,30 @@ def test_a_factory_that_raises_is_a_worker_error_with_its_traceback():
     assert isinstance(info.value.original, OSError)
 
 
+def test_an_actor_that_could_not_make_its_sampler_never_stands_in():
+    from unienv_mp.ray._calls import first_up
+    from unienv_mp.ray.manager import RayManager
+
+    def broken():
+        raise OSError("no dataset at /nowhere")
+    m = RayManager(2, factory=broken, num_cpus_per_worker=0)
+    try:
+        lane = first_up(m._lanes, timeout=60)   # (its probe has answered)
+        assert lane.up and not lane.ok
+        with pytest.raises(WorkerError, match="could not start"):
+            m.result(m.submit(("sample", 1, 1), worker=lane.index), timeout=60)
+        assert lane.up and not lane.ok
+    finally:
+        m.close()
+
+
+def test_a_factory_whose_actors_cannot_start_times_out():
+    with pytest.warns(RuntimeWarning, match="do not fit"):
+        with pytest.raises(TimeoutError):
+            RaySampler(sampler_factory=factory(), n_workers=1, num_cpus_per_worker=3,
+                       timeout=1)
+
+
 # -- faults -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("tasks_per_call", [1, None])
@@ -335,6 +359,23 @@ def test_a_raising_sampler_is_a_worker_error_and_the_sampler_goes_on():
                 assert isinstance(e.original, KeyError)
         assert errors >= 1
         assert r.stats().workers[0].errors == errors
+
+
+def slow_factory():
+    def make():
+        import _data as d
+        return d.SlowSampler(d.replay_buffer(40), 4, seed=0, delay=1.5)
+    return make
+
+
+def test_a_get_at_cut_short_leaves_no_task_behind():
+    with RaySampler(sampler_factory=slow_factory(), n_workers=1, timeout=60) as r:
+        manager = r.sampler._manager
+        manager.timeout = 0.3   # (after the actor's start, which the timeout counts)
+        with pytest.raises(TimeoutError):
+            r.get_at(torch.tensor([1, 2]))
+        assert not manager._tasks and not manager._lanes[0].inflight
+        assert r.sampler.lock is r._lock   # (its calls and the batches' take turns)
 
 
 def test_a_timeout_keeps_the_position():

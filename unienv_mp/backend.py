@@ -24,9 +24,9 @@ the Ray manager's code, and this module's, at every bytecode):
 
 * ``submit`` hands its ticket over last: appending it to the caller's ``record`` is its
   last step; if it raises before, the task is dropped (or dropped when its result comes).
-* ``cancel`` takes the ticket off its worker's in-flight list before the task leaves the
-  table: a ticket in flight always has its task (a replacement worker is sent every task
-  in flight).
+* A ticket in flight always has its task (a replacement worker is sent every task in
+  flight): ``cancel`` takes the ticket off its worker's in-flight list before the task
+  leaves the table, or does both in one step that a Ctrl-C does not cut.
 * A worker given up (respawn=False, or its budget spent) is taken off its lane before the
   error is raised: the next call starts a fresh worker, with the whole budget, for the
   work left waiting.  A lane never keeps a dead worker.
@@ -148,9 +148,10 @@ class Dealer:
 
     Args:
         up: ``up(lane)``: whether a lane's worker is taking tasks; None: every worker is.
-            A worker that is not up (still starting, or being replaced) is passed over
-            while another is up: a task dealt to it would make the caller wait for its
-            start (a worker started under spawn imports torch for a second or more).
+            A worker that is not taking tasks is passed over while another is: a task
+            dealt to it would make the caller wait for its start (a worker started under
+            spawn imports torch for a second or more).  Each manager says when its
+            workers take tasks.
     """
     __slots__ = ("next", "up")
 

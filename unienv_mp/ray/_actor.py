@@ -105,6 +105,11 @@ class SamplerActor:
             "not_direct": _gather.why_not(s) if self.target.direct else "direct_gather=False",
         }
 
+    def made(self):
+        """Whether this actor made its sampler (False: every call answers
+        ``COULD_NOT_START``)."""
+        return self.failure is None
+
     def where(self):
         """``(node id, pid)``: where this actor runs."""
         import ray

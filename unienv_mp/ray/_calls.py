@@ -18,7 +18,7 @@ caller waits for is sent to an actor that has started, the one with the fewest t
 flight (``relayed``, ``Lane.move``): the old copy runs if its actor ever starts, and its
 answer is dropped, as a cancelled task's is.  New tasks are not dealt to a late actor
 (``taking``, the ``Dealer``'s ``up``).  An actor has started once it has answered
-anything, or the probe (``where``) sent when it was asked for.  Before any actor is late,
+anything, or the probe (``made``) sent when it was asked for.  Before any actor is late,
 tasks wait for theirs: moving them while all start together made the first thousands of
 batches no sooner (the CPU goes to the actors' imports), and split the calls.
 """
@@ -122,23 +122,27 @@ class Lane:
         self.pid = self.cpu = None
         self.incarnation += 1
         self.up = self.ok = False
-        self.probe = actor.where.remote()
+        self.probe = actor.made.remote()
 
     def mark_up(self, ok=True):
-        """The actor has answered (``ok``: not with an error, which a dead actor's probe
-        is): it has started."""
+        """The actor has answered: it has started (``ok``: it may stand in for a late one:
+        it lives and made its sampler).  (In this order, a Ctrl-C between two steps
+        never leaves ``ok`` set with the ``up_ns`` of an earlier actor of the lane.)"""
         if not self.up:
-            self.up, self.up_ns = True, time.monotonic_ns()
-        self.ok = self.ok or ok
+            self.up_ns = time.monotonic_ns()
+            self.ok = self.ok or ok
+            self.up = True
+        else:
+            self.ok = self.ok or ok
 
     def probed(self):
-        """The probe has come back: mark the actor up, and ok unless it is an error."""
+        """The probe has come back: mark the actor up, ok if it made its sampler (a dead
+        actor's probe answers with an error)."""
         try:
-            ray.get(self.probe, timeout=0)
+            made = ray.get(self.probe, timeout=0)
         except Exception:
-            self.mark_up(False)
-        else:
-            self.mark_up()
+            made = False
+        self.mark_up(made is True)
 
     def is_up(self):
         """Whether the actor has started: it has answered its probe or a call (an actor
@@ -284,14 +288,17 @@ def wait_start(refs, lanes, waiting, timeout):
     return ready[0]
 
 
-def first_up(lanes):
+def first_up(lanes, timeout=None):
     """The lane of the first actor to answer its probe, waiting for one (a lane whose
-    actor has answered without error, if there is one)."""
+    actor has answered without error, if there is one).  Raises ``GetTimeoutError``
+    after ``timeout`` seconds (None: no limit)."""
     for lane in lanes:
         if lane.ok:
             return lane
     by_probe = {lane.probe: lane for lane in lanes}
-    ready, _ = ray.wait(list(by_probe), num_returns=1)
+    ready, _ = ray.wait(list(by_probe), num_returns=1, timeout=timeout)
+    if not ready:
+        raise GetTimeoutError(f"no actor started within {timeout} s")
     lane = by_probe[ready[0]]
     lane.probed()
     return lane

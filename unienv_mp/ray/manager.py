@@ -11,8 +11,9 @@ actor is on this node, else from the object store (see `unienv_mp.ray._batch`).
 Faults: an exception in the work function comes back as
 `WorkerError` with the actor's traceback.  An actor found dead when a result is read
 (``ray.kill``, its process killed, its node lost), or whose result was lost with its node,
-is replaced by a new actor, and every task it had not delivered is sent to the replacement;
-with ``respawn=False``, or after ``max_respawns`` replacements in a row without a result,
+is replaced by a new actor, and every task it had not delivered is sent to the replacement
+(or, for a task that any actor may run, to an actor that has started: see late actors in
+`unienv_mp.ray._calls`); with ``respawn=False``, or after ``max_respawns`` replacements in a row without a result,
 `WorkerDiedError` is raised instead.
 """
 import functools
@@ -64,9 +65,14 @@ def _sent(task):
     now, with the rest of its lane's outbox, if it has not been sent."""
     if task.sent is None:
         task.lane.flush()
-        if task.sent is None:   # (not in the outbox: a Ctrl-C cut its submit short)
+        if task.sent is None:   # (not in the outbox: a flush that raised took it out)
             task.lane.flush([task])
     return task.sent
+
+
+def _left(deadline):
+    """Seconds left until ``deadline`` (a ``time.monotonic()``; None: no limit)."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def _load(lane):
@@ -84,6 +90,7 @@ class RayManager:
         factory: ... or, instead, a callable each actor calls to make its own sampler.
         in_order: ``True``: tasks are dealt round-robin (results are collected by ticket
             either way).  ``False``: each task goes to the actor with the fewest tasks.
+            Either way a late actor is passed over (see `unienv_mp.ray._calls`).
         copy: ``False``: results are views of an actor's result slot (on this node) or
             read-only views of the object store (from another node); ``True``: copies.
         timeout: seconds to wait for one result before ``TimeoutError`` (None: as long as
@@ -219,20 +226,25 @@ class RayManager:
 
     def _ask(self, method, *args):
         """Call ``method`` of the first actor to start and return what it answers (the
-        ``(status, value)`` of `SamplerActor`'s methods), replacing the actor if it is found
-        dead."""
+        ``(status, value)`` of `SamplerActor`'s methods), asking another if it is found
+        dead (and replacing it).  Raises ``TimeoutError`` after the manager's timeout."""
         self._ensure_open()
-        lane = first_up(self._lanes)   # (one that does not fit may never start)
-        while True:
-            try:
-                status, value = ray.get(getattr(lane.actor, method).remote(*args))
-            except _LOST as e:
-                self._replace(lane, e)
-                continue
-            if status != _actor.OK:
-                prefix = "could not start: " if status == _actor.COULD_NOT_START else ""
-                raise WorkerError.from_payload(value, lane.index, prefix)
-            return value
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        try:
+            while True:
+                lane = first_up(self._lanes, _left(deadline))   # (one may never start)
+                try:
+                    status, value = ray.get(getattr(lane.actor, method).remote(*args),
+                                            timeout=_left(deadline))
+                    break
+                except _LOST as e:
+                    self._replace(lane, e)
+        except _rx.GetTimeoutError:
+            raise no_result(self.timeout) from None
+        if status != _actor.OK:
+            prefix = "could not start: " if status == _actor.COULD_NOT_START else ""
+            raise WorkerError.from_payload(value, lane.index, prefix)
+        return value
 
     def describe(self):
         """What a worker's sampler is (see ``SamplerActor.describe``)."""
@@ -300,7 +312,7 @@ class RayManager:
         while True:
             task = relayed(task, self._lanes, self._tasks)   # (see unienv_mp.ray._calls)
             call, index, slot = _sent(task)
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            left = _left(deadline)
             start = time.monotonic_ns()
             try:
                 if (task.movable and not task.lane.up
@@ -337,12 +349,13 @@ class RayManager:
     def _deliver(self, task, slot, status, value, elapsed_ns, pid, cpu):
         lane = task.lane
         try:
-            lane.inflight.remove(task.ticket)   # (out of flight first, see cancel)
+            lane.inflight.remove(task.ticket)
         except ValueError:
             pass
         del self._tasks[task.ticket]   # (before its slot goes back: that happens once)
         lane.pid, lane.cpu = pid, cpu
-        lane.mark_up()   # (an answer: the actor lives)
+        # (an answer: the actor lives; one that could not make its sampler may not stand in)
+        lane.mark_up(status != _actor.COULD_NOT_START)
         counters = lane.counters
         if status == _actor.OK:
             lane.deaths_in_a_row = 0
@@ -391,7 +404,7 @@ class RayManager:
                         waiting.append(task)
             if not by_ref:
                 raise none_pending(tickets)
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            left = _left(deadline)
             start = time.monotonic_ns()
             try:
                 ref = wait_start(list(by_ref), self._lanes, waiting, left)

@@ -117,14 +117,17 @@ class RemoteSampler(BatchSampler):
             methods and their bytes per row, and the configuration a checkpoint must match.
         manager: the [`RayManager`][unienv_mp.ray.RayManager] of the actors, which runs
             ``manual_seed`` and the ``get*_at`` methods.
+        lock: held while the actors are asked (a RaySampler gives its own, so that these
+            calls and its batches' do not interleave on the same actors); None: a new one.
     """
 
-    def __init__(self, description, manager):
+    def __init__(self, description, manager, lock=None):
         super().__init__(description["single_space"], description["single_metadata_space"],
                          description["batch_size"])
         self.description = description
         self.data = RemoteData(description["data_length"], description["data_device"])
         self._manager = manager
+        self.lock = threading.RLock() if lock is None else lock
         _state.restore_rngs(self, description["rngs"])
 
     @property
@@ -140,11 +143,20 @@ class RemoteSampler(BatchSampler):
         return self.description["sampled_metadata_space"]
 
     def manual_seed(self, seed):
-        _state.restore_rngs(self, self._manager.seeded_rngs(seed))
+        with self.lock:
+            rngs = self._manager.seeded_rngs(seed)
+        _state.restore_rngs(self, rngs)
 
     def _on_a_worker(self, method, arg):
-        manager = self._manager
-        return manager.result(manager.submit((method, arg)))
+        manager, tickets = self._manager, []
+        with self.lock:
+            try:
+                manager.submit((method, arg), record=tickets)
+                return manager.result(tickets[0])
+            except BaseException:
+                for ticket in tickets:   # (cut short: its actor's slot goes back)
+                    manager.cancel(ticket)
+                raise
 
     def get_at(self, idx):
         return self._on_a_worker("get_at", idx)
@@ -266,7 +278,9 @@ class RaySampler(SamplerBase):
             by the first actor.
         num_cpus_per_worker: the CPUs Ray reserves for each actor.
         in_order: as for [`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler].
-        timeout: as for [`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler].
+        timeout: as for [`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler];
+            the wait for an actor's start counts (actors take a second or more), also
+            here, with a ``sampler_factory``, for the first actor's description.
         respawn: as for [`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler] (an
             actor that dies, ``ray.kill``-ed or with its node, is replaced and its
             outstanding tasks sent to the replacement; ``respawn=False`` raises
@@ -398,6 +412,8 @@ class RaySampler(SamplerBase):
                              timeout=timeout, respawn=respawn,
                              batches_per_task=batches_per_task,
                              not_direct=not_direct, manager=manager)
+            if isinstance(sampler, RemoteSampler):
+                sampler.lock = self._lock
             if sized:   # (weakly: the manager must not keep its sampler alive)
                 manager.sized = _weakly(weakref.WeakMethod(self._sized))
             if sampler_factory is None:   # (the data the actors were sent)
