@@ -130,10 +130,8 @@ class Lane:
         never leaves ``ok`` set with the ``up_ns`` of an earlier actor of the lane.)"""
         if not self.up:
             self.up_ns = time.monotonic_ns()
-            self.ok = self.ok or ok
-            self.up = True
-        else:
-            self.ok = self.ok or ok
+        self.ok = self.ok or ok
+        self.up = True
 
     def probed(self):
         """The probe has come back: mark the actor up, ok if it made its sampler (a dead

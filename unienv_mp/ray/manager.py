@@ -13,8 +13,8 @@ Faults: an exception in the work function comes back as
 (``ray.kill``, its process killed, its node lost), or whose result was lost with its node,
 is replaced by a new actor, and every task it had not delivered is sent to the replacement
 (or, for a task that any actor may run, to an actor that has started: see late actors in
-`unienv_mp.ray._calls`); with ``respawn=False``, or after ``max_respawns`` replacements in a row without a result,
-`WorkerDiedError` is raised instead.
+`unienv_mp.ray._calls`); with ``respawn=False``, or after ``max_respawns`` replacements in
+a row without a result, `WorkerDiedError` is raised instead.
 """
 import functools
 import time
