@@ -285,6 +285,37 @@ def test_an_actor_that_could_not_make_its_sampler_never_stands_in():
         m.close()
 
 
+def test_get_at_and_batches_from_several_threads_at_once():
+    import threading
+    local = factory()()
+    want = local.get_at(torch.tensor([3, 1, 4]))
+    errors = []
+
+    def run(work):
+        try:
+            work()
+        except BaseException as e:   # (reported below)
+            errors.append(e)
+
+    def get_at():
+        for _ in range(30):
+            same(r.get_at(torch.tensor([3, 1, 4])), want)
+
+    def batches():
+        take(r, 300)
+
+    with RaySampler(sampler_factory=factory(), n_workers=2, timeout=60) as r:
+        threads = [threading.Thread(target=run, args=(w,))
+                   for w in (get_at, get_at, batches, batches)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        manager = r.sampler._manager   # (only the stream's requests are pending)
+        assert len(manager._tasks) == sum(len(s.tickets) for s in r._streams.values())
+
+
 def test_a_factory_whose_actors_cannot_start_times_out():
     with pytest.warns(RuntimeWarning, match="do not fit"):
         with pytest.raises(TimeoutError):
