@@ -1,5 +1,8 @@
 """Batches on a real GPU: skipped where CUDA is not available (CI has none; the feed's rules
 are covered on the CPU by test_device.py with a fake device)."""
+import os
+import signal
+
 import pytest
 import torch
 from unienv_data.samplers import StepSampler
@@ -7,41 +10,209 @@ from unienv_data.samplers import StepSampler
 from unienv_mp import MultiprocessingSampler
 
 import _data
+import _views_data as views
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs CUDA (torch.cuda.is_available() is False)")
+
+IMG = (3, 32, 32)
+
+
+def _clone(batch):
+    """``batch`` copied to the CPU (dicts, lists and tuples of tensors)."""
+    if isinstance(batch, dict):
+        return {k: _clone(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_clone(v) for v in batch)
+    return batch.detach().to("cpu", copy=True) if isinstance(batch, torch.Tensor) else batch
+
+
+def _on(batch, device_type):
+    if isinstance(batch, dict):
+        return all(_on(v, device_type) for v in batch.values())
+    if isinstance(batch, (tuple, list)):
+        return all(_on(v, device_type) for v in batch)
+    return not isinstance(batch, torch.Tensor) or batch.device.type == device_type
+
+
+def _same(a, b):
+    """Bit for bit (``b`` may be on the GPU)."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        b = b.cpu()
+        return (a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(_bytes(a), _bytes(b)))
+    return a == b
+
+
+def _bytes(t):
+    return t.reshape(-1) if t.dtype == torch.bool else t.reshape(-1).view(torch.uint8)
+
+
+def _checksum(batch):
+    """A position-weighted sum of every byte of ``batch``'s tensors, computed where they
+    are (the same integer on the CPU and on the GPU for the same bytes)."""
+    out = []
+    for k in sorted(batch):
+        t = batch[k].contiguous().view(torch.uint8).flatten().to(torch.int64)
+        w = torch.arange(t.numel(), device=t.device) % 251 + 1
+        out.append(int((t * w).sum()))
+    return out
 
 
 @pytest.mark.parametrize("ctx", ["fork", "spawn", "forkserver"])
 def test_device_batches_are_the_cpu_batches_moved(ctx):
     torch.zeros(1, device="cuda")   # (CUDA initialised in the parent before the workers)
-    rb = _data.replay_buffer(500, img=(3, 32, 32))
+    rb = _data.replay_buffer(500, img=IMG)
     with MultiprocessingSampler(StepSampler(rb, 64, seed=3), n_workers=2, ctx=ctx) as m:
-        ref = [{k: v.clone() for k, v in m.sample().items()} for _ in range(50)]
+        ref = [_clone(m.sample()) for _ in range(50)]
     with MultiprocessingSampler(StepSampler(rb, 64, seed=3, device="cuda"), n_workers=2,
                                 ctx=ctx) as m:
         out = [m.sample() for _ in range(50)]
         assert m.device.type == "cuda"
         stats = m.stats().device
     assert stats.pinned_bytes > 0 and stats.pageable_leaves == 0
-    for a, b in zip(ref, out):
-        for k in a:
-            assert b[k].device.type == "cuda" and torch.equal(a[k], b[k].cpu())
+    assert stats.copies >= 50 and stats.copy_seconds > 0
+    assert all(_on(b, "cuda") for b in out)
+    assert all(_same(a, b) for a, b in zip(ref, out))
+
+
+@pytest.mark.parametrize("ctx", ["fork", "spawn"])
+def test_other_methods_and_epochs_on_the_gpu(ctx):
+    torch.zeros(1, device="cuda")
+    rb = _data.replay_buffer(500, img=IMG)
+
+    def run(device):
+        keep = _clone if device is None else (lambda b: b)
+        with MultiprocessingSampler(StepSampler(rb, 64, seed=5, device=device),
+                                    n_workers=2, ctx=ctx) as m:
+            got = [keep(m.sample_with_metadata()) for _ in range(10)]
+            got += [keep(m.sample_flat()) for _ in range(10)]
+            got += [keep(b) for _ in range(2) for b in m.epoch_iter()]
+        return got
+
+    ref, out = run(None), run("cuda")
+    assert len(out) == 20 + 2 * 8
+    assert all(_on(b, "cuda") for b in out)
+    assert all(_same(a, b) for a, b in zip(ref, out))
+
+
+def test_views_on_the_gpu():
+    rb = views.buffer()
+    stack = views.frame_stack(rb, pre=2)
+    chunk = views.action_chunk(rb, horizon=4)
+    for view in (stack, chunk):
+        with MultiprocessingSampler(StepSampler(view, 16, seed=1), n_workers=2) as m:
+            ref = [_clone(m.sample()) for _ in range(20)]
+        with MultiprocessingSampler(StepSampler(view, 16, seed=1, device="cuda"),
+                                    n_workers=2) as m:
+            out = [m.sample() for _ in range(20)]
+        assert all(_on(b, "cuda") for b in out)
+        assert all(_same(a, b) for a, b in zip(ref, out))
+
+
+def test_many_workers_large_batches_checksums():
+    rb = _data.replay_buffer(2000, img=(3, 64, 64))
+    with MultiprocessingSampler(StepSampler(rb, 256, seed=7), n_workers=8) as m:
+        ref = [_checksum(m.sample()) for _ in range(300)]
+    with MultiprocessingSampler(StepSampler(rb, 256, seed=7, device="cuda"),
+                                n_workers=8) as m:
+        out = [_checksum(m.sample()) for _ in range(300)]
+    assert out == ref
+
+
+def test_the_caller_may_write_keep_and_read_on_another_stream():
+    rb = _data.replay_buffer(500, img=IMG)
+    with MultiprocessingSampler(StepSampler(rb, 64, seed=3), n_workers=2) as m:
+        ref = [_clone(m.sample()) for _ in range(30)]
+    side = torch.cuda.Stream()
+    with MultiprocessingSampler(StepSampler(rb, 64, seed=3, device="cuda"),
+                                n_workers=2) as m:
+        first = m.sample()
+        first["image"].add_(1)   # (written on the caller's stream)
+        kept = [m.sample() for _ in range(9)]
+        with torch.cuda.stream(side):   # (handed out while another stream is current)
+            on_side = [m.sample() for _ in range(10)]
+            sums = [b["image"].to(torch.int64).sum() for b in on_side]
+        read = []
+        for _ in range(10):
+            b = m.sample()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                read.append(b["image"].clone())
+        side.synchronize()
+        assert _same(ref[0]["image"] + 1, first["image"])
+        assert all(_same(a, b) for a, b in zip(ref[1:10], kept))
+        assert all(_same(a, b) for a, b in zip(ref[10:20], on_side))
+        assert [int(s) for s in sums] == [int(a["image"].to(torch.int64).sum())
+                                          for a in ref[10:20]]
+        assert all(_same(a["image"], b) for a, b in zip(ref[20:30], read))
+
+
+def test_close_with_copies_in_flight_leaves_the_batches_and_nothing_registered():
+    rb = _data.replay_buffer(500, img=(3, 64, 64))
+    with MultiprocessingSampler(StepSampler(rb, 128, seed=3), n_workers=4) as m:
+        ref = [_clone(m.sample()) for _ in range(6)]
+    for _ in range(5):
+        m = MultiprocessingSampler(StepSampler(rb, 128, seed=3, device="cuda"), n_workers=4)
+        out = [m.sample() for _ in range(6)]   # (the copy of the next one issued ahead)
+        m.close()
+        assert all(_same(a, b) for a, b in zip(ref, out))
+    torch.ones(1 << 20).pin_memory()   # (nothing left registered to break later pinning)
+
+
+def test_a_worker_killed_while_cuda_is_in_use():
+    torch.zeros(1, device="cuda")
+    rb = _data.replay_buffer(500, img=IMG)
+    with MultiprocessingSampler(StepSampler(rb, 64, seed=3), n_workers=3, ctx="fork") as m:
+        ref = [_clone(m.sample()) for _ in range(60)]
+    with MultiprocessingSampler(StepSampler(rb, 64, seed=3, device="cuda"), n_workers=3,
+                                ctx="fork") as m:
+        out = [m.sample() for _ in range(10)]
+        os.kill(m._pools.sample.workers[1].pid, signal.SIGKILL)
+        out += [m.sample() for _ in range(50)]
+    assert all(_same(a, b) for a, b in zip(ref, out))
+
+
+def test_out_of_device_memory_reaches_the_caller_and_the_sampler_still_closes():
+    rb = _data.replay_buffer(300, img=(3, 64, 64))
+    with MultiprocessingSampler(StepSampler(rb, 64, seed=3), n_workers=2) as m:
+        ref = [_clone(m.sample()) for _ in range(4)]
+    m = MultiprocessingSampler(StepSampler(rb, 64, seed=3, device="cuda"), n_workers=2)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    try:
+        torch.cuda.set_per_process_memory_fraction(
+            (torch.cuda.memory_reserved() + (256 << 10)) / total)
+        with pytest.raises(torch.OutOfMemoryError):
+            m.sample()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    out = [m.sample() for _ in range(4)]   # (the batch of the call that failed comes again)
+    m.close()
+    assert all(_same(a, b) for a, b in zip(ref, out))
 
 
 def test_pin_memory_batches_are_pinned():
     rb = _data.replay_buffer(200)
+    with MultiprocessingSampler(StepSampler(rb, 32, seed=0), n_workers=2) as m:
+        ref = [_clone(m.sample()) for _ in range(20)]
     with MultiprocessingSampler(StepSampler(rb, 32, seed=0), n_workers=2,
                                 pin_memory=True) as m:
-        batch = m.sample()
-        assert all(t.is_pinned() for t in batch.values())
-        moved = {k: v.to("cuda", non_blocking=True) for k, v in batch.items()}
-        torch.cuda.current_stream().synchronize()
-        assert all(torch.equal(moved[k].cpu(), batch[k]) for k in batch)
+        for want in ref:
+            batch = m.sample()
+            assert all(t.is_pinned() for t in batch.values())
+            moved = {k: v.to("cuda", non_blocking=True) for k, v in batch.items()}
+            torch.cuda.current_stream().synchronize()
+            assert _same(want, moved) and _same(want, batch)
 
 
 def test_memory_stays_flat_over_many_steps():
-    rb = _data.replay_buffer(500, img=(3, 32, 32))
+    rb = _data.replay_buffer(500, img=IMG)
     with MultiprocessingSampler(StepSampler(rb, 64, seed=0, device="cuda"), n_workers=2) as m:
         for _ in range(300):
             m.sample()
@@ -52,14 +223,27 @@ def test_memory_stays_flat_over_many_steps():
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() <= gpu + (1 << 20)
         # (slots are made while the pipeline fills, up to a bound: see test_device.py)
-        assert m.stats().device.pinned_slots <= 2 * (8 + 1 + 4 + 1)
+        stats = m.stats().device
+        assert stats.pinned_slots <= 2 * (8 + 1 + 4 + 1)
+        assert stats.pageable_leaves == 0
     torch.ones(4).pin_memory()   # (nothing left registered to break later pinning)
 
 
-def test_data_on_the_gpu_runs_in_process():
+def test_data_on_the_gpu_runs_in_process_and_gathers_exactly():
     from unienv_mp.bench.cuda import gpu_copy
-    rb = gpu_copy(_data.replay_buffer(200))
-    with MultiprocessingSampler(StepSampler(rb, 32, seed=0)) as m:
-        assert m.gather_path == "in_process"
-        batch = m.sample()
-        assert batch["state"].device.type == "cuda"
+    rb = _data.replay_buffer(400)
+    rb_gpu = gpu_copy(rb)
+
+    def run():
+        with MultiprocessingSampler(StepSampler(rb_gpu, 32, seed=0)) as m:
+            assert m.gather_path == "in_process"
+            return [m.sample() for _ in range(40)], list(m.epoch_iter())
+
+    out, epoch = run()
+    again, _ = run()
+    assert all(_on(b, "cuda") for b in out + epoch)
+    for b in out + epoch:
+        idx = _data.indices_of(_clone(b))
+        assert _same(rb.get_at(torch.tensor(idx)), b)
+    assert sorted(i for b in epoch for i in _data.indices_of(_clone(b))) == list(range(400))
+    assert all(_same(_clone(a), b) for a, b in zip(out, again))   # (the same seed, the same)

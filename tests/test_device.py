@@ -222,7 +222,8 @@ def test_pin_memory_hands_out_cpu_batches_from_registered_slots(fake, monkeypatc
     assert fake.copies == 0 and fake.registered == {} and not fake.violations
 
 
-def test_pin_memory_without_cuda_warns_and_goes_on():
+def test_pin_memory_without_cuda_warns_and_goes_on(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)   # (also on a GPU)
     rb = replay_buffer(50)
     with pytest.warns(RuntimeWarning, match="pin_memory=True.*CUDA"):
         m = MultiprocessingSampler(StepSampler(rb, 8, seed=0), n_workers=1, pin_memory=True)
@@ -231,7 +232,8 @@ def test_pin_memory_without_cuda_warns_and_goes_on():
         assert m.stats().device is None
 
 
-def test_device_cuda_without_cuda_is_refused_at_once_naming_cuda():
+def test_device_cuda_without_cuda_is_refused_at_once_naming_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)   # (also on a GPU)
     rb = replay_buffer(50)
     with pytest.raises(RuntimeError, match="CUDA"):
         MultiprocessingSampler(_on_cuda(StepSampler(rb, 8, seed=0)), n_workers=1)

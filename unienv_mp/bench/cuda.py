@@ -72,7 +72,8 @@ def _to_cuda(torch, non_blocking=False):
 
 
 def _rows(torch, rb, rb_gpu, batch, workers, steps):
-    """(name, ms per step or None, error or None) of every row, one after the other."""
+    """(name, ms per step or None, error or None, what the device feed did or None) of
+    every row, one after the other."""
     from unienv_data.samplers import MultiprocessingSampler as UniEnvMP
     from unienv_data.samplers import StepSampler
 
@@ -81,15 +82,20 @@ def _rows(torch, rb, rb_gpu, batch, workers, steps):
     to = _to_cuda(torch)
     out = []
 
+    notes = {}
+
     def row(name, fn):
         try:
-            out.append((name, fn(), None))
+            out.append((name, fn(), None, notes.pop("device", None)))
         except Exception as e:   # (one row failing does not hide the others)
-            out.append((name, None, f"{type(e).__name__}: {e}"))
+            out.append((name, None, f"{type(e).__name__}: {e}", None))
 
     def ours(sampler, move, **kw):
         with MultiprocessingSampler(sampler, n_workers=workers, **kw) as m:
-            return _time(torch, m.sample, steps, move)
+            m.stats(reset=True)
+            ms = _time(torch, m.sample, steps, move)
+            notes["device"] = _device_note(m.stats().device)
+            return ms
 
     def unienv_mp():
         u = UniEnvMP(StepSampler(rb, batch, seed=0), n_workers=workers, shared_memory=True)
@@ -117,6 +123,17 @@ def _rows(torch, rb, rb_gpu, batch, workers, steps):
     row("GPU-resident rows (UniEnv in process)",
         lambda: _time(torch, StepSampler(rb_gpu, batch, seed=0).sample, steps, keep))
     return out
+
+
+def _device_note(stats):
+    """What the feed did per batch (``stats()``'s device part), or None."""
+    if stats is None or not stats.copies:
+        return None
+    n = stats.copies
+    return (f"copy {stats.copy_seconds / n * 1e3:.3f} ms on the device, the caller spent "
+            f"{stats.wait_seconds / n * 1e3:.3f} ms issuing and waiting, "
+            f"{stats.pinned_slots} slots ({stats.pinned_bytes / 2**20:.0f} MiB) page-locked, "
+            f"{stats.pageable_leaves} arrays copied from pageable memory")
 
 
 def _dataloader(torch, rb, batch, workers, steps):
@@ -167,8 +184,10 @@ def run(cfg, workers, quick, build_buffer):
     rows = _rows(torch, rb, rb_gpu, cfg.batch_size, workers, steps)
     print(f"== cuda == {torch.cuda.get_device_name()}, B={cfg.batch_size}, "
           f"{workers} workers, {steps} steps, {time.strftime('%Y-%m-%d')}")
-    width = max(len(n) for n, _, _ in rows)
-    for name, ms, error in rows:
+    width = max(len(r[0]) for r in rows)
+    for name, ms, error, note in rows:
         shown = f"{ms:8.3f} ms/step" if error is None else f"failed: {error}"
         print(f"  {name:<{width}}  {shown}")
+        if note:
+            print(f"  {'':<{width}}    ({note})")
     return 0
