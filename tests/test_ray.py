@@ -143,11 +143,18 @@ def test_the_default_calls_and_depth_follow_the_batch_size():
         r.sample_index()   # (indices: not what a batch's size is told by)
         assert r.n_buffers == 8
         r.sample()
-        assert r.n_buffers == 4 * 3 * 2   # (four calls of two per actor)
+        # (then known: as gathered directly, four a call, four calls of them per actor)
+        assert (r.tasks_per_call, r.n_buffers) == (4, 4 * 3 * 4)
+        assert r._actors.group == 4
+        take(r, 60)
     with RaySampler(StepSampler(small, 8, seed=0), n_workers=2, direct_gather=False,
                     batches_per_task=4) as r:
-        r.sample()   # (then known: tasks of 4 small batches)
-        assert (r.tasks_per_call, r.n_buffers) == (2, 4 * 2 * 2 * 4)
+        r.sample()   # (then known: tasks of 4 small batches, 8 a call)
+        assert (r.tasks_per_call, r.n_buffers) == (8, 4 * 2 * 8 * 4)
+    with RaySampler(StepSampler(small, 8, seed=0), n_workers=2, direct_gather=False,
+                    tasks_per_call=3) as r:
+        r.sample()   # (what the caller chose stays)
+        assert (r.tasks_per_call, r._actors.group) == (3, 3)
         sampler = weakref.ref(r)
     del r
     gc.collect()

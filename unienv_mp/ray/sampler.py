@@ -188,14 +188,21 @@ def _calls(sampler, batches_per_task, n_workers, n_buffers, tasks_per_call):
         return (8 if n_buffers is None else n_buffers), tasks_per_call or 2
     batch = max(1, row * batch_size)
     if tasks_per_call is None:
-        tasks_per_call = max(2 if batch * k <= _CALL_PAIR else 1,
-                             min(_CALL_TASKS, _CALL_BYTES // (batch * k)))
-        if tasks_per_call < _CALL_FEW and (
-                _depth(batch * k, k, n_workers, _CALL_FEW) // (_CALL_FEW * k) > n_workers):
-            tasks_per_call = _CALL_FEW   # (each call costs the caller ~0.4 ms of CPU)
+        tasks_per_call = _group(batch * k, k, n_workers)
     if n_buffers is None:
         n_buffers = _depth(batch * k, k, n_workers, tasks_per_call)
     return n_buffers, tasks_per_call
+
+
+def _group(task_bytes, k, n_workers):
+    """The default ``tasks_per_call`` for tasks of ``k`` batches and ``task_bytes`` bytes
+    (see `RaySampler`)."""
+    group = max(2 if task_bytes <= _CALL_PAIR else 1,
+                min(_CALL_TASKS, _CALL_BYTES // task_bytes))
+    if group < _CALL_FEW and (
+            _depth(task_bytes, k, n_workers, _CALL_FEW) // (_CALL_FEW * k) > n_workers):
+        group = _CALL_FEW   # (each call costs the caller ~0.4 ms of CPU)
+    return group
 
 
 def _weakly(method):
@@ -309,8 +316,9 @@ class RaySampler(SamplerBase):
             microseconds of CPU per call, whatever it carries.  By default, for batches
             gathered directly, as many as make up to 1 MiB, at most 8, and at least 4
             where the default ``n_buffers`` then still holds a call for every actor and
-            one more, else at least 2 (1 for tasks over 64 MiB); for other batches, 2.
-            It does not change the batches.
+            one more, else at least 2 (1 for tasks over 64 MiB); for other batches,
+            2 until the first batch's size is known, then the same rule.  It does not
+            change the batches.
         persistent_workers: as for
             [`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler]: an epoch runs
             on actors that exist (the ``sample*`` actors, or those of an earlier epoch)
@@ -403,7 +411,9 @@ class RaySampler(SamplerBase):
             self.actor_options = actor_options
             self.local_slots = local_slots
             self.direct_gather = direct_gather
-            sized = n_buffers is None and not_direct is not None   # (see _sized)
+            # (see _sized: the defaults it may set once a batch's size is known)
+            self._sized_defaults = (n_buffers is None, tasks_per_call is None)
+            sized = not_direct is not None and any(self._sized_defaults)
             n_buffers, manager.group = _calls(
                 sampler if not_direct is None else None, batches_per_task, n_workers,
                 n_buffers, tasks_per_call)
@@ -424,12 +434,21 @@ class RaySampler(SamplerBase):
 
     def _sized(self, work, task_bytes):
         """The answer of task ``work`` was ``task_bytes`` long: at the first chunk of a
-        ``sample*`` stream, the default ``n_buffers`` for batches of that size (they are
-        not gathered directly, so their size was not known before)."""
+        ``sample*`` stream, the default ``tasks_per_call`` and ``n_buffers`` (those the
+        caller left out) for batches of that size (they are not gathered directly, so
+        their size was not known before)."""
         if len(work) != 3 or work[0] == "sample_index":   # (not a chunk of batches)
             return
-        self.n_buffers = _depth(task_bytes, work[2], self.n_workers, self.tasks_per_call)
+        buffers, group = self._sized_defaults
+        task_bytes = max(1, task_bytes)
+        if group:
+            self.tasks_per_call = _group(task_bytes, work[2], self.n_workers)
+        if buffers:
+            self.n_buffers = _depth(task_bytes, work[2], self.n_workers,
+                                    self.tasks_per_call)
         if self._actors is not None:
+            if group:
+                self._actors.group = self.tasks_per_call
             self._actors.sized = None
 
     def _new_actors(self, sampler, direct, n_workers, **more):
