@@ -564,6 +564,63 @@ def test_where_this_process_cannot_map_an_actors_slots_batches_take_the_object_s
         assert "plasma" in mapping_of(r.sample()["image"].data_ptr())
 
 
+def _slots_accounted(r):
+    """Every slot number an actor was given is free once, held by a task in flight, or
+    by a batch alive (a lease)."""
+    gc.collect()
+    tasks = r._actors._tasks
+    for lane in r._actors._lanes:
+        sent = [tasks[t].sent for t in lane.inflight if tasks[t].sent is not None]
+        held = [s[2] for s in sent if s[2] is not None]
+        slots = lane.slots
+        free = slots.free + list(slots.released)
+        assert len(free) == len(set(free)), free
+        assert not set(held) & set(free)
+        assert len(slots.free) + len(held) + slots.leases == slots.next
+
+
+def test_a_call_refused_while_moving_to_the_object_store_loses_no_slot(monkeypatch):
+    from unienv_mp.ray import _batch, _calls
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "not allowed to open the actor's descriptors")
+    monkeypatch.setattr(_batch, "segment_from_peer", refused)
+    flush, armed = _calls.Lane.flush, [True]
+
+    def refusing(self, tasks=None):
+        if tasks is not None and armed[0]:   # (the task sent again, by the object store)
+            armed[0] = False
+            raise RuntimeError("Ray refused the call")
+        return flush(self, tasks)
+    monkeypatch.setattr(_calls.Lane, "flush", refusing)
+    rb = replay_buffer(100)
+    with MultiprocessingSampler(StepSampler(rb, 8, seed=9), n_workers=2, ctx="fork",
+                                batches_per_task=1) as m:
+        want = take(m, 30)
+    with RaySampler(StepSampler(rb, 8, seed=9), n_workers=2, n_buffers=4,
+                    batches_per_task=1) as r:
+        with pytest.raises(RuntimeError, match="refused"):
+            r.sample()
+        for a in want:   # (the batch of the call that raised comes again)
+            same(a, r.sample())
+        _slots_accounted(r)
+
+
+def test_a_sizing_that_raises_leaves_the_defaults_and_loses_nothing():
+    rb = replay_buffer(100)
+    with MultiprocessingSampler(StepSampler(rb, 8, seed=9), n_workers=2, ctx="fork") as m:
+        want = take(m, 30)
+    with RaySampler(StepSampler(rb, 8, seed=9), n_workers=2, direct_gather=False) as r:
+        def broken(work, nbytes):
+            raise ValueError("cannot size")
+        r._actors.sized = broken
+        before = (r.n_buffers, r.tasks_per_call)
+        for a in want:
+            same(a, r.sample())
+        assert (r.n_buffers, r.tasks_per_call) == before and r._actors.sized is None
+        _slots_accounted(r)
+
+
 def test_a_slot_is_mapped_again_for_another_process_with_the_same_generation():
     from unienv_mp import Segment
     a, b = Segment.create(4096, "a"), Segment.create(4096, "b")

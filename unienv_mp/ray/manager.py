@@ -342,6 +342,7 @@ class RayManager:
                         # the object store from now on (this one too: it is sent again)
                         lane.local = False
                         lane.slots.give_back(slot)   # (answered: the actor is done with it)
+                        task.sent = None   # (so a flush that raises leaves it to be sent)
                         lane.flush([task])
                         continue
                 return self._deliver(task, slot, status, value, elapsed_ns, pid, cpu)
@@ -361,7 +362,10 @@ class RayManager:
             lane.deaths_in_a_row = 0
             sized = self.sized
             if sized is not None:
-                sized(task.work, value.nbytes if type(value) is not tuple else value[1])
+                try:
+                    sized(task.work, value.nbytes if type(value) is not tuple else value[1])
+                except Exception:   # (only defaults: they stay, the batch is delivered)
+                    self.sized = None
             batches = self._batches_in(task.work)
             counters.end(batches, False, elapsed_ns)
             self._caller.batches += batches
