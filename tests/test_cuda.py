@@ -185,12 +185,20 @@ def test_out_of_device_memory_reaches_the_caller_and_the_sampler_still_closes():
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(0).total_memory
+    fillers = []
     try:
-        torch.cuda.set_per_process_memory_fraction(
-            (torch.cuda.memory_reserved() + (256 << 10)) / total)
+        # (no more memory from the device, and what is left free in the allocator's
+        # segments taken, so that an image of 768 KiB cannot be placed)
+        torch.cuda.set_per_process_memory_fraction(torch.cuda.memory_reserved() / total)
+        try:
+            while True:
+                fillers.append(torch.empty(1 << 18, dtype=torch.uint8, device="cuda"))
+        except torch.OutOfMemoryError:
+            pass
         with pytest.raises(torch.OutOfMemoryError):
             m.sample()
     finally:
+        fillers.clear()
         torch.cuda.set_per_process_memory_fraction(1.0)
     out = [m.sample() for _ in range(4)]   # (the batch of the call that failed comes again)
     m.close()
