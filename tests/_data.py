@@ -251,3 +251,21 @@ def mapping_of(ptr):
             if lo <= ptr < hi and fields[1][3] == "s":
                 return fields[5] if len(fields) > 5 else "(anonymous)"
     return ""
+
+
+def same_bits(a, b):
+    """Bit for bit: the same structure, dtypes, shapes and bytes (``b``'s tensors may be
+    on another device)."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_bits(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        b = b.cpu()
+        return (a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(_bytes(a), _bytes(b)))
+    return a == b
+
+
+def _bytes(t):
+    return t.reshape(-1) if t.dtype == torch.bool else t.reshape(-1).view(torch.uint8)

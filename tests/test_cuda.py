@@ -11,6 +11,7 @@ from unienv_mp import MultiprocessingSampler
 
 import _data
 import _views_data as views
+from _data import same_bits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs CUDA (torch.cuda.is_available() is False)")
@@ -33,23 +34,6 @@ def _on(batch, device_type):
     if isinstance(batch, (tuple, list)):
         return all(_on(v, device_type) for v in batch)
     return not isinstance(batch, torch.Tensor) or batch.device.type == device_type
-
-
-def _same(a, b):
-    """Bit for bit (``b`` may be on the GPU)."""
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, torch.Tensor):
-        b = b.cpu()
-        return (a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(_bytes(a), _bytes(b)))
-    return a == b
-
-
-def _bytes(t):
-    return t.reshape(-1) if t.dtype == torch.bool else t.reshape(-1).view(torch.uint8)
 
 
 def _checksum(batch):
@@ -77,7 +61,7 @@ def test_device_batches_are_the_cpu_batches_moved(ctx):
     assert stats.pinned_bytes > 0 and stats.pageable_leaves == 0
     assert stats.copies >= 50 and stats.copy_seconds > 0
     assert all(_on(b, "cuda") for b in out)
-    assert all(_same(a, b) for a, b in zip(ref, out))
+    assert all(same_bits(a, b) for a, b in zip(ref, out))
 
 
 @pytest.mark.parametrize("ctx", ["fork", "spawn"])
@@ -97,7 +81,7 @@ def test_other_methods_and_epochs_on_the_gpu(ctx):
     ref, out = run(None), run("cuda")
     assert len(out) == 20 + 2 * 8
     assert all(_on(b, "cuda") for b in out)
-    assert all(_same(a, b) for a, b in zip(ref, out))
+    assert all(same_bits(a, b) for a, b in zip(ref, out))
 
 
 def test_views_on_the_gpu():
@@ -111,7 +95,7 @@ def test_views_on_the_gpu():
                                     n_workers=2) as m:
             out = [m.sample() for _ in range(20)]
         assert all(_on(b, "cuda") for b in out)
-        assert all(_same(a, b) for a, b in zip(ref, out))
+        assert all(same_bits(a, b) for a, b in zip(ref, out))
 
 
 def test_many_workers_large_batches_checksums():
@@ -144,12 +128,12 @@ def test_the_caller_may_write_keep_and_read_on_another_stream():
             with torch.cuda.stream(side):
                 read.append(b["image"].clone())
         side.synchronize()
-        assert _same(ref[0]["image"] + 1, first["image"])
-        assert all(_same(a, b) for a, b in zip(ref[1:10], kept))
-        assert all(_same(a, b) for a, b in zip(ref[10:20], on_side))
+        assert same_bits(ref[0]["image"] + 1, first["image"])
+        assert all(same_bits(a, b) for a, b in zip(ref[1:10], kept))
+        assert all(same_bits(a, b) for a, b in zip(ref[10:20], on_side))
         assert [int(s) for s in sums] == [int(a["image"].to(torch.int64).sum())
                                           for a in ref[10:20]]
-        assert all(_same(a["image"], b) for a, b in zip(ref[20:30], read))
+        assert all(same_bits(a["image"], b) for a, b in zip(ref[20:30], read))
 
 
 def test_close_with_copies_in_flight_leaves_the_batches_and_nothing_registered():
@@ -160,7 +144,7 @@ def test_close_with_copies_in_flight_leaves_the_batches_and_nothing_registered()
         m = MultiprocessingSampler(StepSampler(rb, 128, seed=3, device="cuda"), n_workers=4)
         out = [m.sample() for _ in range(6)]   # (the copy of the next one issued ahead)
         m.close()
-        assert all(_same(a, b) for a, b in zip(ref, out))
+        assert all(same_bits(a, b) for a, b in zip(ref, out))
     torch.ones(1 << 20).pin_memory()   # (nothing left registered to break later pinning)
 
 
@@ -174,7 +158,7 @@ def test_a_worker_killed_while_cuda_is_in_use():
         out = [m.sample() for _ in range(10)]
         os.kill(m._pools.sample.workers[1].pid, signal.SIGKILL)
         out += [m.sample() for _ in range(50)]
-    assert all(_same(a, b) for a, b in zip(ref, out))
+    assert all(same_bits(a, b) for a, b in zip(ref, out))
 
 
 def test_out_of_device_memory_reaches_the_caller_and_the_sampler_still_closes():
@@ -202,7 +186,7 @@ def test_out_of_device_memory_reaches_the_caller_and_the_sampler_still_closes():
         torch.cuda.set_per_process_memory_fraction(1.0)
     out = [m.sample() for _ in range(4)]   # (the batch of the call that failed comes again)
     m.close()
-    assert all(_same(a, b) for a, b in zip(ref, out))
+    assert all(same_bits(a, b) for a, b in zip(ref, out))
 
 
 def test_pin_memory_batches_are_pinned():
@@ -216,7 +200,7 @@ def test_pin_memory_batches_are_pinned():
             assert all(t.is_pinned() for t in batch.values())
             moved = {k: v.to("cuda", non_blocking=True) for k, v in batch.items()}
             torch.cuda.current_stream().synchronize()
-            assert _same(want, moved) and _same(want, batch)
+            assert same_bits(want, moved) and same_bits(want, batch)
 
 
 def test_memory_stays_flat_over_many_steps():
@@ -252,6 +236,6 @@ def test_data_on_the_gpu_runs_in_process_and_gathers_exactly():
     assert all(_on(b, "cuda") for b in out + epoch)
     for b in out + epoch:
         idx = _data.indices_of(_clone(b))
-        assert _same(rb.get_at(torch.tensor(idx)), b)
+        assert same_bits(rb.get_at(torch.tensor(idx)), b)
     assert sorted(i for b in epoch for i in _data.indices_of(_clone(b))) == list(range(400))
-    assert all(_same(_clone(a), b) for a, b in zip(out, again))   # (the same seed, the same)
+    assert all(same_bits(_clone(a), b) for a, b in zip(out, again))   # (the same seed, the same)
