@@ -75,6 +75,16 @@ def _left(deadline):
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
+def _told_size(sized, work, value):
+    """Tell ``sized`` (see `RayManager`) the size of an answer's ``value``; False if it
+    raised (it sizes defaults only: they stay as they are, and the batch is delivered)."""
+    try:
+        sized(work, value.nbytes if type(value) is not tuple else value[1])
+        return True
+    except Exception:
+        return False
+
+
 def _load(lane):
     """How busy a lane is (tasks in flight), for a deal that is not in order."""
     return len(lane.inflight)
@@ -360,12 +370,8 @@ class RayManager:
         counters = lane.counters
         if status == _actor.OK:
             lane.deaths_in_a_row = 0
-            sized = self.sized
-            if sized is not None:
-                try:
-                    sized(task.work, value.nbytes if type(value) is not tuple else value[1])
-                except Exception:   # (only defaults: they stay, the batch is delivered)
-                    self.sized = None
+            if self.sized is not None and not _told_size(self.sized, task.work, value):
+                self.sized = None
             batches = self._batches_in(task.work)
             counters.end(batches, False, elapsed_ns)
             self._caller.batches += batches

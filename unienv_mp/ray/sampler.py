@@ -411,9 +411,7 @@ class RaySampler(SamplerBase):
             self.actor_options = actor_options
             self.local_slots = local_slots
             self.direct_gather = direct_gather
-            # (see _sized: the defaults it may set once a batch's size is known)
-            self._sized_defaults = (n_buffers is None, tasks_per_call is None)
-            sized = not_direct is not None and any(self._sized_defaults)
+            self._sized_defaults = (n_buffers is None, tasks_per_call is None)   # (_sized)
             n_buffers, manager.group = _calls(
                 sampler if not_direct is None else None, batches_per_task, n_workers,
                 n_buffers, tasks_per_call)
@@ -424,7 +422,7 @@ class RaySampler(SamplerBase):
                              not_direct=not_direct, manager=manager)
             if isinstance(sampler, RemoteSampler):
                 sampler.lock = self._lock
-            if sized:   # (weakly: the manager must not keep its sampler alive)
+            if not_direct is not None and any(self._sized_defaults):   # (weakly: no cycle)
                 manager.sized = _weakly(weakref.WeakMethod(self._sized))
             if sampler_factory is None:   # (the data the actors were sent)
                 self._pools.sample_fp = self._pools.data_now()[0]
