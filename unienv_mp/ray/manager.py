@@ -76,12 +76,16 @@ def _left(deadline):
 
 
 def _told_size(sized, work, value):
-    """Tell ``sized`` (see `RayManager`) the size of an answer's ``value``; False if it
-    raised (it sizes defaults only: they stay as they are, and the batch is delivered)."""
+    """Tell ``sized`` (see `RayManager`) the size of an answer's ``value``; False, with a
+    warning, if it raised (it sizes defaults only: they stay as they are, and the batch
+    is delivered)."""
     try:
         sized(work, value.nbytes if type(value) is not tuple else value[1])
         return True
-    except Exception:
+    except Exception as e:
+        warnings.warn(f"unienv_mp: RaySampler could not size its defaults from the first "
+                      f"batch ({type(e).__name__}: {e}); n_buffers and tasks_per_call stay "
+                      f"as they were", RuntimeWarning, stacklevel=2)
         return False
 
 

@@ -187,10 +187,11 @@ def _calls(sampler, batches_per_task, n_workers, n_buffers, tasks_per_call):
     if row is None:   # (the size of a batch is not known yet: see RaySampler._sized)
         return (8 if n_buffers is None else n_buffers), tasks_per_call or 2
     batch = max(1, row * batch_size)
-    if tasks_per_call is None:
-        tasks_per_call = _group(batch * k, k, n_workers)
+    group = tasks_per_call or _group(batch * k, k, n_workers)
     if n_buffers is None:
-        n_buffers = _depth(batch * k, k, n_workers, tasks_per_call)
+        n_buffers = _depth(batch * k, k, n_workers, group)
+    if tasks_per_call is None:
+        tasks_per_call = _within(group, n_buffers, k, n_workers)
     return n_buffers, tasks_per_call
 
 
@@ -203,6 +204,14 @@ def _group(task_bytes, k, n_workers):
             _depth(task_bytes, k, n_workers, _CALL_FEW) // (_CALL_FEW * k) > n_workers):
         group = _CALL_FEW   # (each call costs the caller ~0.4 ms of CPU)
     return group
+
+
+def _within(group, n_buffers, k, n_workers):
+    """A default ``tasks_per_call`` of ``group``, made no more than the tasks of ``k``
+    batches that ``n_buffers`` requests ahead give each actor: a call goes once its
+    actor has that many tasks waiting (or once one is asked for), so a larger one would
+    send nothing ahead."""
+    return max(1, min(group, n_buffers // k // n_workers))
 
 
 def _weakly(method):
@@ -317,8 +326,9 @@ class RaySampler(SamplerBase):
             gathered directly, as many as make up to 1 MiB, at most 8, and at least 4
             where the default ``n_buffers`` then still holds a call for every actor and
             one more, else at least 2 (1 for tasks over 64 MiB); for other batches,
-            2 until the first batch's size is known, then the same rule.  It does not
-            change the batches.
+            2 until the first batch's size is known, then the same rule; and never more
+            than the tasks ``n_buffers`` requests ahead for each actor (a call waits for
+            that many).  It does not change the batches.
         persistent_workers: as for
             [`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler]: an epoch runs
             on actors that exist (the ``sample*`` actors, or those of an earlier epoch)
@@ -438,12 +448,14 @@ class RaySampler(SamplerBase):
         if len(work) != 3 or work[0] == "sample_index":   # (not a chunk of batches)
             return
         buffers, group = self._sized_defaults
-        task_bytes = max(1, task_bytes)
+        task_bytes, k = max(1, task_bytes), work[2]
         if group:
-            self.tasks_per_call = _group(task_bytes, work[2], self.n_workers)
+            self.tasks_per_call = _group(task_bytes, k, self.n_workers)
         if buffers:
-            self.n_buffers = _depth(task_bytes, work[2], self.n_workers,
-                                    self.tasks_per_call)
+            self.n_buffers = _depth(task_bytes, k, self.n_workers, self.tasks_per_call)
+        if group:
+            self.tasks_per_call = _within(self.tasks_per_call, self.n_buffers, k,
+                                          self.n_workers)
         if self._actors is not None:
             if group:
                 self._actors.group = self.tasks_per_call
