@@ -186,12 +186,20 @@ def _calls(sampler, batches_per_task, n_workers, n_buffers, tasks_per_call):
     k = batches_per_task if batches_per_task is not None else default_chunk(row, batch_size)
     if row is None:   # (the size of a batch is not known yet: see RaySampler._sized)
         return (8 if n_buffers is None else n_buffers), tasks_per_call or 2
-    batch = max(1, row * batch_size)
-    group = tasks_per_call or _group(batch * k, k, n_workers)
+    return _defaults(max(1, row * batch_size) * k, k, n_workers, n_buffers, tasks_per_call)
+
+
+def _defaults(task_bytes, k, n_workers, n_buffers, tasks_per_call):
+    """``(n_buffers, tasks_per_call)`` for tasks of ``k`` batches and ``task_bytes`` bytes:
+    each given (not None) kept, the others by default (see `RaySampler`).  A default
+    ``tasks_per_call`` is no more than the tasks ``n_buffers`` requests ahead give each
+    actor: a call goes once its actor has that many waiting (or one is asked for), so a
+    larger one would send nothing ahead."""
+    group = tasks_per_call or _group(task_bytes, k, n_workers)
     if n_buffers is None:
-        n_buffers = _depth(batch * k, k, n_workers, group)
+        n_buffers = _depth(task_bytes, k, n_workers, group)
     if tasks_per_call is None:
-        tasks_per_call = _within(group, n_buffers, k, n_workers)
+        tasks_per_call = max(1, min(group, n_buffers // k // n_workers))
     return n_buffers, tasks_per_call
 
 
@@ -204,14 +212,6 @@ def _group(task_bytes, k, n_workers):
             _depth(task_bytes, k, n_workers, _CALL_FEW) // (_CALL_FEW * k) > n_workers):
         group = _CALL_FEW   # (each call costs the caller ~0.4 ms of CPU)
     return group
-
-
-def _within(group, n_buffers, k, n_workers):
-    """A default ``tasks_per_call`` of ``group``, made no more than the tasks of ``k``
-    batches that ``n_buffers`` requests ahead give each actor: a call goes once its
-    actor has that many tasks waiting (or once one is asked for), so a larger one would
-    send nothing ahead."""
-    return max(1, min(group, n_buffers // k // n_workers))
 
 
 def _weakly(method):
@@ -421,7 +421,7 @@ class RaySampler(SamplerBase):
             self.actor_options = actor_options
             self.local_slots = local_slots
             self.direct_gather = direct_gather
-            self._sized_defaults = (n_buffers is None, tasks_per_call is None)   # (_sized)
+            self._asked = (n_buffers, tasks_per_call)   # (see _sized)
             n_buffers, manager.group = _calls(
                 sampler if not_direct is None else None, batches_per_task, n_workers,
                 n_buffers, tasks_per_call)
@@ -432,7 +432,7 @@ class RaySampler(SamplerBase):
                              not_direct=not_direct, manager=manager)
             if isinstance(sampler, RemoteSampler):
                 sampler.lock = self._lock
-            if not_direct is not None and any(self._sized_defaults):   # (weakly: no cycle)
+            if not_direct is not None and None in self._asked:   # (weakly: no cycle)
                 manager.sized = _weakly(weakref.WeakMethod(self._sized))
             if sampler_factory is None:   # (the data the actors were sent)
                 self._pools.sample_fp = self._pools.data_now()[0]
@@ -447,18 +447,10 @@ class RaySampler(SamplerBase):
         their size was not known before)."""
         if len(work) != 3 or work[0] == "sample_index":   # (not a chunk of batches)
             return
-        buffers, group = self._sized_defaults
-        task_bytes, k = max(1, task_bytes), work[2]
-        if group:
-            self.tasks_per_call = _group(task_bytes, k, self.n_workers)
-        if buffers:
-            self.n_buffers = _depth(task_bytes, k, self.n_workers, self.tasks_per_call)
-        if group:
-            self.tasks_per_call = _within(self.tasks_per_call, self.n_buffers, k,
-                                          self.n_workers)
+        self.n_buffers, self.tasks_per_call = _defaults(
+            max(1, task_bytes), work[2], self.n_workers, *self._asked)
         if self._actors is not None:
-            if group:
-                self._actors.group = self.tasks_per_call
+            self._actors.group = self.tasks_per_call
             self._actors.sized = None
 
     def _new_actors(self, sampler, direct, n_workers, **more):
