@@ -570,12 +570,13 @@ def test_where_this_process_cannot_map_an_actors_slots_batches_take_the_object_s
 
 
 def _slots_accounted(r):
-    """Every slot number an actor was given is free once, held by a task in flight, or
-    by a batch alive (a lease)."""
+    """Every slot number an actor was given is free once, held by a task in flight (or
+    cancelled and not answered yet), or by a batch alive (a lease)."""
     gc.collect()
     tasks = r._actors._tasks
     for lane in r._actors._lanes:
         sent = [tasks[t].sent for t in lane.inflight if tasks[t].sent is not None]
+        sent += [t.sent for t in lane.cancelled]
         held = [s[2] for s in sent if s[2] is not None]
         slots = lane.slots
         free = slots.free + list(slots.released)
@@ -627,6 +628,33 @@ def test_a_sizing_that_raises_leaves_the_defaults_and_loses_nothing():
                 same(a, r.sample())
         assert (r.n_buffers, r.tasks_per_call) == before and r._actors.sized is None
         _slots_accounted(r)
+
+
+def test_threads_from_the_start_while_the_first_batch_sizes_the_defaults():
+    import threading
+    rb = replay_buffer(100)
+    with MultiprocessingSampler(StepSampler(rb, 8, seed=9), n_workers=2, ctx="fork",
+                                batches_per_task=1) as m:
+        want = sorted(tuple(indices_of(m.sample())) for _ in range(150))
+    got, errors = [], []
+
+    def run():
+        try:
+            for _ in range(50):
+                got.append(tuple(indices_of(r.sample())))
+        except BaseException as e:   # (reported below)
+            errors.append(e)
+    with RaySampler(StepSampler(rb, 8, seed=9), n_workers=3, direct_gather=False,
+                    batches_per_task=1, num_cpus_per_worker=0.5) as r:
+        threads = [threading.Thread(target=run) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert r._actors.group == r.tasks_per_call > 2   # (sized once)
+        _slots_accounted(r)
+    assert sorted(got) == want   # (each batch of the stream once, whichever thread)
 
 
 def test_a_slot_is_mapped_again_for_another_process_with_the_same_generation():
