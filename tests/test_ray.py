@@ -814,6 +814,44 @@ def test_an_actor_that_cannot_start_leaves_its_batches_to_the_others():
         assert 1 <= sum(started) <= 2, started
 
 
+def late_factory(late_worker, delay):
+    """A sampler_factory whose actor ``late_worker`` sleeps ``delay`` s first (the actor's
+    index is read from the frame that calls the factory: SamplerActor.__init__)."""
+    base = factory(40, 4, 0)
+
+    def make():
+        import sys
+        import time as t
+        if sys._getframe(1).f_locals.get("index") == late_worker:
+            t.sleep(delay)
+        return base()
+    return make
+
+
+def test_the_first_batch_waits_until_every_actor_has_started(monkeypatch):
+    # (a stream stops at a not-started actor's first task anyway: the first wait does all
+    # that waiting at once.  No actor is ever late here, so the wait is for all of them)
+    from unienv_mp.ray import _calls
+    monkeypatch.setattr(_calls, "LATE_NS", 600 * 10**9)
+    with RaySampler(sampler_factory=late_factory(2, 1.5), n_workers=3, timeout=120,
+                    num_cpus_per_worker=0) as r:
+        lanes = r.sampler._manager._lanes
+        r.sample()
+        assert all(lane.up and lane.ok for lane in lanes)
+        assert len(take(r, 20)) == 20
+
+
+def test_the_first_wait_does_not_wait_for_a_late_actor(monkeypatch):
+    # (once an actor is late, the first batch comes without it; its tasks move)
+    from unienv_mp.ray import _calls
+    monkeypatch.setattr(_calls, "LATE_NS", 0)
+    with RaySampler(sampler_factory=late_factory(2, 30), n_workers=3, timeout=120,
+                    num_cpus_per_worker=0) as r:
+        lanes = r.sampler._manager._lanes
+        assert len(take(r, 20)) == 20
+        assert not lanes[2].up
+
+
 def test_out_of_order_an_actor_that_cannot_start_holds_no_batch_back(monkeypatch):
     # (results are waited for in any order here: the tasks dealt to the actor that never
     # starts must move all the same, or the epoch never ends; and what moved is still

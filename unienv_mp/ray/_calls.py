@@ -21,6 +21,13 @@ answer is dropped, as a cancelled task's is.  New tasks are not dealt to a late 
 anything, or the probe (``made``) sent when it was asked for.  Before any actor is late,
 tasks wait for theirs: moving them while all start together made the first thousands of
 batches no sooner (the CPU goes to the actors' imports), and split the calls.
+
+*The first wait.*  The caller's first wait for a result lasts until every actor has
+started, or one is late (``all_up``).  A stream dealt round-robin stops at each actor's
+first task until that actor has started anyway; waiting for all of them at once moves
+those stops to the first batch, while the actors that have started fill their slots, and
+the batches after it come at the actors' pace from the start.  (Measured on 2 cores with
+4 actors: one stop of 130 to 240 ms somewhere in the first 25 batches, every time.)
 """
 import collections
 import time
@@ -36,7 +43,7 @@ from .._transport import codec as _codec
 from ._batch import LaneSlots, read_frame
 
 __all__ = ["Task", "Call", "Lane", "MAX_LEASES", "LATE_NS", "taking", "relayed",
-           "wait_start", "first_up"]
+           "wait_start", "first_up", "all_up", "batches_ready"]
 
 #: Zero-copy batches alive from one actor's slots beyond which the next are copied (its
 #: slots are not given back while the caller holds them: this bounds their number).
@@ -300,3 +307,50 @@ def first_up(lanes, timeout=None):
     lane = by_probe[ready[0]]
     lane.probed()
     return lane
+
+
+def all_up(lanes, timeout, caller):
+    """Wait until every actor of ``lanes`` has started, or one of them is late (see
+    ``LATE_NS``), or one has answered with an error (it died, or could not make its
+    sampler), or ``timeout`` seconds (None: no limit) have passed, and return True; the
+    time waited counts in ``caller``'s (a `CallerRecord`).  Nothing is raised: the wait
+    for a result that follows finds what went wrong."""
+    start = time.monotonic_ns()
+    try:
+        _all_up(lanes, None if timeout is None else start + int(timeout * 1e9))
+    finally:
+        caller.wait_ns += time.monotonic_ns() - start
+    return True
+
+
+def _all_up(lanes, deadline):
+    while True:
+        by_probe = {lane.probe: lane for lane in lanes
+                    if not lane.up and lane.probe is not None}
+        if not by_probe or any(lane.up and not lane.ok for lane in lanes):
+            return
+        now = time.monotonic_ns()
+        ends = [lane.up_ns + LATE_NS for lane in lanes if lane.ok]
+        if deadline is not None:
+            ends.append(deadline)
+        limit = None if not ends else (min(ends) - now) / 1e9
+        if limit is not None and limit <= 0:
+            return
+        # (+1 ms: ray.wait rounds its timeout down to whole milliseconds)
+        ready, _ = ray.wait(list(by_probe), num_returns=1,
+                            timeout=None if limit is None else limit + 0.001)
+        for ref in ready:
+            by_probe[ref].probed()
+
+
+def batches_ready(tasks, batches_in):
+    """How many batches ``tasks`` hold whose calls have been answered (``batches_in``
+    counts a task's work's)."""
+    calls = {}
+    for task in tasks:
+        if task.sent is not None:
+            calls.setdefault(task.sent[0].ref, []).append(task)
+    if not calls:
+        return 0
+    done, _ = ray.wait(list(calls), num_returns=len(calls), timeout=0)
+    return sum(batches_in(t.work) for r in done for t in calls[r])

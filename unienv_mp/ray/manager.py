@@ -30,7 +30,8 @@ from .._validate import check_bool, check_index, check_int, check_seconds
 from ..backend import Dealer, TicketTable, no_result, none_pending, respawn_refusal
 from ..errors import PeerGoneError, WorkerDiedError, WorkerError
 from . import _actor
-from ._calls import Lane, Task, first_up, relayed, taking, wait_start
+from ._calls import (Lane, Task, all_up, batches_ready, first_up, relayed, taking,
+                     wait_start)
 from ._ship import Shipped
 
 __all__ = ["RayManager", "check_cpus"]
@@ -187,6 +188,7 @@ class RayManager:
         self._lanes = [Lane(i, now) for i in range(n_workers)]
         # (a late actor is passed over: see stand-ins, unienv_mp.ray._calls)
         self._dealer = Dealer(up=functools.partial(taking, self._lanes))
+        self._all_up = False   # (the first wait has waited for every actor: see all_up)
         self.closed = False
         for lane in self._lanes:
             self._start(lane)
@@ -323,6 +325,7 @@ class RayManager:
         task = self._tasks.pending(ticket)
         limit = self.timeout if timeout is None else timeout
         deadline = None if limit is None else time.monotonic() + limit
+        self._all_up = self._all_up or all_up(self._lanes, _left(deadline), self._caller)
         while True:
             task = relayed(task, self._lanes, self._tasks)   # (see unienv_mp.ray._calls)
             call, index, slot = _sent(task)
@@ -404,6 +407,7 @@ class RayManager:
         self._ensure_open()
         limit = self.timeout if timeout is None else timeout
         deadline = None if limit is None else time.monotonic() + limit
+        self._all_up = self._all_up or all_up(self._lanes, _left(deadline), self._caller)
         while True:
             by_ref, waiting = {}, []
             for t in tickets:
@@ -449,14 +453,7 @@ class RayManager:
         actor's process (None until its first result), and ``cpu_fraction`` its CPU time, as
         of its last result, over its time alive."""
         now = time.monotonic_ns()
-        calls = {}
-        for task in self._tasks.values():
-            if task.sent is not None:
-                calls.setdefault(task.sent[0].ref, []).append(task)
-        ready = 0
-        if calls:
-            done, _ = ray.wait(list(calls), num_returns=len(calls), timeout=0)
-            ready = sum(self._batches_in(t.work) for r in done for t in calls[r])
+        ready = batches_ready(self._tasks.values(), self._batches_in)
         workers = []
         for lane in self._lanes:
             counters = lane.counters.view
