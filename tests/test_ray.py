@@ -362,6 +362,21 @@ def test_an_actor_killed_mid_stream_is_replaced_and_the_stream_is_unchanged(task
     assert sorted(epoch) == list(range(100))
 
 
+def test_an_actor_killed_before_the_first_batch_is_replaced_and_the_stream_is_unchanged():
+    # (the first wait, for every actor to start, sees the killed one answer with its
+    # death, and leaves it to the wait for the batch, which replaces it)
+    rb = replay_buffer(100)
+    with MultiprocessingSampler(StepSampler(rb, 8, seed=2), n_workers=2, ctx="fork",
+                                batches_per_task=1) as m:
+        want = [indices_of(b) for b in take(m, 60)]
+    with RaySampler(StepSampler(rb, 8, seed=2), n_workers=2, batches_per_task=1,
+                    timeout=120) as r:
+        first = r.workers[1]
+        ray.kill(first, no_restart=True)
+        assert [indices_of(b) for b in take(r, 60)] == want
+        assert r.workers[1] != first and r.stats().workers[1].respawns == 1
+
+
 def test_with_respawn_false_a_killed_actor_raises_worker_died():
     rb = replay_buffer(50)
     with RaySampler(StepSampler(rb, 8, seed=2), n_workers=1, respawn=False) as r:
@@ -839,6 +854,28 @@ def test_the_first_batch_waits_until_every_actor_has_started(monkeypatch):
         r.sample()
         assert all(lane.up and lane.ok for lane in lanes)
         assert len(take(r, 20)) == 20
+
+
+def test_a_ctrl_c_in_the_first_wait_loses_nothing(monkeypatch):
+    import _thread
+    import threading
+    from unienv_mp.ray import _calls
+    monkeypatch.setattr(_calls, "LATE_NS", 600 * 10**9)
+    with RaySampler(sampler_factory=factory(40, 4, 0), n_workers=2) as r:
+        want = [indices_of(b) for b in take(r, 30)]
+    with RaySampler(sampler_factory=late_factory(1, 6), n_workers=2, timeout=120,
+                    num_cpus_per_worker=0) as r:
+        lanes = r.sampler._manager._lanes
+        timer = threading.Timer(1.0, _thread.interrupt_main)
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                r.sample()   # (waits for worker 1, asleep in its factory)
+        finally:
+            timer.cancel()
+        assert not lanes[1].up
+        assert [indices_of(b) for b in take(r, 30)] == want
+        assert all(lane.up for lane in lanes)
 
 
 def test_the_first_wait_does_not_wait_for_a_late_actor(monkeypatch):
