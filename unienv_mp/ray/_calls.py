@@ -312,15 +312,15 @@ def first_up(lanes, timeout=None):
 def all_up(lanes, timeout, caller):
     """Wait until every actor of ``lanes`` has started, or one of them is late (see
     ``LATE_NS``), or one has answered with an error (it died, or could not make its
-    sampler), or ``timeout`` seconds (None: no limit) have passed, and return True; the
-    time waited counts in ``caller``'s (a `CallerRecord`).  Nothing is raised: the wait
-    for a result that follows finds what went wrong."""
+    sampler), or ``timeout`` seconds (None: no limit) have passed; False for the last
+    (the next wait for a result waits for them again).  The time waited counts in
+    ``caller``'s (a `CallerRecord`).  Nothing is raised: the wait for a result that
+    follows finds what went wrong."""
     start = time.monotonic_ns()
     try:
-        _all_up(lanes, None if timeout is None else start + int(timeout * 1e9))
+        return _all_up(lanes, None if timeout is None else start + int(timeout * 1e9))
     finally:
         caller.wait_ns += time.monotonic_ns() - start
-    return True
 
 
 def _all_up(lanes, deadline):
@@ -328,14 +328,16 @@ def _all_up(lanes, deadline):
         by_probe = {lane.probe: lane for lane in lanes
                     if not lane.up and lane.probe is not None}
         if not by_probe or any(lane.up and not lane.ok for lane in lanes):
-            return
+            return True
         now = time.monotonic_ns()
+        if deadline is not None and now >= deadline:
+            return False
         ends = [lane.up_ns + LATE_NS for lane in lanes if lane.ok]
         if deadline is not None:
             ends.append(deadline)
         limit = None if not ends else (min(ends) - now) / 1e9
         if limit is not None and limit <= 0:
-            return
+            return True   # (one is late)
         # (+1 ms: ray.wait rounds its timeout down to whole milliseconds)
         ready, _ = ray.wait(list(by_probe), num_returns=1,
                             timeout=None if limit is None else limit + 0.001)
