@@ -3,6 +3,7 @@ factory, faults, checkpoints, what the caller gets, and which Ray it uses."""
 import gc
 import os
 import pickle
+import time
 import weakref
 
 import numpy as np
@@ -829,61 +830,100 @@ def test_an_actor_that_cannot_start_leaves_its_batches_to_the_others():
         assert 1 <= sum(started) <= 2, started
 
 
-def late_factory(late_worker, delay):
-    """A sampler_factory whose actor ``late_worker`` sleeps ``delay`` s first (the actor's
-    index is read from the frame that calls the factory: SamplerActor.__init__)."""
+def late_factory(late_worker, gate):
+    """A sampler_factory whose actor ``late_worker`` waits until the file ``gate`` exists
+    (the actor's index is read from the frame that calls the factory:
+    SamplerActor.__init__)."""
     base = factory(40, 4, 0)
 
     def make():
+        import os as o
         import sys
         import time as t
         if sys._getframe(1).f_locals.get("index") == late_worker:
-            t.sleep(delay)
+            while not o.path.exists(gate):
+                t.sleep(0.01)
         return base()
     return make
 
 
-def test_the_first_batch_waits_until_every_actor_has_started(monkeypatch):
+def opened_later(gate, seconds):
+    """A started timer that creates the file ``gate`` after ``seconds``."""
+    import threading
+    timer = threading.Timer(seconds, lambda: open(gate, "w").close())
+    timer.start()
+    return timer
+
+
+def test_the_first_batch_waits_until_every_actor_has_started(monkeypatch, tmp_path):
     # (a stream stops at a not-started actor's first task anyway: the first wait does all
     # that waiting at once.  No actor is ever late here, so the wait is for all of them)
     from unienv_mp.ray import _calls
     monkeypatch.setattr(_calls, "LATE_NS", 600 * 10**9)
-    with RaySampler(sampler_factory=late_factory(2, 1.5), n_workers=3, timeout=120,
+    gate = str(tmp_path / "gate")
+    with RaySampler(sampler_factory=late_factory(2, gate), n_workers=3, timeout=120,
                     num_cpus_per_worker=0) as r:
         lanes = r.sampler._manager._lanes
-        r.sample()
+        timer = opened_later(gate, 1.5)   # (while the first batch is waited for)
+        try:
+            r.sample()
+        finally:
+            timer.cancel()
         assert all(lane.up and lane.ok for lane in lanes)
         assert len(take(r, 20)) == 20
 
 
-def test_a_ctrl_c_in_the_first_wait_loses_nothing(monkeypatch):
+def test_a_result_already_in_is_not_held_for_the_first_wait(monkeypatch, tmp_path):
+    from unienv_mp.ray import _calls
+    from unienv_mp.ray.manager import RayManager
+    monkeypatch.setattr(_calls, "LATE_NS", 600 * 10**9)
+    gate = str(tmp_path / "gate")
+    m = RayManager(2, factory=late_factory(1, gate), num_cpus_per_worker=0, timeout=120)
+    timer = opened_later(gate, 60)   # (if the result waited for worker 1 after all)
+    try:
+        ticket = m.submit(("sample", 1, 1), worker=0)
+        while not m.ready(ticket):
+            time.sleep(0.01)
+        assert m.result(ticket) is not None
+        assert not m._lanes[1].up and not m._all_up   # (it is left for a later wait)
+        with pytest.raises(KeyError):
+            m.wait_any([ticket])   # (no ticket pending: at once, no first wait)
+        assert not m._lanes[1].up
+    finally:
+        timer.cancel()
+        m.close()
+
+
+def test_a_ctrl_c_in_the_first_wait_loses_nothing(monkeypatch, tmp_path):
     import _thread
     import threading
     from unienv_mp.ray import _calls
     monkeypatch.setattr(_calls, "LATE_NS", 600 * 10**9)
     with RaySampler(sampler_factory=factory(40, 4, 0), n_workers=2) as r:
         want = [indices_of(b) for b in take(r, 30)]
-    with RaySampler(sampler_factory=late_factory(1, 6), n_workers=2, timeout=120,
+    gate = str(tmp_path / "gate")
+    with RaySampler(sampler_factory=late_factory(1, gate), n_workers=2, timeout=120,
                     num_cpus_per_worker=0) as r:
         lanes = r.sampler._manager._lanes
         timer = threading.Timer(1.0, _thread.interrupt_main)
         timer.start()
         try:
             with pytest.raises(KeyboardInterrupt):
-                r.sample()   # (waits for worker 1, asleep in its factory)
+                r.sample()   # (waits for worker 1, held at its gate)
         finally:
             timer.cancel()
         assert not lanes[1].up
+        open(gate, "w").close()
         assert [indices_of(b) for b in take(r, 30)] == want
         assert all(lane.up for lane in lanes)
 
 
-def test_the_first_wait_does_not_wait_for_a_late_actor(monkeypatch):
+def test_the_first_wait_does_not_wait_for_a_late_actor(monkeypatch, tmp_path):
     # (once an actor is late, the first batch comes without it; its tasks move)
     from unienv_mp.ray import _calls
     monkeypatch.setattr(_calls, "LATE_NS", 0)
-    with RaySampler(sampler_factory=late_factory(2, 30), n_workers=3, timeout=120,
-                    num_cpus_per_worker=0) as r:
+    with RaySampler(sampler_factory=late_factory(2, str(tmp_path / "gate")), n_workers=3,
+                    timeout=120, num_cpus_per_worker=0) as r:
         lanes = r.sampler._manager._lanes
         assert len(take(r, 20)) == 20
         assert not lanes[2].up

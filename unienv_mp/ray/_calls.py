@@ -22,12 +22,13 @@ anything, or the probe (``made``) sent when it was asked for.  Before any actor 
 tasks wait for theirs: moving them while all start together made the first thousands of
 batches no sooner (the CPU goes to the actors' imports), and split the calls.
 
-*The first wait.*  The caller's first wait for a result lasts until every actor has
-started, or one is late (``all_up``).  A stream dealt round-robin stops at each actor's
-first task until that actor has started anyway; waiting for all of them at once moves
-those stops to the first batch, while the actors that have started fill their slots, and
-the batches after it come at the actors' pace from the start.  (Measured on 2 cores with
-4 actors: one stop of 130 to 240 ms somewhere in the first 25 batches, every time.)
+*The first wait.*  The first time the caller waits for a result that has not come, it
+waits until every actor has started, or one is late (``all_up``).  A stream dealt
+round-robin stops at each actor's first task until that actor has started anyway;
+waiting for all of them at once moves those stops to the first batch (which the samplers
+ask for alone: see `unienv_mp._sampling.ahead`), and the batches requested after it come
+at the actors' pace from the start.  (Measured on 2 cores with 4 actors: one stop of 130
+to 240 ms somewhere in the first 25 batches, nearly every time.)
 """
 import collections
 import time
@@ -309,15 +310,18 @@ def first_up(lanes, timeout=None):
     return lane
 
 
-def all_up(lanes, timeout, caller):
-    """Wait until every actor of ``lanes`` has started, or one of them is late (see
+def all_up(lanes, refs, timeout, caller):
+    """The first wait: unless one of the calls ``refs`` (those waited for) is answered
+    already, wait until every actor of ``lanes`` has started, or one of them is late (see
     ``LATE_NS``), or one has answered with an error (it died, or could not make its
-    sampler), or ``timeout`` seconds (None: no limit) have passed; False for the last
-    (the next wait for a result waits for them again).  The time waited counts in
-    ``caller``'s (a `CallerRecord`).  Nothing is raised: the wait for a result that
-    follows finds what went wrong."""
+    sampler), or ``timeout`` seconds (None: no limit) have passed.  Whether it has been
+    waited (False: a call was answered, or the time ran out; the next wait tries again).
+    The time waited counts in ``caller``'s (a `CallerRecord`).  Nothing is raised: the
+    wait for a result that follows finds what went wrong."""
     start = time.monotonic_ns()
     try:
+        if ray.wait(refs, num_returns=1, timeout=0)[0]:
+            return False
         return _all_up(lanes, None if timeout is None else start + int(timeout * 1e9))
     finally:
         caller.wait_ns += time.monotonic_ns() - start

@@ -325,10 +325,11 @@ class RayManager:
         task = self._tasks.pending(ticket)
         limit = self.timeout if timeout is None else timeout
         deadline = None if limit is None else time.monotonic() + limit
-        self._all_up = self._all_up or all_up(self._lanes, _left(deadline), self._caller)
         while True:
             task = relayed(task, self._lanes, self._tasks)   # (see unienv_mp.ray._calls)
             call, index, slot = _sent(task)
+            if not self._all_up and call.answer is None:   # (the first wait: see all_up)
+                self._all_up = all_up(self._lanes, [call.ref], _left(deadline), self._caller)
             left = _left(deadline)
             start = time.monotonic_ns()
             try:
@@ -407,7 +408,6 @@ class RayManager:
         self._ensure_open()
         limit = self.timeout if timeout is None else timeout
         deadline = None if limit is None else time.monotonic() + limit
-        self._all_up = self._all_up or all_up(self._lanes, _left(deadline), self._caller)
         while True:
             by_ref, waiting = {}, []
             for t in tickets:
@@ -422,6 +422,8 @@ class RayManager:
                         waiting.append(task)
             if not by_ref:
                 raise none_pending(tickets)
+            if not self._all_up:   # (the first wait: see all_up)
+                self._all_up = all_up(self._lanes, list(by_ref), _left(deadline), self._caller)
             left = _left(deadline)
             start = time.monotonic_ns()
             try:
