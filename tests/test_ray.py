@@ -363,8 +363,10 @@ def test_an_actor_killed_mid_stream_is_replaced_and_the_stream_is_unchanged(task
     assert sorted(epoch) == list(range(100))
 
 
-def test_an_actor_killed_before_the_first_batch_is_replaced_and_the_stream_is_unchanged():
-    # (the first wait, for every actor to start, sees the killed one answer with its
+@pytest.mark.parametrize("killed", [[1], [0, 1]])
+def test_actors_killed_before_the_first_batch_are_replaced_and_the_stream_is_unchanged(
+        killed):
+    # (the first wait, for every actor to start, sees a killed one answer with its
     # death, and leaves it to the wait for the batch, which replaces it)
     rb = replay_buffer(100)
     with MultiprocessingSampler(StepSampler(rb, 8, seed=2), n_workers=2, ctx="fork",
@@ -372,10 +374,12 @@ def test_an_actor_killed_before_the_first_batch_is_replaced_and_the_stream_is_un
         want = [indices_of(b) for b in take(m, 60)]
     with RaySampler(StepSampler(rb, 8, seed=2), n_workers=2, batches_per_task=1,
                     timeout=120) as r:
-        first = r.workers[1]
-        ray.kill(first, no_restart=True)
+        first = list(r.workers)
+        for i in killed:
+            ray.kill(first[i], no_restart=True)
         assert [indices_of(b) for b in take(r, 60)] == want
-        assert r.workers[1] != first and r.stats().workers[1].respawns == 1
+        for i in killed:
+            assert r.workers[i] != first[i] and r.stats().workers[i].respawns == 1
 
 
 def test_with_respawn_false_a_killed_actor_raises_worker_died():
@@ -889,8 +893,35 @@ def test_a_result_already_in_is_not_held_for_the_first_wait(monkeypatch, tmp_pat
         with pytest.raises(KeyError):
             m.wait_any([ticket])   # (no ticket pending: at once, no first wait)
         assert not m._lanes[1].up
+        # once every actor has answered, the first wait is over, even if no result was
+        # ever waited for (it costs no more Ray calls from then on)
+        open(gate, "w").close()
+        for worker in (1, 0):
+            ticket = m.submit(("sample", 1, 1), worker=worker)
+            while not m.ready(ticket):
+                time.sleep(0.01)
+            assert m.result(ticket) is not None
+        assert m._all_up
     finally:
         timer.cancel()
+        m.close()
+
+
+def test_a_first_wait_cut_short_by_its_timeout_is_waited_again(monkeypatch, tmp_path):
+    from unienv_mp.ray import _calls
+    from unienv_mp.ray.manager import RayManager
+    monkeypatch.setattr(_calls, "LATE_NS", 600 * 10**9)
+    gate = str(tmp_path / "gate")
+    m = RayManager(2, factory=late_factory(0, gate), num_cpus_per_worker=0, timeout=120)
+    try:
+        ticket = m.submit(("sample", 1, 1), worker=0)   # (worker 0 waits at its gate)
+        with pytest.raises(TimeoutError):
+            m.result(ticket, timeout=0.5)
+        assert not m._all_up and ticket in m._tasks
+        open(gate, "w").close()
+        assert m.result(ticket) is not None
+        assert m._all_up and all(lane.up for lane in m._lanes)
+    finally:
         m.close()
 
 

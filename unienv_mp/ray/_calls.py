@@ -311,37 +311,41 @@ def first_up(lanes, timeout=None):
 
 
 def all_up(lanes, refs, timeout, caller):
-    """The first wait: unless one of the calls ``refs`` (those waited for) is answered
-    already, wait until every actor of ``lanes`` has started, or one of them is late (see
-    ``LATE_NS``), or one has answered with an error (it died, or could not make its
-    sampler), or ``timeout`` seconds (None: no limit) have passed.  Whether it has been
-    waited (False: a call was answered, or the time ran out; the next wait tries again).
+    """The first wait: until every actor of ``lanes`` has started, or one of them is late
+    (see ``LATE_NS``), or one has answered with an error (it died, or could not make its
+    sampler), or ``timeout`` seconds (None: no limit) have passed; at once if one of the
+    calls ``refs`` (those waited for) is answered already.  Whether the wait is over
+    (False: it ended for time, or for an answer already in: the next wait tries again).
     The time waited counts in ``caller``'s (a `CallerRecord`).  Nothing is raised: the
     wait for a result that follows finds what went wrong."""
     start = time.monotonic_ns()
     try:
-        if ray.wait(refs, num_returns=1, timeout=0)[0]:
-            return False
-        return _all_up(lanes, None if timeout is None else start + int(timeout * 1e9))
+        return _all_up(lanes, refs, None if timeout is None else start + int(timeout * 1e9))
     finally:
         caller.wait_ns += time.monotonic_ns() - start
 
 
-def _all_up(lanes, deadline):
+def _all_up(lanes, refs, deadline):
+    # (the checks that need no Ray call come first: once every actor has answered, the
+    # wait is over without one)
     while True:
         by_probe = {lane.probe: lane for lane in lanes
                     if not lane.up and lane.probe is not None}
         if not by_probe or any(lane.up and not lane.ok for lane in lanes):
             return True
         now = time.monotonic_ns()
+        ends = [lane.up_ns + LATE_NS for lane in lanes if lane.ok]
+        if ends and min(ends) <= now:
+            return True   # (one is late)
         if deadline is not None and now >= deadline:
             return False
-        ends = [lane.up_ns + LATE_NS for lane in lanes if lane.ok]
+        if refs is not None:
+            if ray.wait(refs, num_returns=1, timeout=0)[0]:
+                return False
+            refs = None   # (asked once: from here on, the wait is for the actors)
         if deadline is not None:
             ends.append(deadline)
         limit = None if not ends else (min(ends) - now) / 1e9
-        if limit is not None and limit <= 0:
-            return True   # (one is late)
         # (+1 ms: ray.wait rounds its timeout down to whole milliseconds)
         ready, _ = ray.wait(list(by_probe), num_returns=1,
                             timeout=None if limit is None else limit + 0.001)
