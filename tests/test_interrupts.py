@@ -996,6 +996,12 @@ NOT_INTERRUPTED = {
                                             "tickets after any interruption (tested in "
                                             "sampler.py's code)",
     os.path.join("_sampling", "fingerprint.py"): "reads the data and returns a value: nothing kept across a call",
+    os.path.join("_sampling", "pages.py"): "reads the page table and a holder's bytes and "
+                                           "returns a value; what it keeps (written) is "
+                                           "one assignment",
+    os.path.join("_sampling", "copies.py"): "a pool's record of its copy, made before the "
+                                            "pool starts: its checks return values, and an "
+                                            "interrupted one only answers again next time",
     os.path.join("_transport", "headroom.py"): "a memory check before a segment is made: returns or raises",
     os.path.join("_transport", "protocol.py"): "constants of the wire format, and SlotWriter (run in the workers)",
     os.path.join("_sampling", "target.py"): "the work function runs in the workers (SIGINT ignored); the parent's "

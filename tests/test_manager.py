@@ -278,11 +278,11 @@ def test_a_replacement_that_fails_to_start_is_retried_later(monkeypatch):
         real = WorkerHandle.start
         calls = []
 
-        def flaky(self, seed):
+        def flaky(self, seed, *args, **kwargs):
             calls.append(1)
             if len(calls) == 1:
                 raise OSError(24, "Too many open files (simulated)")
-            return real(self, seed)
+            return real(self, seed, *args, **kwargs)
 
         monkeypatch.setattr(WorkerHandle, "start", flaky)
         with pytest.raises(OSError, match="simulated"):

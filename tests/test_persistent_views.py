@@ -223,8 +223,8 @@ def test_epochs_over_shared_data_and_views_of_it_keep_their_workers():
         run_epoch(m)
         assert m.epoch_workers == "new"
         run_epoch(m)
-        assert (m.epoch_workers, m.epoch_workers_reason) == (
-            "kept", "the data is shared between processes")
+        assert m.epoch_workers == "kept"
+        assert m.epoch_workers_reason.startswith("the data is shared between processes")
     # a view over it: the buffer by its identity (workers read it as it is now), the
     # view's parameters by value
     view = vd.frame_stack(rb, 2)

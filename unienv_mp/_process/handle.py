@@ -278,10 +278,12 @@ class WorkerHandle:
 
     # -- process --------------------------------------------------------------------------
 
-    def start(self, seed):
+    def start(self, seed, deadline=None, also=None):
         """Start a process, the next incarnation, with fresh rings and no slots.
-        ``seed``: passed to the manager's ``worker_init_fn``.  Raises ``TypeError`` if the
-        work function cannot be sent to the process.  Either the handle has the new
+        ``seed``: passed to the manager's ``worker_init_fn``; ``deadline`` and ``also``:
+        see `Launch.start_process`.  Raises ``TypeError`` if the work function cannot be sent
+        to the process, `CopyGone` if it could not start from the first workers' copy of
+        the data, ``TimeoutError`` if the deadline came first.  Either the handle has the new
         process when this returns or raises (a ``KeyboardInterrupt`` arriving meanwhile
         is raised once the handle has it), or no process is left running."""
         _os.exit_if_reimporting_main()
@@ -305,7 +307,8 @@ class WorkerHandle:
                                          launch.poll_interval, launch.spin)
             results = RingBuffer.create_in(seg, r_off, r_cap, result_entry,
                                            launch.poll_interval, launch.spin)
-            proc, launched = launch.start_process(self.index, seg, seed, stack_w)
+            proc, launched = launch.start_process(self.index, seg, seed, stack_w, deadline,
+                                                  also)
             # The handle takes the process (and a pidfd of it) in one step that a Ctrl-C
             # cannot cut in two.
             with _os.interrupts_deferred():

@@ -9,6 +9,13 @@ first workers start, whatever the training process changes later:
 * under fork the first workers are forked from the training process, and every later
   one from a `Snapshot` process forked right after them (`unienv_mp._process.snapshot`).
 
+A process started after the first ones that cannot start from that snapshot (under fork
+once the snapshot process is gone, or under spawn where the work function must be pickled
+again at each start) would copy the data as it is when it starts.  It starts only if the
+manager's ``same_copy()`` says that this is still what the first workers copied; otherwise
+`CopyGone` is raised, and the process does not start (see `WorkerPool` for what then
+becomes of a worker's tasks).
+
 Both are released when the last worker handle has released its memory
 (`WorkerHandle.release_memory`), since no process of the manager starts after that.
 """
@@ -20,18 +27,24 @@ import warnings
 
 from .. import _os
 from .snapshot import Held, Snapshot, SnapshotLost
-from .transfer import Parcel
+from .transfer import Parcel, ParcelChanged
 from .worker import worker_main
 
-__all__ = ["Launch"]
+__all__ = ["Launch", "CopyGone"]
+
+
+class CopyGone(Exception):
+    """A process cannot start from the copy of the data that the manager's first workers
+    started from (the message says why): it was not started."""
 
 
 class Launch:
     """What every process of a manager's workers is started with (``stall_timeout``:
-    seconds, or None), see the module's docstring."""
+    seconds, or None; ``same_copy``: see the module's docstring, None: always the same).
+    `first_done` marks the end of the first starts."""
 
     def __init__(self, target_fn, init_fn, ctx, daemon, doorbell_seg, done_event,
-                 poll_interval, spin, stall_timeout=None):
+                 poll_interval, spin, stall_timeout=None, same_copy=None):
         self.target_fn = target_fn
         self.init_fn = init_fn
         self.ctx = ctx
@@ -42,10 +55,27 @@ class Launch:
         self.spin = spin
         self.stall_ns = None if stall_timeout is None else int(stall_timeout * 1e9)
         self.fork = ctx.get_start_method() == "fork"
+        self.same_copy = same_copy
         self._parcel = None
         self._snapshot = None
-        self.later = None   # start_later, while a worker after the first starts (see pool)
+        self._first_done = False   # the first starts are done: later ones need the copy
         self._holders = set()   # indices of the handles that may still start a process
+
+    def first_done(self):
+        """The first processes are started: they took the copy every later one needs."""
+        self._first_done = True
+
+    def _check_same(self, how, also=None):
+        """Raise `CopyGone` unless a process that starts ``how`` now gets what the first
+        ones got: the first starts, a reused pickle and the snapshot process give it; else
+        ``same_copy()`` must vouch for it (and ``also()``, if given; what either raises
+        is raised)."""
+        if not self._first_done:
+            return
+        for check in (self.same_copy, also):
+            if check is not None and not check():
+                raise CopyGone(f"it would be {how}, and the data may have changed since "
+                               f"the first workers started")
 
     def keep_snapshot(self):
         """Under fork, once the first workers are started: fork the `Snapshot` process
@@ -53,6 +83,11 @@ class Launch:
         this process (one ``RuntimeWarning``)."""
         if not self.fork or self._snapshot is not None or not self._holders:
             return
+        try:
+            # (forked later than the first workers: only with the copy they took)
+            self._check_same("forked from the training process")
+        except Exception:   # (CopyGone, or a same_copy that raised)
+            return   # (later processes are then checked one by one)
         try:
             # (one step: a Ctrl-C cannot leave a snapshot process nobody holds)
             with _os.interrupts_deferred():
@@ -73,15 +108,23 @@ class Launch:
             return self._snapshot is not None
         return self._parcel is not None and self._parcel.reused
 
-    def start_process(self, index, seg, seed, stack_w):
+    def start_process(self, index, seg, seed, stack_w, deadline=None, also=None):
         """Start a process for worker ``index`` (``seg``: its segment; ``stack_w``: the
         write end of its stack pipe): returns it, with the monotonic ns of its start.  A
         process half started when this raises is stopped.  Raises ``TypeError`` if the
-        work function cannot be sent to the process."""
+        work function cannot be sent to the process, `CopyGone` if the process could not
+        start from the first ones' copy of the data, ``TimeoutError`` if the snapshot
+        process has not answered by ``deadline`` (``time.monotonic()`` seconds, or
+        None); ``also``: asked too, with ``same_copy``, where the process cannot start
+        from the snapshot."""
         if not self._holders:
             raise RuntimeError("this manager was closed: no process starts now")
         snapshot = self._snapshot
-        proc = self._process(index, seg, seed, stack_w, snapshot)
+        if self.fork and snapshot is None:
+            self._check_same("forked from the training process", also)
+        elif not self.fork and self._parcel is not None and not self._parcel.reused:
+            self._check_same("sent the work function pickled again", also)
+        proc = self._process(index, seg, seed, stack_w, snapshot, deadline)
         try:
             # (started with SIGINT blocked, the process never takes a Ctrl-C; one
             # arriving here meanwhile is raised after the start, also one that another
@@ -100,9 +143,10 @@ class Launch:
                     from None
             snapshot.close(0.5)
             _warn_no_snapshot(f"it ended ({e})")
-            if self.later is not None and not self.later():
-                raise   # (a worker started later copies this process only while allowed)
-            return self.start_process(index, seg, seed, stack_w)
+            return self.start_process(index, seg, seed, stack_w, deadline, also)
+        except ParcelChanged as e:
+            _os.stop_half_started(proc)
+            raise CopyGone(str(e)) from None
         except (pickle.PicklingError, TypeError, AttributeError) as e:
             _os.stop_half_started(proc)
             raise _not_picklable(self.ctx.get_start_method(), e) from e
@@ -111,7 +155,7 @@ class Launch:
             raise
         return proc, launched
 
-    def _process(self, index, seg, seed, stack_w, snapshot):
+    def _process(self, index, seg, seed, stack_w, snapshot, deadline):
         held = snapshot is not None
         options = {"poll_interval": self.poll_interval, "spin": self.spin,
                    "done_event": Held("done_event") if held else self.done_event,
@@ -124,7 +168,7 @@ class Launch:
                 os.getpid(), Held("init") if held else self.init_fn, seed, options)
         name = f"unienv_mp-worker-{index}"
         if held:
-            return snapshot.process(worker_main, args, self.daemon, name)
+            return snapshot.process(worker_main, args, self.daemon, name, deadline)
         return self.ctx.Process(target=worker_main, args=args, daemon=self.daemon,
                                 name=name)
 
@@ -149,6 +193,28 @@ class Launch:
             if not self._holders:
                 self.release()
 
+    def snapshot_pids(self):
+        """The snapshot process's pid, in a list, while it is up (under fork); else none."""
+        snapshot = self._snapshot
+        proc = None if snapshot is None else snapshot.proc
+        if proc is None or proc.pid is None or _os.has_exited(proc):
+            return []
+        return [proc.pid]
+
+    def spot_check(self, blocks, rng):
+        """See `Parcel.spot_check`; None where no data was copied for the workers (fork)."""
+        parcel = self._parcel
+        if parcel is None or parcel.closed:
+            return None
+        return parcel.spot_check(blocks, rng)
+
+    def wake(self):
+        """Wake a start waiting for the snapshot process in another thread (the manager is
+        being closed): it raises."""
+        snapshot = self._snapshot
+        if snapshot is not None:
+            snapshot.wake()
+
     def release(self):
         """Release the snapshot: no process of the manager starts any more."""
         self._holders.clear()
@@ -162,9 +228,9 @@ class Launch:
 
 def _warn_no_snapshot(why):
     warnings.warn(f"unienv_mp: the process that keeps the workers' snapshot of the data "
-                  f"(fork) is not there: {why}; workers started from now on copy this "
-                  f"process's memory as it is when they start", RuntimeWarning,
-                  stacklevel=4)
+                  f"(fork) is not there: {why}; a worker started from now on is forked "
+                  f"from this process, and only while the data is provably what the first "
+                  f"workers copied", RuntimeWarning, stacklevel=4)
 
 
 def _not_picklable(method, error):

@@ -26,6 +26,8 @@ import weakref
 from multiprocessing import util as _mputil
 from typing import Callable, Generic, Optional, Sequence
 
+import numpy as np
+
 from .. import _os
 from .. import stats as _stats
 from .._transport import codec as _codec
@@ -42,12 +44,12 @@ from .encoder import WorkEncoder
 from .handle import RESULT_INLINE, TASK_CAPACITY, TASK_INLINE, WorkerCorrupt, WorkerDied
 from .launch import Launch
 from .polling import Poller
-from .pool import CLOSE_WAIT, WorkerPool
+from .pool import CLOSE_WAIT, CopyLost, WorkerPool
 from .slots import SlotLedger
 from .unienv_queue import UniEnvQueue
 
 __all__ = ["MultiProcessingSampleManager", "TaskInfoT", "ResultT", "TASK_CAPACITY",
-           "TASK_INLINE", "RESULT_INLINE", "CLOSE_WAIT"]
+           "TASK_INLINE", "RESULT_INLINE", "CLOSE_WAIT", "CopyLost"]
 
 
 # A Ctrl-C (KeyboardInterrupt) can land between any two bytecodes of this module, in
@@ -89,7 +91,12 @@ def _load(lane):
 def _up(lane):
     """Whether a lane's worker is taking tasks: its process began serving them, and no
     task waits for a process to be started (see the Dealer)."""
-    return not lane.waiting and lane.worker.started_ns != 0
+    return not lane.waiting and not lane.retired and lane.worker.started_ns != 0
+
+
+def _usable(lane):
+    """Whether a lane may be dealt tasks: it is not retired (see `WorkerPool`)."""
+    return not lane.retired
 
 
 class _Task:
@@ -161,6 +168,13 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             at a time when the caller would wait (after the first result) while
             ``start_later()`` is True (asked unless they start from the first one's
             snapshot: `Launch`); tasks skip those starting; [`start_all`][] starts them.
+        same_copy: None: every process, also one started after the first ones that cannot
+            start from their snapshot (under fork once the process that keeps it is gone),
+            starts.  A function: such a process starts only if ``same_copy()`` is True,
+            i.e. it would copy what the first ones copied; otherwise a worker left to start
+            later does not start, and a dead worker is not replaced: its tasks go to the
+            others, with a ``RuntimeWarning``, and once none is left
+            [`WorkerDiedError`][unienv_mp.WorkerDiedError] is raised.
 
     Threads: every method may be called from any thread.  Calls are serialised (a lock, held
     for the whole call: a second thread waits while the first waits for a result), and
@@ -188,6 +202,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         spin: Optional[float] = None,
         stall_timeout: Optional[float] = None,
         start_later: Optional[Callable[[], bool]] = None,
+        same_copy: Optional[Callable[[], bool]] = None,
     ):
         # First, so that close() (also run at garbage collection) works on a half-built one.
         self.closed = True
@@ -198,11 +213,11 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         public, n_workers, ctx, daemon, worker_seeds = _checked_options(
             target_fn, n_workers, ctx, daemon, worker_seeds, doze_time, in_order, copy,
             timeout, respawn, max_respawns, max_leases, spin, stall_timeout, start_later,
-            worker_init_fn)
+            worker_init_fn, same_copy)
         vars(self).update(public)   # target_fn, doze_time, in_order, copy, timeout, ...
         self.done_event = done_event
         self._owner_pid = os.getpid()
-        self._dealer = Dealer(None if start_later is None else _up)   # (see start_later)
+        self._dealer = Dealer(_usable if start_later is None else _up)   # (see start_later)
         self._tasks = tasks = TicketTable()      # ticket -> _Task (not yet delivered)
         # (the parts see the manager through a weak proxy, or not at all: a manager
         # dropped without close() is freed at once, and its finalizer ends the workers)
@@ -223,8 +238,10 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         self._unienv = UniEnvQueue(me, tasks, self._slots, self._poller)
         self._finalizer = _mputil.Finalize(self, resources.close, exitpriority=100)
         self._batches_in = getattr(target_fn, "batches_in", None)
+        self._spot_rng = np.random.default_rng()   # (which blocks spot_check compares)
         launch = Launch(target_fn, worker_init_fn, ctx, daemon, resources.doorbell_seg,
-                        done_event, self.doze_time, self.spin, self.stall_timeout)
+                        done_event, self.doze_time, self.spin, self.stall_timeout,
+                        same_copy)
         self.closed = False
         try:
             pool.start(launch)
@@ -272,7 +289,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 # Give the task to the worker, replacing its process first if it died.
                 if lane.waiting or not lane.worker.has_process:
                     lane.waiting.append(task)
-                    self._pool.restart(lane)
+                    self._pool.restart(lane, self._deadline())
                 else:
                     try:
                         if len(lane.inflight) >= TASK_CAPACITY:
@@ -281,7 +298,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                     except WorkerDied as e:
                         self._pool.bury(lane, e)
                         lane.waiting.append(task)
-                        self._pool.restart(lane)
+                        self._pool.restart(lane, self._deadline())
                     except RingClosed:   # (close() shut the ring, from another thread)
                         raise RuntimeError(CLOSED_WHILE_WAITING) from None
                 if record is not None:
@@ -292,6 +309,11 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 # (else the caller has the ticket: interrupted after handing it over)
                 raise
             return ticket
+
+    def _deadline(self):
+        """The deadline of a wait with the manager's ``timeout`` starting now, or None."""
+        timeout = self.timeout
+        return None if timeout is None else time.monotonic() + timeout
 
     def reset_order(self) -> None:
         """Deal the next task (submitted without ``worker``) to worker 0, and the ones
@@ -312,15 +334,19 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
 
     def _wait_for(self, task, timeout):
         deadline = None if timeout is None else time.monotonic() + timeout
-        lane = self._lanes[task.worker]
-        w = lane.worker
         pool = self._pool
+        if pool.starting:
+            pool.check_starting()   # (a worker that died starting: no wait is on it)
         while not task.arrived:
+            # (the task's worker, again each time: a retired worker's tasks move)
+            lane = self._lanes[task.worker]
+            w = lane.worker
             if lane.waiting or not w.has_process:
-                pool.restart(lane)   # a replacement that could not be finished earlier
+                pool.restart(lane, deadline)   # a replacement not finished earlier
                 continue
             if pool.deferred and self._caller.batches and not w.results_published:
-                pool.start_deferred(quiet=True)   # (while this worker makes the result)
+                # (while this worker makes the result)
+                pool.start_deferred(quiet=True, deadline=deadline)
             try:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 entry = w.next_result(left)
@@ -332,7 +358,13 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 raise RuntimeError(CLOSED_WHILE_WAITING) from None
             except WorkerDied as e:
                 pool.bury(lane, e)
-                pool.restart(lane)
+                try:
+                    pool.restart(lane, deadline)
+                except CopyLost:
+                    if not task.arrived:
+                        raise
+                    # (its result came, e.g. the error of a stall: handed out first; a
+                    # wait for a task no worker is left to make raises this again)
 
     def _deliver(self, task):
         """Turn an arrived result into the value returned to the caller.  The task leaves
@@ -453,6 +485,34 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         workers started (see ``start_later``)."""
         return [lane.worker.proc for lane in self._lanes]
 
+    def copy_holders(self):
+        """The pids of the processes that hold the copy of the data the workers started
+        from, under fork: the snapshot process (if it is up), then the workers.  Reads no
+        lock (it is asked before a fork, which another thread may make while a call holds
+        this manager's lock)."""
+        pool = self._pool
+        if pool is None or self.closed:
+            return []
+        launch = pool.launch
+        pids = [] if launch is None else launch.snapshot_pids()
+        for lane in list(pool.lanes):
+            w = lane.worker
+            proc = w.proc
+            if proc is not None and w.pid is not None and not _os.has_exited(proc):
+                pids.append(w.pid)
+        return pids
+
+    def spot_check(self, blocks: int = 64) -> Optional[bool]:
+        """Compare samples of the copy of the data that the workers started from (under
+        spawn and forkserver: the arrays of the work function, copied once) with the data
+        as it is now: up to ``blocks`` random blocks of 4 KiB of each array.  False if one
+        differs (the data was written since, e.g. through ``tensor.numpy()``), True if none
+        does, None where nothing was copied (fork, or no arrays)."""
+        with self._lock:
+            self._ensure_open()
+            launch = self._pool.launch
+            return None if launch is None else launch.spot_check(blocks, self._spot_rng)
+
     def slot_segments(self):
         """The result slots of the workers now, as mapped here (none once closed): what a
         device feed page-locks (see `unienv_mp._device.pins`)."""
@@ -517,7 +577,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
 
 def _checked_options(target_fn, n_workers, ctx, daemon, worker_seeds, doze_time, in_order,
                      copy, timeout, respawn, max_respawns, max_leases, spin, stall_timeout,
-                     start_later, worker_init_fn):
+                     start_later, worker_init_fn, same_copy):
     """The arguments of MultiProcessingSampleManager checked and normalised: ``(public,
     n_workers, ctx, daemon, worker_seeds)``, ``public`` the dict of the attributes they
     set."""
@@ -526,7 +586,8 @@ def _checked_options(target_fn, n_workers, ctx, daemon, worker_seeds, doze_time,
     n_workers = check_workers(n_workers)
     if worker_seeds is not None:
         worker_seeds = _checked_seeds(worker_seeds, n_workers)
-    for name, fn in (("start_later", start_later), ("worker_init_fn", worker_init_fn)):
+    for name, fn in (("start_later", start_later), ("worker_init_fn", worker_init_fn),
+                     ("same_copy", same_copy)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be None or callable, got {type(fn).__name__}")
     if spin is None:

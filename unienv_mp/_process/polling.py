@@ -36,6 +36,10 @@ class Poller:
         pool = self.pool
         for lane in pool.lanes:
             w = lane.worker
+            if lane.retired:
+                if lane.waiting:
+                    pool.restart(lane)   # (its tasks go to the others)
+                continue
             if lane.waiting or not w.has_process:
                 pool.restart(lane)
             try:
@@ -65,18 +69,22 @@ class Poller:
                 raise none_pending(tickets)
             return None
 
+        deadline = None if limit is None else time.monotonic() + limit
+        pool = self.pool
         found = find()
         if found is None and not block:
-            self.pool.check_all_alive()
+            pool.check_all_alive(deadline)
             found = find()
-        if found is None and block and self.pool.deferred and self.caller.batches:
-            self.pool.start_deferred(quiet=True)   # (while the workers make the results)
+        if found is None and block and pool.deferred and self.caller.batches:
+            # (while the workers make the results)
+            pool.start_deferred(quiet=True, deadline=deadline)
             found = find()
         if found is None and block:
             t0 = time.monotonic_ns()
             try:
-                found = self.doorbell.wait_until(find, limit, self.pool.manager.doze_time,
-                                                 check=self.pool.check_all_alive)
+                found = self.doorbell.wait_until(
+                    find, None if deadline is None else max(0.0, deadline - time.monotonic()),
+                    pool.manager.doze_time, check=lambda: pool.check_all_alive(deadline))
             finally:
                 self.caller.wait_ns += time.monotonic_ns() - t0
         return None if found is None else found[0]

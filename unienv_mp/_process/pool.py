@@ -2,7 +2,10 @@
 checked, replaced, and at last stopped.
 
 A *lane* (`Lane`) is the pool's record of one worker: its handle, the tickets in flight on
-its process, the tasks waiting for a new process, and its counters.  `Resources` is what
+its process, the tasks waiting for a new process, and its counters.  A lane whose worker
+died and cannot be replaced by a process holding the copy of the data the others started
+from (`CopyGone`, see `unienv_mp._process.launch`) is *retired*: its tasks go to the other
+lanes, and no task is dealt to it again.  `Resources` is what
 must be released however the manager ends.  `WorkerPool` starts the workers left to start
 later, notices a worker that died or stalled, buries it (keeps what it published, stops and
 releases its process, and queues its unfinished tasks again) and restarts the lane with a
@@ -25,9 +28,16 @@ from ..backend import CLOSED_WHILE_WAITING, no_result, respawn_refusal
 from ..errors import CodecError, RingClosed, WorkerDiedError
 from .encoder import spill_entry
 from .handle import TASK_CAPACITY, WorkerCorrupt, WorkerDied, WorkerHandle, WorkerStalled
+from .launch import CopyGone
+from .snapshot import SnapshotLate
 from .stalls import Stall
 
-__all__ = ["Lane", "Resources", "WorkerPool", "CLOSE_WAIT"]
+__all__ = ["Lane", "Resources", "WorkerPool", "CLOSE_WAIT", "CopyLost"]
+
+
+class CopyLost(WorkerDiedError):
+    """Every worker of a manager is gone, and none can start again from the copy of the
+    data they started from: the manager can make nothing more of that copy."""
 
 #: Seconds close() waits for a call running in another thread to leave (it is woken at
 #: once; this bounds a call stuck in a work function's ``start_later`` or the like).
@@ -38,7 +48,8 @@ class Lane:
     """What the manager keeps for one worker: its handle, the tickets in flight on its
     process (in the order given), the tasks waiting for a (new) process, how many of its
     processes died since one last produced a result, and its counters' record."""
-    __slots__ = ("worker", "inflight", "waiting", "deaths_in_a_row", "record", "stall")
+    __slots__ = ("worker", "inflight", "waiting", "deaths_in_a_row", "record", "stall",
+                 "retired")
 
     def __init__(self, worker):
         self.worker = worker
@@ -47,6 +58,7 @@ class Lane:
         self.deaths_in_a_row = 0
         self.record = _stats.WorkerRecord(time.monotonic_ns())
         self.stall = None   # the Stall of a process killed for stalling, not yet buried
+        self.retired = False   # no process of it starts again (see the module's docstring)
 
 
 class Resources:
@@ -64,9 +76,12 @@ class Resources:
 
     def shut_down(self):
         """Tell every worker to stop (their rings shut down, the done event set), and make
-        every wait on them raise: a call waiting in another thread returns."""
+        every wait on them raise: a call waiting in another thread returns (also one waiting
+        for the snapshot process to start a worker)."""
         for w in self.workers:
             w.shut_down_rings()
+        if self.launch is not None:
+            self.launch.wake()
         if self.done_event is not None:
             try:
                 self.done_event.set()
@@ -126,6 +141,17 @@ class WorkerPool:
     longer the data the first one copied).  Until they start, tasks are dealt among the
     workers started (what a task gives must not depend on which worker runs it), and
     ``workers`` and ``stats`` list the started ones.
+
+    Every process after the first ones starts from their copy of the data, or not at all
+    (`CopyGone`): a worker left to start later then never starts, and a dead worker whose
+    replacement cannot start is retired, its tasks given to the others (one
+    ``RuntimeWarning``); once none is left, `CopyLost` is raised.  A worker that dies
+    before it begins taking tasks (nothing waits on it yet) is noticed by
+    `check_starting`, which the manager's waits call.
+
+    ``deadline`` (``time.monotonic()`` seconds, or None), where a method takes one, bounds
+    its wait for the snapshot process to start a worker (`SnapshotLate`, a
+    ``TimeoutError``).
     """
 
     def __init__(self, n_workers, manager, options, tasks, encoder, take):
@@ -144,6 +170,7 @@ class WorkerPool:
         self.tasks = tasks
         self.encoder = encoder
         self.take = take
+        self.starting = set()   # lanes whose process has not been seen taking tasks yet
 
     @property
     def closed(self):
@@ -162,33 +189,39 @@ class WorkerPool:
             if i > 0 and self.start_later is not None:
                 self.deferred.append((w, seed))
                 continue
-            self.lanes.append(Lane(w))
+            lane = Lane(w)
+            self.lanes.append(lane)
             w.start(seed)
+            self.starting.add(lane)
         if self.start_later is None:
             launch.keep_snapshot()
         else:   # (after the first push, so that its fork does not delay the first result)
             self.snapshot_due = launch.fork
+        launch.first_done()
 
-    def start_deferred(self, quiet=False):
-        """Start the next worker left to start later, if ``start_later()`` allows (else
-        none of them will start); True if one started.  ``quiet``: a worker that cannot
-        be started (or a ``start_later`` that raises) is not the caller's error, since
-        the workers started can do the work: none of the rest will start, with a
-        ``RuntimeWarning`` saying why."""
+    def start_deferred(self, quiet=False, deadline=None):
+        """Start the next worker left to start later, if ``start_later()`` allows and it
+        can start from the first workers' copy of the data (else none of them will start);
+        True if one started.  ``quiet``: a worker that cannot be started (or a
+        ``start_later`` that raises) is not the caller's error, since the workers started
+        can do the work: none of the rest will start, with a ``RuntimeWarning`` saying
+        why; one that the snapshot process did not start by ``deadline`` is left to start
+        later."""
         if not self.deferred:
             return False
         # (one step: either the worker has its lane and its process, or neither)
         with _os.interrupts_deferred():
             try:
-                if not self.launch.from_snapshot and not self.start_later():
-                    self.deferred.clear()
-                    return False
                 w, seed = self.deferred[0]
-                self.launch.later = self.start_later   # (asked if it cannot be from the snapshot)
-                try:
-                    w.start(seed)
-                finally:
-                    self.launch.later = None
+                # (start_later is asked, with same_copy, unless it starts from the snapshot)
+                w.start(seed, deadline, also=self.start_later)
+            except CopyGone:
+                self.deferred.clear()   # (none of them can start from the copy now)
+                return False
+            except SnapshotLate:
+                if not quiet:
+                    raise
+                return False
             except Exception as e:
                 if not quiet or self.closed:
                     raise
@@ -200,8 +233,24 @@ class WorkerPool:
                               RuntimeWarning, stacklevel=3)
                 return False
             self.deferred.popleft()
-            self.lanes.append(Lane(w))
+            lane = Lane(w)
+            self.lanes.append(lane)
+            self.starting.add(lane)
         return True
+
+    def check_starting(self):
+        """Bury and replace the workers whose process ended before it began taking tasks
+        (no wait is on them yet: nothing else would notice), and forget those seen taking
+        tasks."""
+        for lane in list(self.starting):
+            w = lane.worker
+            if not w.has_process:
+                self.starting.discard(lane)
+            elif w.started_ns:
+                self.starting.discard(lane)
+            elif w.has_exited():
+                self.bury(lane)
+                self.restart(lane)
 
     def bury(self, lane, cause=None):
         """The process of ``lane``'s worker died (``cause``: the WorkerDied noticed), or
@@ -331,18 +380,27 @@ class WorkerPool:
         lane.waiting[0:0] = unfinished    # before anything queued for it meanwhile
         return w.detach()
 
-    def restart(self, lane):
+    def restart(self, lane, deadline=None):
         """Start a process for ``lane``'s worker if it has none, and hand it the tasks
-        waiting for it, in order.  Survives the new process dying too (up to the limit)."""
+        waiting for it, in order.  Survives the new process dying too (up to the limit).
+        A lane retired (see the module's docstring) hands its tasks to the others."""
         w = lane.worker
         while True:
             try:
+                if lane.retired:
+                    self._hand_over(lane, deadline)
+                    return
                 if not w.has_process:
                     if self.closed:
                         raise RuntimeError(CLOSED_WHILE_WAITING)
                     seed = (None if self.seeds is None
                             else int(self.seed_rng.integers(2 ** 31)))
-                    w.start(seed)
+                    try:
+                        w.start(seed, deadline)
+                    except CopyGone as e:
+                        self._retire(lane, e)
+                        continue
+                    self.starting.add(lane)
                     if w.incarnation > 1:
                         lane.record.respawns += 1
                 waiting = lane.waiting
@@ -359,24 +417,67 @@ class WorkerPool:
             except WorkerDied as e:
                 self.bury(lane, e)
 
-    def check_all_alive(self):
+    def _retire(self, lane, why):
+        """``lane``'s worker is dead and cannot be replaced from the copy of the data the
+        others hold (``why``, a CopyGone): retire it (see the module's docstring).  Its tasks
+        go to the others (`_hand_over`, at the restart that follows)."""
+        lane.retired = True
+        self.starting.discard(lane)
+        left = sum(not other.retired for other in self.lanes)
+        warnings.warn(f"unienv_mp: worker {lane.worker.index} died and is not replaced: "
+                      f"{why}; its tasks go to the {left} worker(s) that hold the copy of "
+                      f"the data the others started from", RuntimeWarning, stacklevel=4)
+
+    def _hand_over(self, lane, deadline=None):
+        """Give the tasks waiting on the retired ``lane`` to the least busy lanes not
+        retired, in order (each task moves in one step that a Ctrl-C cannot cut in two).
+        Raises `CopyLost` if there is none left."""
+        while lane.waiting:
+            targets = [other for other in self.lanes if not other.retired]
+            with _os.interrupts_deferred():
+                task = lane.waiting[0]
+                if task.arrived:
+                    del lane.waiting[0]
+                    continue
+                if task.cancelled:
+                    del lane.waiting[0]
+                    self.slots.drop(task)   # (nobody waits for it any more)
+                    continue
+                if not targets:
+                    raise CopyLost(
+                        f"every worker of this manager died, and none can start again "
+                        f"from the copy of the data they started from (the process that "
+                        f"keeps it is gone, and the data may have changed since)",
+                        worker=lane.worker.index)
+                target = min(targets, key=lambda other: len(other.inflight)
+                             + len(other.waiting))
+                del lane.waiting[0]
+                task.slot = None   # (a slot number belongs to one process)
+                task.worker = target.worker.index
+                target.waiting.append(task)
+            self.restart(target, deadline)
+
+    def check_all_alive(self, deadline=None):
         if self.closed:
             raise RuntimeError(CLOSED_WHILE_WAITING)
         stall = self.manager.stall_timeout
         stall_ns = None if stall is None else int(stall * 1e9)
         for lane in self.lanes:
             w = lane.worker
-            if w.proc is None:          # replaced, but its replacement could not start yet
-                self.restart(lane)
+            if lane.retired:
+                if lane.waiting:
+                    self.restart(lane, deadline)
+            elif w.proc is None:          # replaced, but its replacement could not start yet
+                self.restart(lane, deadline)
             elif w.has_exited():
                 self.bury(lane)
-                self.restart(lane)
+                self.restart(lane, deadline)
             elif stall_ns is not None:
                 try:
                     w.check_stall(stall_ns)
                 except (WorkerStalled, WorkerCorrupt) as e:
                     self.bury(lane, e)
-                    self.restart(lane)
+                    self.restart(lane, deadline)
 
     # -- tasks onto a worker's ring ---------------------------------------------------------
 

@@ -32,8 +32,16 @@ start method does, with the snapshot process in the fork server's place.
 
 The snapshot process ends when the manager lets it go (`Snapshot.close`), or when the
 training process ends (a pidfd of it).  Where it cannot run (no pidfds, or the fork
-failed), or if it was killed, later workers are forked from the training process as
-before, with one ``RuntimeWarning``.
+failed), or if it was killed, later workers are forked from the training process, with one
+``RuntimeWarning``, and only while the data is provably what the first workers copied
+(`unienv_mp._process.launch`).
+
+Waiting for its answer (the new child's pid) is bounded three ways: by the caller's
+deadline (the request is then given up, and the child, which reads no ``Process`` object,
+exits; the snapshot process is kept); by `ANSWER_TIMEOUT` seconds of silence in all,
+counted over the requests it left unanswered, or at once if it is found stopped (SIGSTOP,
+a debugger): it is then killed, and lost; and by `Snapshot.wake`, which a ``close()`` in
+another thread calls.
 """
 import io
 import os
@@ -63,9 +71,17 @@ class SnapshotClosed(RuntimeError):
     """The manager let the snapshot process go: no process of it starts any more."""
 
 
-#: Seconds the snapshot process has to say a new child's pid (it forks at once; past
-#: this it is stopped or hung: it is killed, and workers are forked from here).
+class SnapshotLate(TimeoutError):
+    """The caller's deadline came before the snapshot process said a new child's pid: the
+    request was given up (the snapshot process is kept)."""
+
+
+#: Seconds of silence the snapshot process is allowed in all, over the requests it left
+#: unanswered, to say a new child's pid (it forks at once; past this it is hung: it is
+#: killed, and lost).  One found stopped is killed at once.
 ANSWER_TIMEOUT = 10.0
+#: Seconds between two looks at whether the snapshot process is stopped, while waiting.
+_LOOK = 0.1
 
 
 class Held:
@@ -92,6 +108,8 @@ class Snapshot:
     def __init__(self, ctx, held, daemon):
         os.close(os.pidfd_open(os.getpid()))   # (it needs pidfds: OSError, AttributeError)
         self._lock = threading.Lock()
+        self._silent_since = None   # monotonic s of the oldest request it left unanswered
+        self._wake_r = self._wake_w = None
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.proc = None
         pdeathsig = threading.current_thread() is threading.main_thread()
@@ -103,6 +121,7 @@ class Snapshot:
             with _os.interrupts_deferred(), _os.sigint_held_from_children():
                 self.proc.start()
                 _os.open_pidfd(self.proc)
+            self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         except BaseException:
             self._sock.close()
             if self.proc is not None:
@@ -111,53 +130,96 @@ class Snapshot:
         finally:
             theirs.close()
 
-    def process(self, target, args, daemon, name):
+    def process(self, target, args, daemon, name, deadline=None):
         """A ``Process`` (not started) that this snapshot process starts: its ``start()``
-        raises `SnapshotLost` if it cannot, `SnapshotClosed` once it was closed."""
+        raises `SnapshotLost` if it cannot, `SnapshotClosed` once it was closed,
+        `SnapshotLate` if ``deadline`` (``time.monotonic()`` seconds, or None) comes
+        first."""
         proc = _SnapshotProcess(target=target, args=args, daemon=daemon, name=name)
-        proc._unienv_mp_snapshot = self
+        proc._unienv_mp_snapshot = (self, deadline)
         return proc
 
     def request(self, fds):
         """Ask for a child: returns ``(status_r, data_w)``, as forkserver's
         ``connect_to_new_process`` does."""
-        status_r, status_w = os.pipe()
-        data_r, data_w = os.pipe()
+        mine = []   # (closed if anything below fails, a second os.pipe() included)
+        theirs = []
         try:
+            status_r, status_w = os.pipe()
+            mine.append(status_r)
+            theirs.append(status_w)
+            data_r, data_w = os.pipe()
+            mine.append(data_w)
+            theirs.append(data_r)
             with self._lock:
                 if self._sock is None:
                     raise SnapshotClosed("this manager was closed: no process starts now")
                 socket.send_fds(self._sock, [b"S"], [status_w, data_r, *fds])
+            mine = []
         except BaseException as e:
-            os.close(status_r)
-            os.close(data_w)
-            if isinstance(e, OSError) and not isinstance(e, SnapshotLost):
+            if isinstance(e, OSError) and not isinstance(e, SnapshotLost) and len(mine) == 2:
                 raise SnapshotLost(f"the snapshot process is gone ({e})") from e
             raise
         finally:
-            os.close(status_w)
-            os.close(data_r)
+            for fd in mine + theirs:
+                os.close(fd)
         return status_r, data_w
 
-    def read_pid(self, status_r):
-        """The pid the snapshot process writes on ``status_r`` for a new child; raises
-        `SnapshotLost` if it ends, or says nothing for `ANSWER_TIMEOUT` seconds (then it
-        is killed)."""
+    def read_pid(self, status_r, deadline=None):
+        """The pid the snapshot process writes on ``status_r`` for a new child.  Raises
+        `SnapshotLost` if it ends, or has been silent for `ANSWER_TIMEOUT` seconds in all
+        or is found stopped (then it is killed); `SnapshotLate` if ``deadline`` comes
+        first; `SnapshotClosed` if `wake` is called meanwhile."""
         poller = select.poll()
         poller.register(status_r, select.POLLIN)
-        if not poller.poll(int(ANSWER_TIMEOUT * 1000)):
-            _os.send_signal(self.proc, signal.SIGKILL)
-            raise SnapshotLost(f"the snapshot process did not answer in {ANSWER_TIMEOUT} s "
-                               f"(stopped?): killed")
+        wake = self._wake_r
+        if wake is not None:
+            poller.register(wake, select.POLLIN)
+        now = time.monotonic()
+        if self._silent_since is None:
+            self._silent_since = now
+        give_up = self._silent_since + ANSWER_TIMEOUT
+        while True:
+            if self._sock is None:
+                raise SnapshotClosed("this manager was closed: no process starts now")
+            end = give_up if deadline is None else min(give_up, deadline)
+            wait = max(0.0, min(_LOOK, end - now))
+            ready = [fd for fd, _ in poller.poll(int(wait * 1000) + (wait > 0))]
+            if status_r in ready:
+                break
+            if ready:   # (the wake pipe)
+                raise SnapshotClosed("this manager was closed: no process starts now")
+            now = time.monotonic()
+            stopped = _os.is_stopped(self.proc.pid)
+            if now >= give_up or stopped:
+                _os.send_signal(self.proc, signal.SIGKILL)
+                why = "is stopped" if stopped else f"did not answer in {ANSWER_TIMEOUT} s"
+                raise SnapshotLost(f"the snapshot process {why}: killed")
+            if deadline is not None and now >= deadline:
+                raise SnapshotLate("the snapshot process has not started the worker in the "
+                                   "time the call allowed")
         try:
-            return forkserver.read_signed(status_r)
+            pid = forkserver.read_signed(status_r)
         except (OSError, EOFError) as e:
             raise SnapshotLost(f"the snapshot process ended ({e})") from None
+        self._silent_since = None
+        return pid
+
+    def wake(self):
+        """Make a `read_pid` waiting in another thread raise `SnapshotClosed` (no lock is
+        taken: a close() calls this while a call may hold the manager's lock)."""
+        w = self._wake_w
+        if w is not None:
+            try:
+                os.write(w, b"x")
+            except OSError:
+                pass   # (full: a wake is pending anyway; or closed)
 
     def close(self, join_timeout=2.0):
         """End the snapshot process (its children, the workers, are not its to end)."""
         with self._lock:
             sock, self._sock = self._sock, None
+        self.wake()
         if sock is not None:
             sock.close()
         if self.proc is not None:
@@ -165,6 +227,11 @@ class Snapshot:
             # on its socket while another process holds this end)
             _os.send_signal(self.proc, signal.SIGKILL)
             _os.stop_processes([self.proc], join_timeout)
+        with self._lock:
+            fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), None, None
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
 
 
 class _SnapshotProcess(process.BaseProcess):
@@ -185,7 +252,7 @@ class _SnapshotPopen(popen_forkserver.Popen):
     pidfd = None
 
     def _launch(self, process_obj):
-        snapshot = process_obj.__dict__.pop("_unienv_mp_snapshot")
+        snapshot, deadline = process_obj.__dict__.pop("_unienv_mp_snapshot")
         buf = io.BytesIO()
         set_spawning_popen(self)
         try:
@@ -202,7 +269,7 @@ class _SnapshotPopen(popen_forkserver.Popen):
             # The pid first: if the snapshot process ends before it says it, a child it
             # forked meanwhile reads no Process object (end of file) and exits.
             try:
-                self.pid = snapshot.read_pid(self.sentinel)
+                self.pid = snapshot.read_pid(self.sentinel, deadline)
                 self.pidfd = os.pidfd_open(self.pid)
             except BaseException:
                 self.finalizer()

@@ -14,14 +14,21 @@ see `Segment`) instead:
   first pickle (a ReplayBuffer's count, say) is kept and given to every later start
   (another worker, a replacement).  So every worker of a manager starts from the same
   snapshot of the data, whatever the parent changes later, and the copy costs memory
-  once, for the manager's life.  One exception: a work function whose pickle holds an
-  object with a reduction registered with multiprocessing (a tensor already in shared
-  memory or that torch moves there, such as a parameter; a connection), or hands the
-  new process a descriptor, is pickled again at each start, since such a reduction may
-  be bound to one start (a descriptor handed over while that process starts, a
-  reference count taken per pickle).  Its shared parts are the same memory for
-  every worker anyway; its other parts are then read as they are at that start, and an
-  array met again refers to the copy made at the first.
+  once, for the manager's life.
+* **Held objects.**  An object with a reduction registered with multiprocessing by
+  others (a tensor already in shared memory or that torch moves there, such as a
+  parameter; a storage; a connection) may be bound to one start: it hands the new
+  process a descriptor, or takes a reference count per pickle.  So it is not put in the
+  kept pickle: the pickle names it, the `Parcel` holds the object itself, and each start
+  pickles the held objects anew, with their own reductions.  Every worker gets the same
+  objects the first one got (a tensor in shared memory: the same memory, which all read
+  as it is), even if the training process has put others in their place since.  A held
+  tensor whose place in memory, shape or strides changed in place since the first start
+  (``set_``, ``resize_``) would give later workers another view: such a start is refused
+  (`ParcelChanged`).  Only a work function whose pickling itself hands a descriptor over
+  (an object of its own that calls ``DupFd``) is pickled again at each start (`reused`
+  stays False): its other parts are then read as they are at that start, and an array
+  met again refers to the copy made at the first.
 * **Copy-on-write.**  A worker maps the segments copy-on-write: the arrays it gets are
   views of them, writable, and pages it only reads are shared with every other worker.
   What a worker writes into such an array goes into its own copy of the page and is seen
@@ -51,14 +58,19 @@ import numpy as np
 from .. import _os
 from .._transport.ring import Segment
 
-__all__ = ["Parcel"]
+__all__ = ["Parcel", "ParcelChanged"]
 
 _ALIGN = 64   # each array's bytes start on a cache line (and on any dtype's alignment)
 
 
+class ParcelChanged(RuntimeError):
+    """A held object of a `Parcel` changed in place since the first start: a process
+    started now would not get what the first one got."""
+
+
 class Parcel:
     """``target`` as an argument of a process started with spawn or forkserver (see the
-    module's docstring).  The arrays' copies live until `close`."""
+    module's docstring).  The arrays' copies, and the held objects, live until `close`."""
 
     def __init__(self, target):
         self.target = target
@@ -67,6 +79,8 @@ class Parcel:
         self._known = {}       # key of an array's memory -> record
         self._keep = []        # what the keys were made from, kept so that no id is reused
         self._pickled = None   # the first start's pickle, where every start may have it
+        self._held = ()        # the objects it names (see "Held objects")
+        self._marks = ()       # what each held object was at the first start (_mark)
         self.closed = False
 
     def close(self):
@@ -75,6 +89,7 @@ class Parcel:
         segments, self._segments = self._segments, []
         self._records, self._known, self._keep = [], {}, []
         self._pickled = None
+        self._held, self._marks = (), ()
         for seg in segments:
             seg.close()
 
@@ -84,23 +99,60 @@ class Parcel:
                             "started")
         if self.closed:
             raise RuntimeError("this Parcel was closed")
-        data = self._pickled
+        data, held = self._pickled, self._held
         if data is None:
             # (the descriptors a pickling hands over are listed on the Popen being started)
             fds = getattr(_mpcontext.get_spawning_popen(), "_fds", None)
             handed = None if fds is None else len(fds)
             pickler = _Pickler(self)
             data = pickler.dump_target(self.target)
+            held = tuple(pickler.held)
             if pickler.pending:
                 self._add_segment(pickler.pending)
-            if handed is not None and len(fds) == handed and not pickler.reduced_by_others:
-                self._pickled = data   # (nothing in it is bound to one start)
-        return (_unpack, (data, tuple(self._records), list(self._segments)))
+            if handed is not None and len(fds) == handed:
+                # (nothing in it is bound to one start: kept, with what it names)
+                with _os.interrupts_deferred():
+                    self._pickled, self._held = data, held
+                    self._marks = tuple(_mark(obj) for obj in held)
+        else:
+            for obj, mark in zip(held, self._marks):
+                if _mark(obj) != mark:
+                    raise ParcelChanged(
+                        f"a {type(obj).__name__} that the workers started with (shared "
+                        f"memory, held for every later start) has changed in place since "
+                        f"the first one started: {mark} then, {_mark(obj)} now")
+        return (_unpack, (data, tuple(self._records), list(self._segments), held))
 
     @property
     def reused(self):
-        """True once the first start's pickle serves every later start."""
+        """True once the first start's pickle serves every later start (see the module's
+        docstring: all but a work function whose pickling hands descriptors over)."""
         return self._pickled is not None
+
+    def spot_check(self, blocks, rng):
+        """Compare up to ``blocks`` blocks of `_BLOCK` bytes of each array copied (the
+        first, the last and others drawn with ``rng``, a numpy Generator) with the array as
+        it is now: False at the first that differs, True if none does, None if nothing was
+        copied."""
+        sources = self._keep
+        if not sources:
+            return None
+        for (index, off, nbytes), source in zip(self._records, sources):
+            now = _bytes_of(source)
+            if now is None:
+                continue
+            with memoryview(self._segments[index]) as mv:
+                copy = np.frombuffer(mv, dtype=np.uint8, count=nbytes, offset=off)
+                n = -(-nbytes // _BLOCK)
+                picks = {0, n - 1}
+                if n > 2:
+                    picks.update(int(i) for i in rng.integers(1, n - 1, min(blocks, n)))
+                for i in picks:
+                    lo, hi = i * _BLOCK, min(nbytes, (i + 1) * _BLOCK)
+                    if not np.array_equal(now[lo:hi], copy[lo:hi]):
+                        return False
+                del copy
+        return True
 
     def lookup(self, key):
         return self._known.get(key)
@@ -138,6 +190,24 @@ class Parcel:
                 self._records.append((index, off, item.nbytes))
                 self._known[item.key] = item.record
                 self._keep.append(item.source)
+
+
+#: Bytes compared at once by a spot check.
+_BLOCK = 4096
+
+
+def _bytes_of(source):
+    """The bytes of an array the parcel copied (a torch storage, or a contiguous numpy
+    array) as a flat uint8 array, as they are now; None for an array whose bytes are not
+    in one piece (not compared)."""
+    if isinstance(source, np.ndarray):
+        if not (source.flags.c_contiguous or source.flags.f_contiguous):
+            return None
+        return np.ravel(source, order="K").view(np.uint8)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(source, torch.UntypedStorage):
+        return torch.empty(0, dtype=torch.uint8).set_(source).numpy()
+    return None
 
 
 class _Pending:
@@ -200,16 +270,11 @@ class _Pickler(ForkingPickler):
         # multiprocessing.reduction itself (whose own, for methods and partials, keep
         # nothing per start): torch's tensors, storages and parameters, connections.
         # Theirs may be bound to one pickling (a descriptor handed to the process being
-        # started, a shared-memory reference count taken per pickle), so a pickle holding
-        # one is not reused (see Parcel).
+        # started, a shared-memory reference count taken per pickle), so such objects are
+        # held, and pickled anew at each start (see Parcel).
         self._others = {t for t, r in ForkingPickler._extra_reducers.items()
                         if getattr(r, "__module__", None) != "multiprocessing.reduction"}
-        self.reduced_by_others = False
-
-    def reducer_override(self, obj):
-        if type(obj) in self._others:
-            self.reduced_by_others = True
-        return NotImplemented
+        self.held = []          # the objects held, in the order the pickle names them
 
     def dump_target(self, target):
         self.dump(target)
@@ -221,15 +286,23 @@ class _Pickler(ForkingPickler):
             make = self._array
         elif self._torch is not None and t is self._torch.Tensor:
             make = self._tensor
+        elif t in self._others:
+            make = self._hold
         else:
             return None
         pid = self._ids.get(id(obj))
         if pid is None:
             pid = make(obj)
+            if pid is None and t in self._others:
+                pid = self._hold(obj)   # (a tensor torch pickles itself)
             if pid is not None:
                 self._ids[id(obj)] = pid
                 self._objs.append(obj)
         return pid
+
+    def _hold(self, obj):
+        self.held.append(obj)
+        return ("h", len(self._objs), len(self.held) - 1)
 
     def _record(self, key, nbytes, source, copy_into):
         record = self.parcel.lookup(key)
@@ -280,11 +353,26 @@ class _Pickler(ForkingPickler):
                 t.storage_offset(), t.requires_grad, state)
 
 
-def _unpack(data, records, segments):
+def _mark(obj):
+    """What a held object is, for `Parcel` to tell that it changed in place: a tensor's or a
+    storage's memory and view of it; None for other objects (handles, not data)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    if isinstance(obj, torch.Tensor):
+        return (obj.data_ptr(), tuple(obj.shape), obj.stride(), obj.storage_offset(),
+                obj.dtype, obj.device.type, obj.is_shared())
+    if isinstance(obj, torch.UntypedStorage):
+        return (obj.data_ptr(), obj.nbytes(), obj.device.type)
+    return None
+
+
+def _unpack(data, records, segments, held=()):
     """In the new process: the work function, its arrays views of ``segments`` (mapped
-    copy-on-write).  The segments' descriptors are closed: the mappings are what the
-    arrays use, and they last as long as the arrays."""
-    loader = _Unpickler(io.BytesIO(data), records, segments)
+    copy-on-write), and the objects it names in ``held`` as they came.  The segments'
+    descriptors are closed: the mappings are what the arrays use, and they last as long as
+    the arrays."""
+    loader = _Unpickler(io.BytesIO(data), records, segments, held)
     try:
         return loader.load()
     finally:
@@ -296,10 +384,11 @@ def _unpack(data, records, segments):
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file, records, segments):
+    def __init__(self, file, records, segments, held):
         super().__init__(file)
         self.records = records
         self.segments = segments
+        self.held = held
         self.views = [None] * len(segments)   # a memoryview of each segment used
         self.objects = {}                     # object number -> the array or tensor
         self.storages = {}                    # record -> torch UntypedStorage
@@ -313,6 +402,8 @@ class _Unpickler(pickle.Unpickler):
         return mv, off, nbytes
 
     def persistent_load(self, pid):
+        if pid[0] == "h":
+            return self.held[pid[2]]
         obj = self.objects.get(pid[1])
         if obj is None:
             obj = self.objects[pid[1]] = (self._array if pid[0] == "n" else self._tensor)(*pid[2:])

@@ -61,14 +61,17 @@ _SCALARS = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis))
 
 
 class Fingerprint:
-    """What `take` recorded: ``tokens`` (a tuple, compared by value) and weak references to
+    """What `take` recorded: ``tokens`` (a tuple, compared by value), weak references to
     the objects whose identities the tokens hold (so that an identity cannot be reused by a
-    new object while the fingerprint lives without being noticed)."""
-    __slots__ = ("tokens", "refs")
+    new object while the fingerprint lives without being noticed), and ``ranges``, the
+    ``(address, nbytes)`` of the memory of every tensor that is not shared between
+    processes (what `unienv_mp._sampling.pages` watches for writes torch does not count)."""
+    __slots__ = ("tokens", "refs", "ranges")
 
-    def __init__(self, tokens, refs):
+    def __init__(self, tokens, refs, ranges=()):
         self.tokens = tokens
         self.refs = refs
+        self.ranges = ranges
 
     def alive(self):
         """True if every object recorded is still alive."""
@@ -154,6 +157,7 @@ class _Walk:
         self.tokens = []
         self.refs = []
         self.seen = {}   # id -> the object's number, in the order first met
+        self.ranges = {}   # address -> nbytes of the storages not shared between processes
         self.add = self.tokens.append
         self.tensor_t = torch.Tensor
         self.generator_t = torch.Generator
@@ -205,7 +209,12 @@ class _Walk:
             self.refs.append(weakref.ref(obj))
             # (a tensor in shared memory under a shared buffer: by its memory, which
             # workers read as it is now; any other by its version too)
-            version = -1 if self.in_shared and obj.is_shared() else obj._version
+            shared = obj.is_shared()
+            version = -1 if self.in_shared and shared else obj._version
+            if not shared:
+                storage = obj.untyped_storage()
+                where = storage.data_ptr()
+                self.ranges[where] = max(self.ranges.get(where, 0), storage.nbytes())
             add((key, obj.data_ptr(), version, tuple(obj.shape), obj.stride(),
                  obj.storage_offset(), obj.dtype))
         elif t is tuple or t is list:
@@ -332,4 +341,4 @@ def check(sampler):
         return None, str(e)
     except Exception as e:
         return None, f"reading the data raised {type(e).__name__}: {e}"
-    return Fingerprint(tuple(walk.tokens), walk.refs), None
+    return Fingerprint(tuple(walk.tokens), walk.refs, tuple(walk.ranges.items())), None

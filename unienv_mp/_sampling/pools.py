@@ -1,7 +1,7 @@
 """The managers of workers that a sampler owns (`Pools`): the one its ``sample*`` methods
-use, one kept for the next epochs, those of epochs that close with them, the fingerprints of
-the data each holds a copy of, and the ``persistent_workers`` rule that decides which of
-them an epoch runs on.
+use, one kept for the next epochs, those of epochs that close with them, the copy of the
+data each holds (`unienv_mp._sampling.copies`), and the ``persistent_workers`` rule that
+decides which of them an epoch runs on.
 
 A manager is any `Manager`; new ones are made by the sampler's ``new_manager()`` hook.
 Every call here is made with the sampler's lock held (but `Pools.close`, as ``close()`` is).
@@ -10,17 +10,9 @@ import collections
 import multiprocessing as _mp
 
 from . import fingerprint as _fingerprint
+from .copies import DataCopy, warn_untracked
 
-__all__ = ["Pools", "data_is_shared"]
-
-
-def data_is_shared(sampler):
-    """True if worker processes see changes the parent makes to the sampler's data (e.g. a
-    ReplayBuffer made with ``multiprocessing=True``)."""
-    try:
-        return bool(getattr(sampler.data, "is_multiprocessing_safe", False))
-    except Exception:
-        return False
+__all__ = ["Pools"]
 
 
 def _always():
@@ -37,23 +29,42 @@ class Pools:
     the next epochs (``persistent_workers``); ``own``: the managers epochs run on besides
     those two, an epoch's own and managers no longer kept (see `retire`), each closed by the
     last epoch on it; ``users``: how many epoch iterators run on each manager.
-    ``sample_fp`` and ``kept_fp``: the fingerprints of the data that ``sample`` and ``kept``
-    hold a copy of (see `unienv_mp._sampling.fingerprint`)."""
+    ``sample_copy`` and ``kept_copy``: the copies of the data that ``sample`` and ``kept``
+    hold (`unienv_mp._sampling.copies.DataCopy`)."""
 
     def __init__(self, owner, sample=None):
         self.owner = owner
         self.sample = sample
-        self.sample_fp = None
+        self.sample_copy = None
         self.kept = None
-        self.kept_fp = None
+        self.kept_copy = None
         self.own = set()
         self.users = collections.Counter()
         self.epoch_workers = (None, None)   # (see the sampler's epoch_workers)
         self.ended_wait_ns = 0      # the waits of epoch managers closed since
         self.ended_startup_ns = 0   # (and their start-up part)
+        self._next_copy = None      # the copy of a manager being made (see launch_options)
+        self._warned = False        # of a write torch does not count (warn_untracked)
 
     def _persistent(self):
         return getattr(self.owner, "persistent_workers", False)
+
+    def _new(self):
+        """``(manager, copy)``: a new manager from the owner's ``new_manager()``, and the
+        copy of the data its workers hold."""
+        self._next_copy = None
+        manager = self.owner.new_manager()
+        copy, self._next_copy = self._next_copy, None
+        if copy is None:   # (a manager made without launch_options: its copy is now's)
+            copy = DataCopy(self.owner.sampler, self._persistent(), False)
+        copy.started(manager)
+        return manager, copy
+
+    def note_sample_copy(self):
+        """The ``sample*`` manager given to the constructor holds the data as it is now."""
+        if self.sample is not None:
+            self.sample_copy = DataCopy(self.owner.sampler, self._persistent(), False)
+            self.sample_copy.started(self.sample)
 
     # -- the sample* manager ---------------------------------------------------------------
 
@@ -62,25 +73,28 @@ class Pools:
         sample = self.sample
         if sample is None:
             # (no worker seeds: every task carries the seed of its chunk)
-            sample = self.sample = self._new_sample()
+            sample, copy = self._new_sample()
+            self.sample = sample
+            self.sample_copy = copy   # (second: a pool without one only costs new workers)
         return sample
 
     def _new_sample(self):
         # The workers kept for epochs become the sample* workers if their copy of the data
         # is the data as it is now (what new workers would copy): one pool.
-        kept = self.kept
-        persistent = self._persistent()
-        if kept is not None and not data_is_shared(self.owner.sampler):
-            now = self.data_now()[0]
-            self.kept = None
-            if not kept.closed and self.holds_data_now(self.kept_fp, now):
-                self.sample_fp = self.kept_fp
-                return kept
-            self.retire(kept)   # (older data: no use to anything)
-        now = None if persistent is False else self.data_now()[0]
-        manager = self.owner.new_manager()
-        self.sample_fp = now
-        return manager
+        kept, copy = self.kept, self.kept_copy
+        if kept is not None:
+            self.kept = self.kept_copy = None
+            if not kept.closed and self._current(copy)[0]:
+                return kept, copy
+            self.retire(kept, copy)   # (older data: no use to anything)
+        return self._new()
+
+    def retire_sample(self):
+        """The ``sample*`` manager can make no more batches from its copy of the data
+        (`CopyLost`): the next call makes a new one."""
+        sample, copy = self.sample, self.sample_copy
+        self.sample = self.sample_copy = None
+        self.retire(sample, copy)
 
     # -- the persistent_workers rule -------------------------------------------------------
 
@@ -96,39 +110,38 @@ class Pools:
             return len(self.owner.sampler.data), None
         return None, None
 
-    def holds_data_now(self, held, now):
-        """Whether workers started when the data's fingerprint was ``held`` hold the data
-        as it is now (``now``): ``persistent_workers=True`` promises it, as long as its
-        length is the same."""
-        if self._persistent() is True:
-            return held == now
-        return _fingerprint.same(held, now)
+    def _current(self, copy, now=None):
+        """``(ok, reason)``: whether the workers holding ``copy`` hold the data as it is
+        now (see `DataCopy.current`); ``now``: the fingerprint just taken, if it was."""
+        if copy is None:
+            return False, "whether the data changed since they started cannot be told"
+        if now is None:
+            now, why = self.data_now()
+            if now is None:
+                return False, why or "persistent_workers=False"
+        ok, reason = copy.current(now)
+        if copy.untracked is not None and not self._warned:
+            self._warned = True
+            warn_untracked(copy.untracked)
+        return ok, reason
 
-    def start_later(self, ctx):
-        """A process manager's ``start_later``: whether its workers after the first may
-        start later, when they would copy the same data as the first (a first batch then
-        costs one process start, not ``n_workers``).  Under spawn and forkserver they map
-        the snapshot the first one's start made, and shared data is the same for all;
-        under fork they copy the data as it is when they start, so only while its
-        fingerprint is the one taken now (``persistent_workers=True``: the caller's
-        promise).  None (all start now) where that cannot be told."""
+    def launch_options(self, ctx):
+        """A process manager's ``start_later`` and ``same_copy`` for a new pool (the
+        manager's docstring says what each is): its workers after the first may start
+        later (a first batch then costs one process start, not ``n_workers``), except
+        under fork where whether the data changed cannot be told (all start now), or with
+        ``persistent_workers=False`` (UniEnv's way); and a later process that cannot start
+        from the first ones' snapshot starts only if the data is still what they copied
+        (`DataCopy.same_copy`)."""
         sampler = self.owner.sampler
         persistent = self._persistent()
         ctx = ctx if ctx is not None else _mp.get_context()
-        if ctx.get_start_method() != "fork" or data_is_shared(sampler):
-            return _always
-        if persistent is False:
-            return None
-        then = _fingerprint.take(sampler)
-        if then is None:
-            if persistent is not True:
-                return None
-            length = len(sampler.data)   # (the promise, but for a change of length)
-            return lambda: len(sampler.data) == length
-
-        def unchanged():
-            return _fingerprint.same(then, _fingerprint.take(sampler))
-        return unchanged
+        fork = ctx.get_start_method() == "fork"
+        copy = self._next_copy = DataCopy(sampler, persistent, fork)
+        later = _always
+        if persistent is False or (fork and copy.fp is None):
+            later = None
+        return {"start_later": later, "same_copy": copy.same_copy}
 
     # -- the managers of epochs ------------------------------------------------------------
 
@@ -149,18 +162,11 @@ class Pools:
 
     def epoch_manager(self):
         """``(manager, own)`` for an epoch starting now, by the ``persistent_workers``
-        rule: the ``sample*`` workers when the data is shared, else workers that exist if
-        their copy of the data is the data as it is now, else new ones (kept for the next
-        epochs unless ``persistent_workers=False``; otherwise the epoch's own)."""
+        rule: workers that exist if their copy of the data is the data as it is now (see
+        `DataCopy.current`), else new ones (kept for the next epochs, unless
+        ``persistent_workers=False``, or whether the data changed cannot be told: then
+        the epoch's own)."""
         owner = self.owner
-        if data_is_shared(owner.sampler):
-            return self.on_sample_workers(
-                ("kept", "the data is shared between processes") if self.sample is not None
-                else ("new", "no workers were running yet (they are kept for later "
-                             "epochs: the data is shared between processes)"))
-        # Workers hold a copy of unshared data as it was when they started: this epoch
-        # runs on workers that exist only if that copy is the data as it is now, and
-        # otherwise needs workers started now.
         persistent = self._persistent()
         keep = persistent is not False
         now, why = self.data_now()
@@ -171,30 +177,34 @@ class Pools:
             why = (f"whether the data changed cannot be told: {why} (persistent_workers="
                    f"True promises that it does not)")
         if keep:
-            for pool, held in ((self.sample, self.sample_fp), (self.kept, self.kept_fp)):
-                if pool is not None and not pool.closed and self.holds_data_now(held, now):
-                    self.epoch_workers = ("kept", "persistent_workers=True" if persistent
-                                          else "the data is unchanged since they started")
+            why = None
+            for pool, copy in ((self.sample, self.sample_copy),
+                               (self.kept, self.kept_copy)):
+                if pool is None or pool.closed:
+                    continue
+                ok, reason = self._current(copy, now)
+                if ok:
+                    self.epoch_workers = ("kept", reason)
                     return pool, False
-            running = any(pool is not None and not pool.closed
-                          for pool in (self.sample, self.kept))
-            why = ("no workers were running yet" if not running else
-                   "the data's length changed since the workers started"
-                   if persistent else "the data changed since the workers started")
+                why = why or reason
+            why = why or "no workers were running yet"
             # (the workers kept so far hold older data: they go)
-            kept, self.kept = self.kept, None
-            self.retire(kept)
-        manager = owner.new_manager()
+            kept, copy = self.kept, self.kept_copy
+            self.kept = self.kept_copy = None
+            self.retire(kept, copy)
+        manager, copy = self._new()
         self.epoch_workers = ("new", why)
         if keep:
-            self.kept, self.kept_fp = manager, now
+            self.kept, self.kept_copy = manager, copy
             return manager, False
         self.own.add(manager)
         return manager, True
 
-    def retire(self, manager):
-        """``manager`` is no longer kept for anything: closed now, or, while epochs still
-        run on it, by the last of them (it waits in ``own``)."""
+    def retire(self, manager, copy=None):
+        """``manager`` (holding ``copy``) is no longer kept for anything: closed now, or,
+        while epochs still run on it, by the last of them (it waits in ``own``)."""
+        if copy is not None:
+            copy.close()
         if manager is None or manager.closed:
             return
         if self.users.get(manager, 0) > 0:
@@ -259,6 +269,9 @@ class Pools:
             kept.close()
             if self.kept is kept:
                 self.kept = None
+        for copy in (self.sample_copy, self.kept_copy):
+            if copy is not None:
+                copy.close()
         for epoch_manager in list(self.own):
             epoch_manager.close()
             self.own.discard(epoch_manager)

@@ -16,6 +16,7 @@ import dataclasses
 import os
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Optional
 
@@ -28,7 +29,7 @@ from .._device.handout import DeviceHandOut
 from .._device.placement import device_type, place
 from .._device.resident import InProcessManager, ResidentTarget, own_target
 from .._direct import gather as _gather
-from .._process.manager import CLOSE_WAIT, MultiProcessingSampleManager
+from .._process.manager import CLOSE_WAIT, CopyLost, MultiProcessingSampleManager
 from .._validate import (MAX_BATCHES_PER_TASK, MAX_BUFFERS, check_bool, check_context,
                          check_doze_time, check_int, check_seconds, check_workers,
                          physical_memory)
@@ -166,6 +167,12 @@ def _close(s, pools, feed):
     finally:
         if got:
             lock.release()
+
+
+def _warn_copy_lost(error):
+    warnings.warn(f"unienv_mp: {error}; the sample* batches go on from new workers, over "
+                  f"the data as it is now (from here on they differ from those of a "
+                  f"sampler whose workers had not died)", RuntimeWarning, stacklevel=4)
 
 
 def _sampling(name, doc):
@@ -388,6 +395,13 @@ class SamplerBase(BatchSampler):
                 return ready.popleft()
             except WorkerError:
                 raise
+            except CopyLost as e:
+                # (every worker gone, none can start from their copy: the stream goes on,
+                # from new workers over the data as it is now)
+                forget_requests(manager, stream)
+                self._pools.retire_sample()
+                _warn_copy_lost(e)
+                return SamplerBase._sample(self, name)
             except BaseException:
                 forget_requests(manager, stream)
                 raise
@@ -715,28 +729,25 @@ class MultiprocessingSampler(SamplerBase):
             stalls in a row), without, the call raises ``WorkerStalledError``.  One that
             takes none of the tasks waiting for it for longer (stopped, say) is replaced,
             with the warning (see the manager's ``stall_timeout``).
-        persistent_workers: whether epochs over data not shared between processes run on
-            workers that already exist (DataLoader's name).  Workers hold a copy of such
-            data as it was when they started, and an epoch covers the data as it is when
-            it starts.  ``None`` (default): an epoch runs on existing workers (the
-            ``sample*`` workers, or those of an earlier epoch, which are kept for the
-            next) exactly when their copy is still the data as it is now, which is told
-            by an exact fingerprint of the data (see `unienv_mp._sampling.fingerprint`:
-            torch tensors' identities, data pointers and version counters, the
-            ReplayBuffer's count and offset); where it cannot be told (a custom sampler or
-            storage, memory-mapped or file-backed data), each epoch starts workers of its
-            own;
+        persistent_workers: whether epochs run on workers that already exist (DataLoader's
+            name).  Workers hold a copy of the data as it was when they started, and an
+            epoch covers the data as it is when it starts.  ``None`` (default): an epoch
+            runs on existing workers (the ``sample*`` workers, or those of an earlier
+            epoch, which are kept for the next) exactly when their copy is still the data
+            as it is now: every change torch counts is told by an exact fingerprint of the
+            data, and writes it does not count (through ``tensor.numpy()``,
+            ``tensor.data``, ctypes) by the page table under fork (exact), by comparing
+            samples of the data with the workers' copy under spawn and forkserver (a write
+            to a few rows may go unseen there).  Where it cannot be told (a custom sampler
+            or storage, memory-mapped or file-backed data), each epoch starts workers of
+            its own.
             [`epoch_workers_reason`][unienv_mp.MultiprocessingSampler.epoch_workers_reason]
-            says which.  UniEnv's views of such buffers are told too.  Writes that bypass a
-            tensor's version counter (through ``tensor.numpy()``, ``tensor.data``,
-            ``tensor.untyped_storage()``) are not seen: pass ``False`` if the data is
-            written that way.  ``True``: the caller promises that the data does not change:
-            epochs run on the existing workers whatever the storage, unless the data's
-            length changed (then on new ones).  ``False``: each epoch over unshared data
-            starts workers of its own, and they end with it (UniEnv's behaviour).  The
-            batches are the same in every case, bit for bit, as long as the promise of
-            ``True`` holds.  The ``sample*`` workers started at the first ``sample*`` call
-            are those kept for epochs, if their copy is current then.
+            says which, and what was checked.  ``True``: the caller promises that the data
+            does not change: epochs run on the existing workers whatever the storage,
+            unless the data's length changed.  ``False``: each epoch starts workers of its
+            own, and they end with it (UniEnv's behaviour).  The batches are the same in
+            every case, bit for bit, as long as the promise of ``True`` holds.  See the
+            Epochs guide for the rule every worker of a pool follows.
         pin_memory: ``True``: CPU batches are handed out from page-locked slots (each
             slot registered with CUDA once), as torch's ``DataLoader(pin_memory=True)``
             hands out pinned batches, so that the caller's own ``.to("cuda",
@@ -868,7 +879,7 @@ class MultiprocessingSampler(SamplerBase):
             in_order=self.in_order, copy=self.copy and self._placement.kind != "copy",
             timeout=self.timeout,
             respawn=self.respawn, stall_timeout=self.stall_timeout,
-            start_later=self._pools.start_later(self.mp_ctx))
+            **self._pools.launch_options(self.mp_ctx))
 
     def epoch_manager(self):
         # (by the persistent_workers rule: see unienv_mp._sampling.pools)

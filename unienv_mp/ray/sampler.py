@@ -435,7 +435,7 @@ class RaySampler(SamplerBase):
             if not_direct is not None and None in self._asked:   # (weakly: no cycle)
                 manager.sized = _weakly(weakref.WeakMethod(self._sized))
             if sampler_factory is None:   # (the data the actors were sent)
-                self._pools.sample_fp = self._pools.data_now()[0]
+                self._pools.note_sample_copy()
         except BaseException:
             self._close_actors()
             raise
