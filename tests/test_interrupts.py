@@ -894,7 +894,7 @@ def test_a_ctrl_c_before_any_bytecode_of_the_stream_keeps_its_position(in_order,
     from unienv_mp._sampling.streams import chunk_seed, stream_key
     k, n_buffers = 3, 4
     key = stream_key(0, "sample")
-    chunk_of_seed = {chunk_seed(key, c): c for c in range(1000)}
+    chunk_of_seed = {chunk_seed(key, c * k): c for c in range(1000)}   # (its first batch's)
     start = {"k": k, "low": 0, "done": [], "partial": {0: 1}} if restored else None
     before = {(0, 0)} if restored else set()
 
@@ -906,7 +906,7 @@ def test_a_ctrl_c_before_any_bytecode_of_the_stream_keeps_its_position(in_order,
 
         def submit(work, record):
             t = next(counter)
-            results[t] = tuple((chunk_of_seed[work[1]], i) for i in range(work[2]))
+            results[t] = tuple((chunk_of_seed[work[1][0]], i) for i in range(work[2]))
             record.append(t)
 
         def one():

@@ -214,9 +214,10 @@ def test_a_chunk_that_raises_is_skipped_and_the_stream_goes_on():
     k = 3
     base = base_seed(StepSampler(rb, 5, seed=4))
     expected = []
+    key = stream_key(base, "sample")
     for c in range(12):
-        own = StepSampler(rb, 5, seed=chunk_seed(stream_key(base, "sample"), c))
-        chunk = [own.sample_index().tolist() for _ in range(k)]
+        chunk = [StepSampler(rb, 5, seed=chunk_seed(key, c * k + i)).sample_index().tolist()
+                 for i in range(k)]
         if any(min(b) < 10 for b in chunk):
             expected.append("error")         # one error, the rest of the chunk skipped
         else:

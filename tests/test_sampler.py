@@ -162,21 +162,19 @@ def test_same_seed_same_batches_whatever_the_timing():
 
 
 @pytest.mark.parametrize("direct", [None, False])
-def test_batch_j_is_draw_j_mod_k_of_the_sampler_seeded_for_chunk_j_div_k(direct):
-    """With k batches per task, batch j of the stream is what the wrapped sampler draws
-    ((j mod k) + 1)-th after manual_seed(chunk_seed(key, j // k)), key being the stream's
-    key for the sampler's base seed (see unienv_mp._sampling.streams)."""
+@pytest.mark.parametrize("k", [1, 3, None])
+def test_batch_j_is_the_first_draw_of_the_sampler_seeded_for_batch_j(direct, k):
+    """Whatever the batches per task, batch j of the stream is what the wrapped sampler
+    draws first after manual_seed(chunk_seed(key, j)), key being the stream's key for the
+    sampler's base seed (see unienv_mp._sampling.streams)."""
     from unienv_mp._sampling.streams import base_seed, chunk_seed, stream_key
     rb = replay_buffer(400)
     key = stream_key(base_seed(StepSampler(rb, 5, seed=9)), "sample")
-    k = 3
-    expected = []
-    for chunk in range(6):
-        own = StepSampler(rb, 5, seed=chunk_seed(key, chunk))
-        expected += [own.sample_index().tolist() for _ in range(k)]
+    expected = [StepSampler(rb, 5, seed=chunk_seed(key, j)).sample_index().tolist()
+                for j in range(18)]
     with MultiprocessingSampler(StepSampler(rb, 5, seed=9), n_workers=2, n_buffers=4,
                                 ctx="fork", batches_per_task=k, direct_gather=direct) as m:
-        got = [indices_of(m.sample()) for _ in range(6 * k)]
+        got = [indices_of(m.sample()) for _ in range(18)]
         assert m.gather_path == ("generic" if direct is False else "direct")
     assert got == expected
 

@@ -51,16 +51,14 @@ with no code of the package:
   ``StepSampler`` has no ``rng``).  :func:`model_base` re-implements it over a fresh
   ``torch.Generator().manual_seed(seed)``: this is the one place where the model follows
   the package's code rather than the docs, which do not give the hash.
-* Chunk ``c``'s seed: the docs' "keyed bijection of c onto 32-bit numbers (MurmurHash3's
+* Batch ``j``'s seed: the docs' "keyed bijection of j onto 32-bit numbers (MurmurHash3's
   finaliser), keyed by a mix of the stream's base seed and the method's name"; the key is
   ``splitmix64(splitmix64(base) ^ crc32(method))`` (the docstring of
   ``unienv_mp/_sampling/streams.py``), re-implemented in :func:`model_chunk_seed`.
-* Batch ``j`` is the ``(j mod k) + 1``-th draw after the wrapped sampler is seeded for
-  chunk ``j // k``: the model draws it as UniEnv's ``StepSampler.sample_index`` does, with
-  torch directly (``torch.randint(0, len(data), (B,), generator=Generator(seed))``).  ``k``
-  is ``batches_per_task``, or by default (docs: "Small batches") 8 for the methods that
-  can be gathered directly (the batches here are far below 1 MiB / 8) and 1 for
-  ``sample_index``.
+* Batch ``j`` is the first draw after the wrapped sampler is seeded for batch ``j``,
+  whatever ``batches_per_task`` is: the model draws it as UniEnv's
+  ``StepSampler.sample_index`` does, with torch directly
+  (``torch.randint(0, len(data), (B,), generator=Generator(seed))``).
 * An epoch's order is ``torch.randperm(len(data), generator=rng)`` of a model generator
   seeded as the wrapped sampler is (UniEnv's ``epoch_iter``), drawn when the epoch begins
   (its iterator's first ``next()``).
@@ -170,23 +168,22 @@ def model_chunk_seed(base, method, chunk):
 
 class StreamModel:
     """The row indices of batch ``j`` of ``method``'s stream for base seed ``base``, drawn
-    over ``n`` rows, as UniEnv's StepSampler draws them after ``manual_seed(chunk seed)``."""
+    over ``n`` rows, as UniEnv's StepSampler draws them after ``manual_seed(batch seed)``
+    (whatever ``k``, the batches per task)."""
 
     def __init__(self, base, method, k, batch_size):
         self.base, self.method, self.k, self.batch_size = base, method, k, batch_size
-        self._chunks = {}
+        self._batches = {}
 
     def batch(self, j, n):
-        c, r = divmod(j, self.k)
-        chunk = self._chunks.get((c, n))
-        if chunk is None:
-            if len(self._chunks) > 4096:
-                self._chunks.clear()
-            g = torch.Generator().manual_seed(model_chunk_seed(self.base, self.method, c))
-            chunk = self._chunks[(c, n)] = [
-                torch.randint(0, n, (self.batch_size,), generator=g).tolist()
-                for _ in range(self.k)]
-        return chunk[r]
+        batch = self._batches.get((j, n))
+        if batch is None:
+            if len(self._batches) > 4096:
+                self._batches.clear()
+            g = torch.Generator().manual_seed(model_chunk_seed(self.base, self.method, j))
+            batch = self._batches[(j, n)] = torch.randint(
+                0, n, (self.batch_size,), generator=g).tolist()
+        return batch
 
 
 class EpochModel:

@@ -65,14 +65,16 @@ class ResidentTarget:
         if name == "sample" and len(work) == 3:
             tree = self._tree("get_at")
             if tree is not None:
-                _, seed, k = work
+                _, seeds, k = work
                 target = self.target
-                target.reseed(seed)
                 sample_index = target.sampler.sample_index
                 buffer = target.sampler.data
-                return tuple([_gather_rows(tree, _base.sampled_rows(buffer,
-                                                                     sample_index()))
-                              for _ in range(k)])
+                out = []
+                for i in range(k):
+                    target.reseed_for(seeds, i)
+                    out.append(_gather_rows(tree, _base.sampled_rows(buffer,
+                                                                     sample_index())))
+                return tuple(out)
         elif name == "get_at" and len(work) == 2 and _base.is_index_tensor(work[1]):
             tree = self._tree("get_at")
             if tree is not None:

@@ -178,13 +178,14 @@ class Gatherer:
         self._structures[getter] = tree
         return tree
 
-    def __call__(self, name, arg):
+    def __call__(self, name, arg, before=None):
         """A `SlotWriter` for the task, or None to run it the generic way (over a view, the
         generic getter's batch itself where the direct path cannot serve those indices;
         the caller sends it as any result).  For a sampling method, ``arg`` is None (one
         batch) or a count ``k`` (a tuple of ``k`` batches, drawn one after the other as
-        ``k`` calls would draw them)."""
-        task = self._task(name, arg)
+        ``k`` calls would draw them); ``before(i)``, if given, is called before batch ``i``
+        is drawn (the stream reseeds the RNGs there)."""
+        task = self._task(name, arg, before)
         if task is None:
             return None
         getter, k, indices = task
@@ -202,10 +203,11 @@ class Gatherer:
             plan = self._plans[key] = _storages.FlatLayout(self.structure(getter), n, k)
         return PlannedBatch(plan, rows)
 
-    def _task(self, name, arg):
+    def _task(self, name, arg, before=None):
         """``(getter, k, index tensors)`` of a task that a plan serves, or None: a
         sampling method's ``k`` (None for one batch) draws of ``sample_index()`` (the RNG
-        advances as in ``sample*()``), or a getter's given indices."""
+        advances as in ``sample*()``; ``before(i)`` first, if given), or a getter's given
+        indices."""
         getter = DIRECT_METHODS.get(name)
         if getter is not None:
             if arg is None:
@@ -217,7 +219,13 @@ class Gatherer:
             if self.structure(getter) is None:
                 return None
             sample_index = self.sampler.sample_index
-            return getter, k, [sample_index() for _ in range(k or 1)]
+            if before is None:
+                return getter, k, [sample_index() for _ in range(k or 1)]
+            drawn = []
+            for i in range(k or 1):
+                before(i)
+                drawn.append(sample_index())
+            return getter, k, drawn
         if (name in EPOCH_GETTERS and is_index_tensor(arg)
                 and self.structure(name) is not None):
             return name, None, [arg]

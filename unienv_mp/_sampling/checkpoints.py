@@ -20,7 +20,8 @@ def state_of(s):
     epochs = s._epochs
     restored = [p for queue in epochs.resume.values() for p in queue]
     return {
-        "format": _state.FORMAT, "version": _state.VERSION,
+        # (a sampler going on from a state of unienv_mp 0.1 saves one its streams fit)
+        "format": _state.FORMAT, "version": _state.VERSION if s._per_batch else 2,
         "configuration": s.configuration(s._streams),
         "base_seed": s._base,
         "rngs": _state.capture_rngs(s.sampler),
@@ -30,8 +31,9 @@ def state_of(s):
 
 
 def read_state(s, state):
-    """``(base seed, RNGs, streams, epochs to resume by getter)`` of ``state``, every
-    part checked against sampler ``s``, nothing changed yet.  Raises ``ValueError``
+    """``(base seed, per_batch, RNGs, streams, epochs to resume by getter)`` of ``state``,
+    every part checked against sampler ``s``, nothing changed yet (``per_batch``: whether
+    its streams seed each batch, see `unienv_mp._sampling.streams`).  Raises ``ValueError``
     (saying what differs) for a state of another configuration, or one that is not a
     whole state."""
     try:
@@ -46,12 +48,13 @@ def _read(s, state):
     saved = state.get("streams", {}) if isinstance(state, dict) else {}
     _state.check(state, s.configuration(saved))
     base = state["base_seed"]
+    per_batch = state["version"] >= 3
     rngs = _state.rebuilt_rngs(state["rngs"], s.sampler)
     methods = {n for n in s.sampler_methods() if n.startswith("sample")}
     streams = {}
     for name, pos in saved.items():
         _state.check_stream(name, pos, methods, s._chunk_size(name), MAX_BUFFERS)
-        streams[name] = Stream.from_position(name, base, pos)
+        streams[name] = Stream.from_position(name, base, pos, per_batch)
     getters = {n for n in s.sampler_methods() if n.startswith("get")}
     resume = {}
     for position in state["epochs"]:
@@ -59,7 +62,7 @@ def _read(s, state):
         _state.check_epoch(p, getters, len(s.sampler.data), s.batch_size,
                            s.sampler.backend)
         resume.setdefault(p.getter, collections.deque()).append(p)
-    return base, rngs, streams, resume
+    return base, per_batch, rngs, streams, resume
 
 
 def configuration(s, methods):

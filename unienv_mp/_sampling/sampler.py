@@ -162,7 +162,7 @@ def _close(s, pools, feed):
         if pools is not None:
             pools.close()
         # (positions kept, for a state_dict() after close(); requests dropped)
-        s._streams = {name: Stream.from_position(name, s._base, st.position())
+        s._streams = {name: Stream.from_position(name, s._base, st.position(), st.per_batch)
                       for name, st in getattr(s, "_streams", {}).items()}
     finally:
         if got:
@@ -277,6 +277,7 @@ class SamplerBase(BatchSampler):
         _set_up_device(self)
         self._caller = _stats.CallerRecord()   # batches handed out (see stats)
         self._base = base_seed(sampler)
+        self._per_batch = True      # (False: streams of a state of unienv_mp 0.1)
         self._streams = {}          # method -> Stream
         self._extra = _extra_methods(self)   # (the wrapped sampler's other methods)
         self._closed = False
@@ -361,7 +362,7 @@ class SamplerBase(BatchSampler):
                 manager = self._ensure_manager()
             stream = self._streams.get(name)
             if stream is None:
-                stream = Stream(name, self._chunk_size(name), self._base)
+                stream = Stream(name, self._chunk_size(name), self._base, self._per_batch)
                 self._streams[name] = stream
             ready = stream.ready
             tickets = stream.tickets
@@ -520,6 +521,7 @@ class SamplerBase(BatchSampler):
                 self.sampler.manual_seed(seed)
                 self._drop_streams()
                 self._base = base_seed(self.sampler)
+                self._per_batch = True
                 self._epochs.resume = {}
 
     def _drop_streams(self):
@@ -556,10 +558,11 @@ class SamplerBase(BatchSampler):
         a state of another configuration, or one that is not a whole state; the sampler is
         then as it was."""
         with self._lock:
-            base, rngs, streams, resume = _checkpoints.read_state(self, state)
+            base, per_batch, rngs, streams, resume = _checkpoints.read_state(self, state)
             with _os.interrupts_deferred():   # (one step: a Ctrl-C cannot cut it in two)
                 self._drop_streams()
                 self._base = base
+                self._per_batch = per_batch
                 give_rngs(self.sampler, rngs)
                 self._streams = streams
                 epochs = self._epochs
@@ -712,9 +715,8 @@ class MultiprocessingSampler(SamplerBase):
             8; one for every other method.  Small batches cost little to gather but a
             lot to hand over one by one (a worker's wake-up, two ring operations and a
             decode each): several to a task make that cost theirs together.  The stream
-            of batches for a seed depends on it (the default depends only on the wrapped
-            sampler), and the direct and generic paths use the same number, so they give
-            the same stream.
+            of batches for a seed does not depend on it: each batch is drawn after the
+            wrapped sampler is seeded for that batch.
             If the wrapped sampler raises while making a task, the call that needed the
             task's first batch raises, and the rest of that task's batches are skipped.
             On the generic path a worker keeps the ``k`` results of the wrapped sampler

@@ -5,7 +5,7 @@ random number generators in the parent (epochs draw their permutations from them
 The state is a small dict of plain values and the sampler's own RNG and index objects, so
 it pickles (``torch.save`` and ``pickle`` both work)::
 
-    {"format": "unienv_mp.MultiprocessingSampler", "version": 2,
+    {"format": "unienv_mp.MultiprocessingSampler", "version": 3,
      "configuration": {...},     # see configuration()
      "base_seed": int,           # of the sample* streams (see unienv_mp._sampling.streams)
      "rngs": {"rng": ..., "data_rng": ...},
@@ -22,7 +22,11 @@ __all__ = ["FORMAT", "VERSION", "Refused", "configuration", "check", "check_stre
            "check_epoch", "capture_rngs", "rebuilt_rngs", "give_rngs", "restore_rngs"]
 
 FORMAT = "unienv_mp.MultiprocessingSampler"
-VERSION = 2
+#: Version 3: each batch of a stream is seeded (see `unienv_mp._sampling.streams`);
+#: version 2, of unienv_mp 0.1, seeded each chunk, and a state of it still loads and goes
+#: on that way.
+VERSION = 3
+READS = (2, 3)
 
 _RNGS = ("rng", "data_rng")
 
@@ -76,9 +80,9 @@ def check(state, here):
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise Refused(f"not a state_dict() of a unienv_mp MultiprocessingSampler: "
                       f"{type(state).__name__} without format {FORMAT!r}")
-    if state.get("version") != VERSION:
+    if state.get("version") not in READS or type(state.get("version")) is not int:
         raise Refused(f"state_dict format version {state.get('version')!r}; this "
-                      f"version of unienv_mp reads version {VERSION}")
+                      f"version of unienv_mp reads versions {', '.join(map(str, READS))}")
     saved = state["configuration"]
     differ = []
     for key in ("sampler", "batch_size", "data_length", "structure", "metadata_structure"):

@@ -2,26 +2,31 @@
 chunks, their seeds, what is requested from the workers) and an epoch.
 
 **Chunks.** A method's stream is cut into chunks of ``k`` batches: chunk ``c`` holds the
-stream's batches ``c*k`` to ``c*k + k - 1``.  One task makes one chunk: the worker seeds
-the wrapped sampler's random number generators with the chunk's seed, as
-``manual_seed(seed)`` would, then draws the chunk's ``k`` batches one after the other, as
-``k`` calls would.  So batch ``j`` of a stream is a function of the stream's base seed,
-the method and ``j`` alone: not of which worker made it, how many workers there are,
-whether one died and its chunk was made again, how many batches are requested ahead, or
-which path (direct or generic) made it.
+stream's batches ``c*k`` to ``c*k + k - 1``.  One task makes one chunk: for each of its
+batches the worker seeds the wrapped sampler's random number generators with that batch's
+seed, as ``manual_seed(seed)`` would, then draws the batch, as one call would.  So batch
+``j`` of a stream is a function of the stream's base seed, the method and ``j`` alone: not
+of ``k`` (``batches_per_task``, whose default depends on the size of a batch's rows), of
+which worker made it, how many workers there are, whether one died and its chunk was made
+again, how many batches are requested ahead, or which path (direct or generic) made it.
+Two samplers over views of one buffer, with the same seed and batch size, draw the same
+steps.  (unienv_mp 0.1 seeded each chunk once and drew its ``k`` batches one after the
+other; a stream restored from a state it saved goes on that way: `Stream`'s
+``per_batch``.)
 
 **Seeds.**  The base is taken from the wrapped sampler's RNG state without drawing from it
 (`base_seed`), so a sampler's epochs, drawn from that RNG in the parent, stay UniEnv's.  A
 stream's key is ``mix(mix(base) ^ crc32(method))``, with ``mix`` SplitMix64's finaliser
 (Steele, Lea and Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014).
-Chunk ``c``'s seed (`chunk_seed`) is a 32-bit number: a keyed bijection of ``c`` modulo
-2**32 (the key's low half added, MurmurHash3's 32-bit finaliser, the key's high half xored
-in).  32 bits because torch's CPU generator, which UniEnv's torch samplers use, keeps only
-the low 32 bits of a seed (mt19937's seeding): with wider seeds, two chunks of a long stream
-would share a seed by the birthday bound (one pair expected among some 77,000 chunks) and
-repeat each other's batches.  A bijection gives the first 2**32 chunks of a stream distinct
-seeds; the finaliser decorrelates the seeds of neighbouring chunks, and the key those of
-different methods and base seeds.
+Batch ``j``'s seed (`chunk_seed` of ``j``) is a 32-bit number: a keyed bijection of ``j``
+modulo 2**32 (the key's low half added, MurmurHash3's 32-bit finaliser, the key's high half
+xored in).  32 bits because torch's CPU generator, which UniEnv's torch samplers use, keeps
+only the low 32 bits of a seed (mt19937's seeding): with wider seeds, two batches of a long
+stream would share a seed by the birthday bound (one pair expected among some 77,000) and
+repeat each other.  A bijection gives the first 2**32 batches of a stream distinct seeds;
+the finaliser decorrelates the seeds of neighbouring batches, and the key those of
+different methods and base seeds.  (With ``k = 1`` a batch is a chunk, and the stream is
+the one unienv_mp 0.1 made.)
 
 **Position.** What the caller has been handed is a set of whole chunks and a part of one:
 every chunk below ``low``, the chunks in ``done`` (above ``low``: handed out out of order,
@@ -105,18 +110,20 @@ class Stream:
     """The chunks of ``method``'s stream (``k`` batches each) for base seed ``base``: what
     was requested (``tickets``, in the order of their chunks, and ``chunk_of``; see
     `top_up`), the batches of the chunk being handed out (``ready``, from ``ready_chunk``),
-    and the position (see the module's docstring).
+    and the position (see the module's docstring).  ``per_batch``: each batch is seeded
+    (False: each chunk, as unienv_mp 0.1 did).
 
     Cut short anywhere by a Ctrl-C, the requests may be out of step with ``tickets``: the
     caller then cancels ``tickets`` and calls `reset`.  The position is safe at every step:
     it is read from ``low``, ``done`` and what is left in ``ready``."""
-    __slots__ = ("method", "k", "key", "tickets", "chunk_of", "ready", "ready_chunk", "low",
-                 "done", "next_new", "retry", "skip", "filling")
+    __slots__ = ("method", "k", "key", "per_batch", "tickets", "chunk_of", "ready",
+                 "ready_chunk", "low", "done", "next_new", "retry", "skip", "filling")
 
-    def __init__(self, method, k, base):
+    def __init__(self, method, k, base, per_batch=True):
         self.method = method
         self.k = k
         self.key = stream_key(base, method)
+        self.per_batch = per_batch
         self.tickets = collections.deque()   # of the tasks requested, chunks in order
         self.chunk_of = {}                   # ticket -> chunk
         self.ready = collections.deque()     # batches of ready_chunk not handed out yet
@@ -140,12 +147,22 @@ class Stream:
         while len(ready) + k * len(tickets) <= n_buffers:
             retry = self.retry
             chunk = retry[0] if retry else self.next_new
-            submit((self.method, chunk_seed(self.key, chunk), k), record=tickets)
+            submit((self.method, self.seeds(chunk), k), record=tickets)
             self.chunk_of[tickets[-1]] = chunk
             if retry:
                 del retry[0]
             else:
                 self.next_new = chunk + 1
+
+    def seeds(self, chunk):
+        """The seeds of ``chunk``'s task: one per batch (a tuple), or the chunk's one (an
+        int, without ``per_batch``)."""
+        key = self.key
+        if not self.per_batch:
+            return chunk_seed(key, chunk)
+        k = self.k
+        first = chunk * k
+        return tuple([chunk_seed(key, first + i) for i in range(k)])
 
     # -- handing out ----------------------------------------------------------------------
 
@@ -226,10 +243,10 @@ class Stream:
         return {"k": self.k, "low": self.low, "done": sorted(self.done), "partial": partial}
 
     @classmethod
-    def from_position(cls, method, base, position):
+    def from_position(cls, method, base, position, per_batch=True):
         """A stream of ``method`` for ``base`` whose caller has been handed what
         ``position`` (from `position`) says; nothing requested yet."""
-        s = cls(method, position["k"], base)
+        s = cls(method, position["k"], base, per_batch)
         s.low = position["low"]
         s.done = set(position["done"])
         s.skip = {int(c): int(n) for c, n in position["partial"].items()}

@@ -21,10 +21,12 @@ class SamplerTarget:
     """The work function the workers run, calling the wrapped sampler's methods (or
     ``fn``, for a method name of ``None``).  A work item is either
 
-    * ``(method, seed, k)``: a chunk of a ``sample*`` method's stream (see
-      `unienv_mp._sampling.streams`): the sampler's RNGs are seeded with ``seed``, as
-      ``manual_seed(seed)`` would seed them, then ``k`` batches are drawn one after the
-      other and come back as a tuple; or
+    * ``(method, seeds, k)``: a chunk of a ``sample*`` method's stream (see
+      `unienv_mp._sampling.streams`): ``k`` batches drawn one after the other, each
+      after the sampler's RNGs are seeded with its seed (``seeds``, a tuple of ``k``), as
+      ``manual_seed(seed)`` would seed them, which come back as a tuple (``seeds`` one
+      int: the RNGs are seeded with it once, before the first batch: a stream restored
+      from a state of unienv_mp 0.1); or
     * ``(method, argument)``: one call, ``method()`` for an argument of ``NO_ARG`` or
       ``method(argument)`` (e.g. the indices of a ``get*_at`` method).
 
@@ -56,10 +58,13 @@ class SamplerTarget:
         self._in_place = None   # reseed in place (see reseed): decided at the first call
 
     def __call__(self, work):
+        before = None
         if len(work) == 3:
-            name, seed, k = work
-            self.reseed(seed)
+            name, seeds, k = work
             arg = k
+
+            def before(i):
+                self.reseed_for(seeds, i)
         else:
             name, arg = work
         if self.direct:
@@ -71,15 +76,27 @@ class SamplerTarget:
                     # the sampler changed since it was checked: the generic path, for good
                     self.direct = False
             if gatherer is not None:
-                batch = gatherer(name, arg)
+                batch = gatherer(name, arg, before)
                 if batch is not None:
                     return batch
         fn = self.fn if name is None else getattr(self.sampler, name)
         if arg is NO_ARG:
             return fn()
-        if len(work) == 3:
-            return tuple([fn() for _ in range(arg)])   # a chunk
+        if before is not None:   # a chunk
+            out = []
+            for i in range(arg):
+                before(i)
+                out.append(fn())
+            return tuple(out)
         return fn(arg)
+
+    def reseed_for(self, seeds, i):
+        """Seed the sampler for batch ``i`` of a chunk whose seeds are ``seeds`` (see the
+        class's docstring): with ``seeds[i]``, or, for one int, with it before batch 0."""
+        if type(seeds) is tuple:
+            self.reseed(seeds[i])
+        elif i == 0:
+            self.reseed(seeds)
 
     @staticmethod
     def batches_in(work):
