@@ -228,7 +228,7 @@ def _section_entries(doc, header):
 
 #: Public callables with parameters and no parameter table, and why.
 NO_PARAMETER_TABLE = {
-    # its Args would put it over test_layout's 400 lines a class; its docstring says its
+    # its Args would make it long; its docstring says its
     # constructor takes MultiprocessingSampler's options less the process backend's
     "unienv_mp.sampler.SamplerBase",
 }
