@@ -282,18 +282,31 @@ from unienv_mp import MultiprocessingSampler
 import _data
 
 if __name__ == "__main__":
+    import signal
     m = MultiprocessingSampler(StepSampler(_data.replay_buffer(64), 4, seed=0),
                                n_workers=2, n_buffers=4, ctx={method!r}, doze_time=0.01)
-    print("start", flush=True)
+    # A Ctrl-C raises KeyboardInterrupt only inside the sampler's calls below, once each
+    # time they are begun: one landing in this script's own lines (the print, the
+    # except clause) is counted and dropped, so the script cannot die of its own ordering.
+    armed = [False]
     interrupted = 0
+
+    def on_sigint(signum, frame):
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
+    print("start", flush=True)
     for _ in range(50):
         try:
+            armed[0] = True
             m.sample()
             m._pools.sample.start_all()
+            armed[0] = False
             break
         except KeyboardInterrupt:
             interrupted += 1
-    import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # (started: the test's next ones)
     print("interrupted", interrupted, flush=True)
     for _ in range(20):

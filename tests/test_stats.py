@@ -74,9 +74,14 @@ def test_counts_agree_with_what_was_sampled(persistent):
         assert wait_until(
             lambda: sum(w.batches for w in m.stats().workers) == 20 + 4 + on_them + ahead)
         st = m.stats()
+        # (a worker started later gets tasks once it is up: on a loaded machine the first
+        # one may have made them all)
+        assert st.workers[0].tasks > 0
         for w in st.workers:
             assert w.pid is not None and w.respawns == 0 and w.errors == 0
-            assert w.tasks > 0 and w.batches >= w.tasks
+            assert w.batches >= w.tasks
+            if not w.tasks:
+                continue
             assert 0 < w.busy_fraction <= 1
             assert 0 < w.seconds_per_batch_mean <= w.seconds_per_batch_p99 * 1.25 + 1e-3
             assert w.task_seconds is None or w.task_seconds >= 0
@@ -214,7 +219,10 @@ def test_the_advice_on_a_spawn_run_leaves_the_start_up_out(slow):
         assert "more workers will not help" in st.advice()
     else:
         assert st.wait_fraction > 0.6 and st.bottleneck == "workers", st
-        assert st.advice().startswith("workers are the bottleneck: try n_workers=")
+        # (on a machine busy with other work, more workers would not help: said so)
+        assert st.advice().startswith(("workers are the bottleneck: try n_workers=",
+                                       "workers are the bottleneck, and the machine's "
+                                       "CPUs are busy")), st.advice()
 
 
 def test_reset_starts_the_counters_again():
