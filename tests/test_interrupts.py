@@ -579,10 +579,17 @@ def test_close_cut_short_still_ends_the_workers():
             assert interrupted(mgr.close)
         assert i.fired
         assert not [p for p in procs if p.is_alive()], "workers left running"
-        mgr.close()
+        mgr.close()            # finishes what the first left: the processes are closed
+        for p in procs:
+            with pytest.raises(ValueError, match="closed"):
+                p.is_alive()
     finally:
         for p in procs:
-            if p.is_alive():
+            try:
+                alive = p.is_alive()
+            except ValueError:
+                continue       # (closed)
+            if alive:
                 p.kill()
                 p.join(5)
 
