@@ -616,11 +616,13 @@ class _WindowNode(_Node):
             if key is not None:
                 self.key = self._episode_column(key, kind)
         windowed = {path: (i, len(offs)) for i, (_, path, offs) in enumerate(self.windows)}
-        # {key: ("window", i) | ("anchor",) | {nested}}, as the view's own layout
-        self.layout = self._layout(child.tree, windowed, (), view.keep_other_keys)
+        # {key: ("window", i) | ("anchor",) | {nested}}, as the view's own layout (in the
+        # order of its space)
+        self.layout = self._layout(view.single_space, windowed, ())
+        pads = {f"{name}_is_pad": Spec(torch.bool, (len(offs),), ())
+                for name, _, offs in self.windows}
         self._specs = (self._spec_tree(self.layout, child.tree),
-                       {f"{name}_is_pad": Spec(torch.bool, (len(offs),), ())
-                        for name, _, offs in self.windows})
+                       {k: pads[k] for k in view.single_metadata_space.spaces})
 
     def _episode_column(self, key, kind):
         leaf = self.child.tree
@@ -633,15 +635,15 @@ class _WindowNode(_Node):
                             f"gathered directly from one integer or bool per step")
         return source.table.reshape(-1), _rows.KEY_TYPES[dtype], kind
 
-    def _layout(self, tree, windowed, path, keep):
+    def _layout(self, space, windowed, path):
         out = {}
-        for key, sub in tree.items():
+        for key in space.spaces:
             here = path + (key,)
             if here in windowed:
                 out[key] = ("window",) + windowed[here]
             elif any(w[:len(here)] == here for w in windowed):
-                out[key] = self._layout(sub, windowed, here, keep)
-            elif keep:
+                out[key] = self._layout(space.spaces[key], windowed, here)
+            else:
                 out[key] = ("anchor",)
         return out
 
