@@ -218,6 +218,21 @@ def test_the_direct_gather_gives_the_views_own_batches(seed):
             check_against_the_buffer(rb, view, part, *batch, episodes)
 
 
+@pytest.mark.parametrize("episodes", ["id", "end", None])
+def test_windows_reaching_far_beyond_the_data_cost_what_the_episodes_hold(episodes):
+    """Offsets of a billion steps either way: both paths walk each step's episode only as
+    far as it goes (in chunks, or step by step), never the whole reach."""
+    rb = vd.buffer((5, 3, 1, 7, 40), capacity=50)
+    kw = {"id": {}, "end": {"episode_end_key": "episode_end"},
+          None: {"episode_id_key": None}}[episodes]
+    view = WindowedBatch(rb, {"obs/state": [-10 ** 9, -1, 0, 3, 10 ** 9]}, **kw)
+    idx = torch.arange(len(rb))
+    data, meta = view.get_at_with_metadata(idx)
+    check_against_the_buffer(rb, view, idx, data, meta, episodes)
+    g = gather.Gatherer(StepSampler(view, 8))
+    assert_identical(_direct(g, "get_at_with_metadata", idx), (data, meta))
+
+
 def test_the_issues_request_is_gathered_directly_and_matches_uniEnv():
     """Image and state at [-1, 0], actions at 0..15, over episodes of 20 in a buffer
     that has wrapped around, with UniEnv's own helper telling the episodes."""

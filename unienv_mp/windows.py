@@ -265,22 +265,36 @@ class WindowedBatch(BatchBase):
         if self._episodes is None or t.numel() == 0:
             return (torch.clamp(t - back, min=0), torch.clamp(t + fwd, max=max(n - 1, 0)))
         kind, name = self._episodes
-        rel = torch.arange(-back, fwd + 1, dtype=torch.int64, device=t.device)
-        steps = t[:, None] + rel[None, :]
-        inside = (steps >= 0) & (steps < n)
-        values = self.batch.get_column(_path(name)).get_at(steps.clamp(0, n - 1).reshape(-1))
-        values = values.reshape(steps.shape)
-        if kind == "id":
-            same = (values == values[:, back:back + 1]) & inside
-            before, after = same[:, :back], same[:, back + 1:]
-        else:
-            open_ = values == 0   # (not an episode's last step)
-            before = open_[:, :back] & inside[:, :back]
-            after = open_[:, back:-1] & inside[:, back + 1:]
-        # the steps of the episode: those joined to t by a run of steps that are
-        before = before.flip(1).to(torch.int64).cumprod(1).sum(1)
-        after = after.to(torch.int64).cumprod(1).sum(1)
-        return t - before, t + after
+        column = self.batch.get_column(_path(name))
+        anchor = column.get_at(t) if kind == "id" else None
+        return (t - self._joined(t, n, back, -1, column, anchor),
+                t + self._joined(t, n, fwd, 1, column, anchor))
+
+    def _joined(self, t, n, reach, way, column, anchor):
+        """How many steps one after the other from each step ``t`` (``way`` -1: before
+        it, 1: after it), at most ``reach``, are in ``t``'s episode and in the data: read
+        in chunks growing fourfold, each for the steps still walking."""
+        joined = torch.zeros_like(t)
+        walking = torch.arange(t.shape[0], device=t.device)
+        done, chunk = 0, 16
+        while done < reach and walking.numel():
+            k = min(chunk, reach - done)
+            steps = t[walking, None] + way * torch.arange(done + 1, done + k + 1,
+                                                          device=t.device)[None, :]
+            inside = (steps >= 0) & (steps < n)
+            # the value that says whether a step joins: ids, its own; end flags, before
+            # it, the flag of the step that comes first (an end ends its own step's
+            # episode)
+            at = steps - 1 if (anchor is None and way > 0) else steps
+            values = column.get_at(at.clamp(0, n - 1).reshape(-1)).reshape(steps.shape)
+            ok = inside & (values == anchor[walking, None] if anchor is not None
+                           else values == 0)
+            run = ok.to(torch.int64).cumprod(1).sum(1)
+            joined[walking] += run
+            walking = walking[run == k]
+            done += k
+            chunk *= 4
+        return joined
 
     def set_at(self, idx, value):
         raise TypeError("a WindowedBatch is read-only: write to its batch")
