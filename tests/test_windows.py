@@ -329,6 +329,49 @@ def test_a_state_taken_mid_epoch_resumes_with_the_same_batches():
                                  torch.tensor(_anchor_steps(view.batch, b[0])), *b, "end")
 
 
+def test_windows_of_a_buffer_the_parent_appends_to_while_workers_sample():
+    """multiprocessing=True: the workers' windows see the steps the parent appends (the
+    buffer grows, then wraps), each batch read on one snapshot of the ring: both paths
+    give the same batches, and each is the buffer's as it was then."""
+    chunks = [vd.steps(s, [3, 1, 6, 5]) for s in range(15, 150, 15)]
+
+    def batches(direct):
+        rb = vd.buffer((5, 1, 9), capacity=60, multiprocessing=True)
+        view = WindowedBatch(rb, {"obs/state": [-2, 0], "action": [0, 1, 2, 3]})
+        out = []
+        with MultiprocessingSampler(StepSampler(view, 6, seed=0), n_workers=2, n_buffers=3,
+                                    ctx="fork", direct_gather=direct) as m:
+            for k, chunk in enumerate(chunks):
+                rb.extend(chunk)
+                m.manual_seed(k)
+                for _ in range(3):
+                    data, meta = copy.deepcopy(m.sample_with_metadata())
+                    check_against_the_buffer(rb, view, torch.tensor(_anchor_steps(rb, data)),
+                                             data, meta, "id")
+                    out.append((data, meta))
+            assert rb.offset != 0
+        return out
+
+    for a, b in zip(batches(None), batches(False)):
+        assert_identical(a, b)
+
+
+def test_windows_of_a_cleared_buffer_raise_what_the_view_raises():
+    rb = vd.buffer((5, 5))
+    view = WindowedBatch(rb, {"action": [0, 1]})
+    g = gather.Gatherer(StepSampler(view, 4))
+    assert isinstance(g("sample", None), SlotWriter)
+    rb.clear()
+    with pytest.raises(Exception) as direct:
+        g("sample", None)
+    with pytest.raises(Exception) as generic:
+        StepSampler(view, 4).sample()
+    assert type(direct.value) is type(generic.value)
+    with pytest.raises(IndexError, match="out of range for a WindowedBatch of 0 steps"):
+        view.get_at(torch.tensor([0]))
+    assert view.get_at(torch.tensor([], dtype=torch.int64))["action"].shape == (0, 2, 7)
+
+
 def test_one_sampler_pairs_what_two_paired_samplers_did_not():
     """The observation history and the action chunk of one element are of one step,
     whatever ``batches_per_task``: the pairing by seed that this view replaces drew
