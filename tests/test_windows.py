@@ -281,7 +281,7 @@ def _anchor_steps(rb, batch):
     return [steps.index(int(x)) for x in batch["obs"]["state"][:, -1, 0]]
 
 
-@pytest.mark.parametrize("ctx", ["fork", "spawn"])
+@pytest.mark.parametrize("ctx", ["fork", "spawn", "forkserver"])
 def test_the_sampler_gives_the_buffers_rows_both_ways(ctx):
     view = _issue_view()
     rb = view.batch
@@ -383,6 +383,31 @@ def test_one_sampler_pairs_what_two_paired_samplers_did_not():
             data, meta = m.sample_with_metadata()
             t = torch.tensor(_anchor_steps(rb, data))
             check_against_the_buffer(rb, view, t, data, meta, "end")
+
+
+def test_threads_reading_one_view_get_what_one_thread_gets():
+    """The view keeps nothing between calls: eight threads reading it at once get the
+    batches one thread gets."""
+    import threading
+    view = _issue_view()
+    parts = [torch.randperm(len(view), generator=torch.Generator().manual_seed(i))[:20]
+             for i in range(8)]
+    expected = [view.get_at_with_metadata(p) for p in parts]
+    got = [None] * 8
+    start = threading.Barrier(8)
+
+    def read(i):
+        start.wait()
+        for _ in range(5):
+            got[i] = view.get_at_with_metadata(parts[i])
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for a, b in zip(got, expected):
+        assert_identical(a, b)
 
 
 # -- time-based windows ------------------------------------------------------------------------
