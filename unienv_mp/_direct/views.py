@@ -593,7 +593,7 @@ class _WindowNode(_Node):
     operations; the layout of the slot is taken from its answer, as for UniEnv's views."""
 
     _METHODS = ("get_at", "get_at_with_metadata", "__len__", "_indices", "_spans",
-                "_assemble", "_fetch")
+                "_joined", "_assemble", "_fetch")
 
     def __init__(self, view, planner):
         torch = _torch()
