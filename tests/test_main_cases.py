@@ -158,9 +158,10 @@ def test_without_pillow_all_cases_but_jpeg_run():
     for c in out["cases"]:
         rows = (c["results"] if c["case"] != "views" else
                 [r for view in c["results"].values() for r in view.values()])
-        # (--impl in_process brings the epoch case's frame-stack row of its own)
-        assert {r["name"] for r in rows} == (
-            {"in_process", "in_process_view"} if c["case"] == "epoch" else {"in_process"})
+        # (--impl in_process brings the epoch case's frame-stack row of its own, and the
+        # windows case's paired samplers)
+        assert {r["name"] for r in rows} == {"in_process", *{
+            "epoch": {"in_process_view"}, "windows": {"paired_in_process"}}.get(c["case"], ())}
 
 
 # --- latency -------------------------------------------------------------------------------
