@@ -873,3 +873,74 @@ def test_a_chunk_made_on_one_stream_and_handed_out_on_another_waits_for_it(fake,
         assert sorted(i for b in epoch for i in _data.indices_of(b)) == list(range(300))
     assert all(_same(a, b) for a, b in zip(ref, out))
     assert not fake.violations
+
+
+# -- an outsider's attacks on the kept batches and the pins' thread ---------------------------
+
+def _by_index(batches):
+    return {tuple(_data.indices_of(b)): b for b in batches}
+
+
+def test_pin_memory_from_two_threads_with_late_copies(fake, monkeypatch):
+    import threading
+    monkeypatch.setattr(ops_mod, "cuda_unavailable", lambda device: None)
+    fake.register_delay = 0.005
+    rb = replay_buffer(500, img=IMG)
+    ref = _by_index(_cpu_stream(rb, 120, n_workers=2, ctx="fork"))
+    outs = [[], []]
+    with MultiprocessingSampler(StepSampler(rb, 64, seed=3), n_workers=2, ctx="fork",
+                                pin_memory=True) as m:
+        def run(i):
+            for _ in range(60):
+                outs[i].append(fake.user_copy(m.sample()))
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    fake.run_all()
+    got = _by_index(outs[0] + outs[1])
+    assert len(got) == 120 and all(_same(ref[k], b) for k, b in got.items())
+    assert not fake.violations
+
+
+def test_pin_memory_with_workers_killed_and_late_copies(fake, monkeypatch):
+    # A replaced worker's segments stop backing slots: swept only once the batches kept
+    # from them are let go and their copies done.
+    import os
+    import signal
+    monkeypatch.setattr(ops_mod, "cuda_unavailable", lambda device: None)
+    rb = replay_buffer(500, img=IMG)
+    kw = dict(n_workers=3, ctx="fork")
+    ref = _cpu_stream(rb, 100, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)   # (the workers replaced)
+        with MultiprocessingSampler(StepSampler(rb, 64, seed=3), pin_memory=True, **kw) as m:
+            out = []
+            for i in range(100):
+                out.append(fake.user_copy(m.sample()))
+                if i % 25 == 10:
+                    workers = m._pools.sample.workers
+                    os.kill(workers[i % len(workers)].pid, signal.SIGKILL)
+    fake.run_all()
+    assert all(_same(a, b) for a, b in zip(ref, out))
+    assert fake.registered == {} and not fake.violations
+
+
+def test_a_sampler_dropped_while_slots_are_being_page_locked_ends_its_thread(monkeypatch):
+    import gc
+    import threading
+    ops = FakeOps()
+    ops.register_delay = 0.05
+    monkeypatch.setattr(ops_mod, "for_device", lambda device: ops)
+    monkeypatch.setattr(ops_mod, "cuda_unavailable", lambda device: None)
+    rb = replay_buffer(300, img=IMG)
+    m = MultiprocessingSampler(StepSampler(rb, 64, seed=3), n_workers=4, ctx="fork",
+                               pin_memory=True)
+    for _ in range(3):
+        m.sample()
+    assert [t for t in threading.enumerate() if t.name == "unienv_mp page-locking"]
+    del m
+    gc.collect()
+    assert not [t for t in threading.enumerate() if t.name == "unienv_mp page-locking"]
+    assert ops.registered == {} and not ops.violations
