@@ -27,7 +27,10 @@ however long the caller kept the batch.  A copy queued on another stream that th
 stream does not wait for is not covered: order it first
 (``torch.cuda.current_stream().wait_stream(side)``) or keep the batch until it completed.
 Where this torch cannot count a storage's users, a batch counts as let go at the next call
-(so copies queued before that call are covered).
+(so copies queued before that call are covered).  With calls from several threads, the
+event goes on the current stream of the thread that makes the call: a copy another thread
+queued is covered where that thread's current stream is the same (the default stream,
+unless a thread set another) or is waited for by it.
 
 **Bounded.**  At most ``limit`` batches let go wait for their events; a caller further ahead
 of the device waits for the oldest (as for the feed's own copies, rule 5).  The batches the

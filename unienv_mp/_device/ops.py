@@ -40,10 +40,10 @@ class DeviceOps:
     thread (see `.pins`), the others on the caller's."""
     device = None
 
-    def copy_stream(self):
+    def copy_stream(self, avoid=None):
         """A stream of the sampler's own for its copies: never the device's default
-        stream, nor one that work queued on the caller's ordinary streams can share.  Each
-        call may give another."""
+        stream, nor one that work queued on the caller's ordinary streams can share; one
+        other than ``avoid`` (a stream), if given.  Each call may give another."""
         raise NotImplementedError
 
     def current_stream(self):
@@ -155,7 +155,8 @@ class CudaOps(DeviceOps):
         return self._cuda.device(self.device)
 
     def copy_stream(self, avoid=None):
-        """A high-priority stream of ``device`` (one other than ``avoid``, if given)."""
+        """A stream of ``device``'s high-priority pool (one other than ``avoid``, if
+        given)."""
         cuda = self._cuda
         with self._on_device():
             try:
