@@ -944,3 +944,25 @@ def test_a_sampler_dropped_while_slots_are_being_page_locked_ends_its_thread(mon
     gc.collect()
     assert not [t for t in threading.enumerate() if t.name == "unienv_mp page-locking"]
     assert ops.registered == {} and not ops.violations
+
+
+def test_pin_memory_keeps_only_batches_in_page_locked_slots(fake, monkeypatch):
+    # A caller holding many batches: beyond the manager's leases they are copied out of
+    # their slots, into pageable memory that no copy can outlive, and not kept; the
+    # feed looks at a bounded number of those it keeps at each call.
+    monkeypatch.setattr(ops_mod, "cuda_unavailable", lambda device: None)
+    rb = replay_buffer(500, img=IMG)
+    ref = _cpu_stream(rb, 60, n_workers=1, ctx="fork", batches_per_task=1)
+    with MultiprocessingSampler(StepSampler(rb, 64, seed=3), n_workers=1, ctx="fork",
+                                batches_per_task=1, pin_memory=True) as m:
+        held = [m.sample() for _ in range(60)]
+        kept = m._feed.kept
+        assert len(kept._held) <= 2 * 1 + 8 + 1
+        assert m.stats().device.pageable_leaves >= 3 * 40
+        out = [fake.user_copy(b) for b in held]
+        del held
+        for _ in range(3):
+            m.sample()
+    fake.run_all()
+    assert all(_same(a, b) for a, b in zip(ref, out))
+    assert not fake.violations

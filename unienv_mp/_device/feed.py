@@ -197,9 +197,7 @@ class DeviceFeed:
         t0 = time.perf_counter_ns()
         kept = self.kept
         kept.step()
-        leaves = list(_leaves(cpu, self._tensor))
-        self._pin(leaves)
-        kept.add(leaves)
+        kept.add(self._pin(list(_leaves(cpu, self._tensor))))
         self._wait_ns += time.perf_counter_ns() - t0
         return cpu
 
@@ -254,9 +252,10 @@ class DeviceFeed:
         """Have the slots of ``leaves`` page-locked, waiting for those being page-locked
         now (rule 7); count the leaves copied from pageable memory: those outside a
         registered range, and those that are not contiguous (copied through a pageable
-        temporary)."""
+        temporary).  Returns the leaves that lie in a registered range."""
         pins = self.pins
         refreshed = False
+        locked = []
         for t in leaves:
             if t.numel() == 0:
                 continue
@@ -271,6 +270,7 @@ class DeviceFeed:
                 if not pins.covers(address):
                     self._pageable += 1
                     continue
+            locked.append(t)
             if not t.is_contiguous():
                 self._pageable += 1
         refusal = pins.take_refusal()
@@ -279,6 +279,7 @@ class DeviceFeed:
                           f"{self._ops.device} ({refusal}); batches are copied from "
                           f"pageable memory instead (slower, and the copy blocks the "
                           f"caller)", RuntimeWarning, stacklevel=5)
+        return locked
 
     def _other_stream(self, current):
         """The caller made the copy stream its current stream (rule 2): take another."""

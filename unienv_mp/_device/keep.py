@@ -32,10 +32,16 @@ event goes on the current stream of the thread that makes the call: a copy anoth
 queued is covered where that thread's current stream is the same (the default stream,
 unless a thread set another) or is waited for by it.
 
+**Only what a copy could outlive.**  An array outside a page-locked range (a small batch
+that travelled in its ring entry, one the manager copied out of its slot because the caller
+held too many, a slot whose registration was refused) is pageable memory: CUDA has read it
+into a buffer of its own before the copy call returns, so nothing of it is kept.
+
 **Bounded.**  At most ``limit`` batches let go wait for their events; a caller further ahead
 of the device waits for the oldest (as for the feed's own copies, rule 5).  The batches the
 caller still holds are its own: they hold their slots anyway, and the manager copies a
-batch out of its slot (into ordinary memory) when the caller holds too many.
+batch out of its slot when the caller holds too many, so they are few.  Each call looks at
+most at `_SCAN` of them: the newest, which a loop lets go first, and a turn of the older.
 
 Events recorded on different streams (the caller changed its current stream between calls)
 may complete out of order: a batch goes once the events of all batches let go before it
@@ -43,9 +49,10 @@ have completed, never earlier.
 """
 import collections
 
-from .. import _os
-
 __all__ = ["KeptBatches"]
+
+#: Batches still held by the caller looked at per call (see "Bounded").
+_SCAN = 8
 
 
 class KeptBatches:
@@ -57,8 +64,9 @@ class KeptBatches:
         import torch
         self._ops = ops
         self._limit = limit
-        self._held = []                     # [storages] the caller may still use
+        self._held = []                     # [storages] the caller may still use, in order
         self._going = collections.deque()   # ([storages], event), let go, in that order
+        self._turn = 0                      # where the look at the older held ones goes on
         self._uses = getattr(torch._C, "_storage_Use_Count", None)
 
     def __len__(self):
@@ -71,17 +79,15 @@ class KeptBatches:
         go (and their slots with them); then the bound."""
         held = self._held
         if held:
-            uses = self._uses
-            gone = [k for k in held
-                    if uses is None or all(uses(s._cdata) <= 1 for s in k)]
+            gone = self._let_go(held)
             if gone:
                 ops = self._ops
                 event = ops.record(ops.current_stream())
-                # (one step: a batch is either held or let go with its event)
-                with _os.interrupts_deferred():
-                    ids = {id(k) for k in gone}
-                    self._held = [k for k in held if id(k) not in ids]
-                    self._going.extend((k, event) for k in gone)
+                # (in this order: a Ctrl-C between the two leaves a batch in both lists,
+                # which the next call lets go again, never in neither)
+                self._going.extend((k, event) for k in gone)
+                ids = {id(k) for k in gone}
+                self._held = [k for k in held if id(k) not in ids]
         going = self._going
         if going:
             ops = self._ops
@@ -91,8 +97,24 @@ class KeptBatches:
                 ops.synchronize(going[0][1])
                 going.popleft()
 
+    def _let_go(self, held):
+        """The batches of ``held`` looked at now (see "Bounded") that the caller let go."""
+        n = len(held)
+        if n <= _SCAN:
+            look = held
+        else:
+            newest = _SCAN // 2
+            older = n - newest
+            start = self._turn % older
+            look = held[start:min(older, start + _SCAN - newest)] + held[older:]
+            self._turn = start + _SCAN - newest
+        uses = self._uses
+        if uses is None:
+            return list(look)
+        return [k for k in look if all(uses(s._cdata) <= 1 for s in k)]
+
     def add(self, leaves):
-        """Keep the batch whose tensors are ``leaves`` (handed out now)."""
+        """Keep the batch whose page-locked tensors are ``leaves`` (handed out now)."""
         storages = {}
         for t in leaves:
             s = t.untyped_storage()
