@@ -55,7 +55,7 @@ step() { echo "== $1 at $(( $(date +%s) - T0 )) s" >> "$OUT"/00_steps.txt; }
 
 step check
 # (prints the wheel files to install, one a line; or one line naming what is missing)
-PLAN=$(NEEDS="$NEEDS" WHEELS="$WHEELS" "$PYTHON" - 2>"$OUT"/01_check.txt <<'EOF'
+PLAN=$(NEEDS="$NEEDS" WHEELS="$WHEELS" "$PYTHON" - 2>"$OUT"/01_env.txt <<'EOF'
 import importlib.metadata as md
 import os
 import sys
@@ -110,7 +110,7 @@ EOF
 )
 rc=$?
 if [ $rc != 0 ]; then
-    echo "${PLAN:-gpu_check: the check of the wheels failed: $(tail -1 "$OUT"/01_check.txt)}"
+    echo "${PLAN:-gpu_check: the check of the wheels failed: $(tail -1 "$OUT"/01_env.txt)}"
     exit 1
 fi
 
@@ -119,12 +119,12 @@ mkdir -p "$SITE"
 if [ -n "$PLAN" ]; then
     # shellcheck disable=SC2086
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$SITE" $PLAN > "$OUT"/01_env.txt 2>&1 \
+        --target "$SITE" $PLAN >> "$OUT"/01_env.txt 2>&1 \
         || { echo "gpu_check: installing the wheels failed:"; tail -5 "$OUT"/01_env.txt; exit 1; }
 fi
 export PYTHONPATH=$SITE:$PWD
 CUDA=$("$PYTHON" -c "import torch; print(torch.cuda.is_available())" 2>>"$OUT"/01_env.txt)
-{ cat "$OUT"/01_check.txt; date -u; nvidia-smi; "$PYTHON" -c "import torch,sys,numpy,Cython;print(sys.version, torch.__version__, torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA', numpy.__version__, Cython.__version__)"; ulimit -l; nproc; free -g; lscpu | head -20; } >> "$OUT"/01_env.txt 2>&1
+{ date -u; nvidia-smi; "$PYTHON" -c "import torch,sys,numpy,Cython;print(sys.version, torch.__version__, torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA', numpy.__version__, Cython.__version__)"; ulimit -l; nproc; free -g; lscpu | head -20; } >> "$OUT"/01_env.txt 2>&1
 [ "$CUDA" = True ] || echo "gpu_check: no CUDA here (torch.cuda.is_available() is $CUDA): the GPU steps skip" | tee -a "$OUT"/00_steps.txt
 
 step build
