@@ -1031,6 +1031,7 @@ NOT_INTERRUPTED = {
     os.path.join("_direct", "unienv.py"): "reads UniEnv's internals: returns or raises",
     "_validate.py": "argument checks at construction",
     os.path.join("_direct", "views.py"): "plans views: in the workers, and once at construction",
+    "windows.py": "a view that computes each batch and returns it: nothing kept across a call",
     "compat.py": "UniEnv's helpers on the manager's add_work/fetch, which are tested "
                  "(test_a_ctrl_c_anywhere_in_add_work_and_fetch_loses_nothing)",
     "errors.py": "exception classes",
