@@ -2,6 +2,9 @@
 # The GPU checks in one go, on a machine with Python, torch (and what torch itself needs)
 # and nothing else to rely on: no network, no other package.
 #
+# Run it as `tools/gpu_check.sh` (bash), from any folder; PYTHON, WHEELS, SITE and OUT
+# below may be set (relative paths are taken from the folder it is started in).
+#
 # Everything else comes from wheels in $WHEELS (default .gpu/, ignored by git), for the
 # machine's Python: NEEDS below is the one list of them.  Before anything is built, each is
 # looked for there (a wheel this Python can install, at a version the line allows), else
@@ -18,13 +21,17 @@
 # TESTS_S, IMAGE_S, STATE_S, DEVICE_S, PYBENCH_S; 475 in all by default, under the
 # device tool's 600 s a command) and is stopped with
 # SIGINT first, so that pytest prints what it has; each writes its log under $OUT (default
-# ./gpu-logs, 8 files); 00_steps.txt says when each began and how it ended.  Exits 1 if
+# gpu-logs/ in the repository, 8 files); 00_steps.txt says when each began and how it ended.  Exits 1 if
 # any step failed.
-cd "$(dirname "$0")/.." || exit 1
+ROOT=$(cd "$(dirname "$0")/.." && pwd) || exit 1
+# relative paths are taken from where the script is started, before it moves to the root
+absolute() { case $1 in /*) echo "$1" ;; *) echo "$PWD/$1" ;; esac; }
 PYTHON=${PYTHON:-python3}
-WHEELS=${WHEELS:-.gpu}
-SITE=${SITE:-/tmp/site}
-OUT=${OUT:-$PWD/gpu-logs}
+case $PYTHON in */*) PYTHON=$(absolute "$PYTHON") ;; esac
+WHEELS=$(absolute "${WHEELS:-$ROOT/.gpu}")
+SITE=$(absolute "${SITE:-/tmp/site}")
+OUT=$(absolute "${OUT:-$ROOT/gpu-logs}")
+cd "$ROOT" || exit 1
 
 # name, versions allowed, why (the build's and the package's own needs: pyproject.toml)
 NEEDS='
@@ -47,8 +54,8 @@ pytest-benchmark>=5.2  the benchmarks
 py-cpuinfo2>=10.1      pytest-benchmark
 '
 
-mkdir -p "$OUT"
-: > "$OUT"/00_steps.txt
+mkdir -p "$OUT" && : > "$OUT"/00_steps.txt \
+    || { echo "gpu_check: cannot write the logs in $OUT (set OUT to a folder it may write)"; exit 1; }
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 step() { echo "== $1 at $(( $(date +%s) - T0 )) s" >> "$OUT"/00_steps.txt; }
@@ -71,6 +78,7 @@ py = f"{sys.version_info.major}.{sys.version_info.minor}"
 folder = os.environ["WHEELS"]
 supported = set(sys_tags())
 wheels = {}   # name -> [(version, path)] installable here
+elsewhere = set()   # names with a wheel there for another Python or machine only
 for f in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
     if f.endswith(".whl"):
         try:
@@ -79,11 +87,13 @@ for f in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
             continue
         if tags & supported:
             wheels.setdefault(name, []).append((version, os.path.join(folder, f)))
+        else:
+            elsewhere.add(name)
 missing, plan = [], []
 try:
     md.version("torch")
 except md.PackageNotFoundError:
-    missing.append("torch (installed, never carried)")
+    missing.append("torch (install it first: it is never carried as a wheel)")
 for line in os.environ["NEEDS"].strip().splitlines():
     req = Requirement(line.split()[0])
     name = canonicalize_name(req.name)
@@ -100,9 +110,15 @@ for line in os.environ["NEEDS"].strip().splitlines():
     if have is not None and req.specifier.contains(have, prereleases=True):
         print(f"{req}: {have}, installed here", file=sys.stderr)
         continue
-    missing.append(str(req) + (f" (found {have})" if have else ""))
+    why = [f"found {have}"] if have else []
+    if name in elsewhere and name not in wheels:
+        why.append("its wheel there is for another Python or machine")
+    elif name in wheels:
+        why.append(f"its wheel there is {', '.join(str(v) for v, _ in wheels[name])}")
+    missing.append(str(req) + (f" ({'; '.join(why)})" if why else ""))
 if missing:
-    print(f"gpu_check: missing for Python {py}, neither in {folder}/ nor installed: "
+    where = folder + ("/" if os.path.isdir(folder) else " (no such folder)")
+    print(f"gpu_check: missing for Python {py}, neither in {where} nor installed: "
           f"{', '.join(missing)}")
     sys.exit(1)
 print("\n".join(plan))
