@@ -17,11 +17,12 @@
 # Then: install the wheels into $SITE (default /tmp/site, on PYTHONPATH), build in place,
 # the GPU tests, the main job's cuda case (image, 8 workers; state), the device feed's CPU
 # tests (the fake device, the fake torch.cuda) and the cuda benchmarks.  Without CUDA the
-# GPU steps skip, each saying why.  Each step is under `timeout -k` (its seconds: BUILD_S,
-# TESTS_S, IMAGE_S, STATE_S, DEVICE_S, PYBENCH_S; 475 in all by default, under the
-# device tool's 600 s a command) and is stopped with
-# SIGINT first, so that pytest prints what it has; each writes its log under $OUT (default
-# gpu-logs/ in the repository, 8 files); 00_steps.txt says when each began and how it ended.  Exits 1 if
+# GPU steps skip, each saying why.  Each step is under `timeout -k`, stopped with SIGINT
+# first, so that pytest prints what it has.  Its seconds: BUILD_S, TESTS_S, IMAGE_S,
+# STATE_S, DEVICE_S, PYBENCH_S, 475 in all by default (TOTAL_S), under the device tool's
+# 600 s a command; a step may also take what the steps before it left unused (see
+# run_step).  Each writes its log under $OUT (default gpu-logs/ in the repository,
+# 8 files); 00_steps.txt says when each began, its limit, and how it ended.  Exits 1 if
 # any step failed.
 ROOT=$(cd "$(dirname "$0")/.." && pwd) || exit 1
 # relative paths are taken from where the script is started, before it moves to the root
@@ -143,25 +144,44 @@ CUDA=$("$PYTHON" -c "import torch; print(torch.cuda.is_available())" 2>>"$OUT"/0
 { date -u; nvidia-smi; "$PYTHON" -c "import torch,sys,numpy,Cython;print(sys.version, torch.__version__, torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA', numpy.__version__, Cython.__version__)"; ulimit -l; nproc; free -g; lscpu | head -20; } >> "$OUT"/01_env.txt 2>&1
 [ "$CUDA" = True ] || echo "gpu_check: no CUDA here (torch.cuda.is_available() is $CUDA): the GPU steps skip" | tee -a "$OUT"/00_steps.txt
 
+BUILD_S=${BUILD_S:-90}
 step build
-timeout -s INT -k 10 "${BUILD_S:-90}" "$PYTHON" setup.py build_ext --inplace -j "$(nproc)" > "$OUT"/02_build.txt 2>&1 || { echo build failed; tail -40 "$OUT"/02_build.txt; exit 1; }
+timeout -s INT -k 10 "$BUILD_S" "$PYTHON" setup.py build_ext --inplace -j "$(nproc)" > "$OUT"/02_build.txt 2>&1 || { echo build failed; tail -40 "$OUT"/02_build.txt; exit 1; }
 
+# Each step may run for its own seconds, or, where the steps before it ended early, for
+# what is left of the whole (TOTAL_S, by default the sum of the steps' own) less what the
+# steps after it may take: as long as it all runs at worst as before, and a step slowed by
+# a busy machine (the device feed's CPU tests, where the GPU steps skipped) has the time.
+TESTS_S=${TESTS_S:-140} IMAGE_S=${IMAGE_S:-90} STATE_S=${STATE_S:-40}
+DEVICE_S=${DEVICE_S:-70} PYBENCH_S=${PYBENCH_S:-45}
+TOTAL_S=${TOTAL_S:-$(( BUILD_S + TESTS_S + IMAGE_S + STATE_S + DEVICE_S + PYBENCH_S ))}
 FAILED=0
-run_step() {   # name, seconds, log, command...
-    local name=$1 seconds=$2 log=$3
-    shift 3
-    step "$name"
+run_step() {   # name, its own seconds, the seconds of the steps after it, log, command...
+    local name=$1 seconds=$2 later=$3 log=$4
+    shift 4
+    local left=$(( T0 + TOTAL_S - $(date +%s) - later ))
+    [ "$left" -gt "$seconds" ] && seconds=$left
+    echo "== $name at $(( $(date +%s) - T0 )) s (limit $seconds s)" >> "$OUT"/00_steps.txt
     timeout -s INT -k 10 "$seconds" "$@" > "$OUT/$log" 2>&1
     local rc=$?
-    echo "$name rc=$rc" >> "$OUT"/00_steps.txt
+    case $rc in
+        0) echo "$name rc=0" ;;
+        124|137) echo "$name rc=$rc: stopped at its limit of $seconds s (see $log)" ;;
+        *) echo "$name rc=$rc: failed (see $log)" ;;
+    esac >> "$OUT"/00_steps.txt
     [ $rc = 0 ] || FAILED=1
 }
 PYTEST=("$PYTHON" -m pytest -p no:cacheprovider -rs -o faulthandler_timeout=60)
-run_step tests_cuda "${TESTS_S:-140}" 03_test_cuda.txt "${PYTEST[@]}" -v tests/test_cuda.py
-run_step image "${IMAGE_S:-90}" 04_case_image.txt "$PYTHON" -m unienv_mp --case cuda --workers 8 --transitions 8000
-run_step state "${STATE_S:-40}" 05_case_state.txt "$PYTHON" -m unienv_mp --case cuda --workers 8 --image-shape none --batch-size 32
-run_step tests_device "${DEVICE_S:-70}" 06_test_device.txt "${PYTEST[@]}" -q tests/test_device.py tests/test_device_ops.py
-run_step pybench "${PYBENCH_S:-45}" 07_pybench.txt "${PYTEST[@]}" -q benchmarks/bench_cuda.py --benchmark-max-time=1 --benchmark-columns=min,median,mean,rounds
+run_step tests_cuda "$TESTS_S" $(( IMAGE_S + STATE_S + DEVICE_S + PYBENCH_S )) 03_test_cuda.txt \
+    "${PYTEST[@]}" -v tests/test_cuda.py
+run_step image "$IMAGE_S" $(( STATE_S + DEVICE_S + PYBENCH_S )) 04_case_image.txt \
+    "$PYTHON" -m unienv_mp --case cuda --workers 8 --transitions 8000
+run_step state "$STATE_S" $(( DEVICE_S + PYBENCH_S )) 05_case_state.txt \
+    "$PYTHON" -m unienv_mp --case cuda --workers 8 --image-shape none --batch-size 32
+run_step tests_device "$DEVICE_S" "$PYBENCH_S" 06_test_device.txt \
+    "${PYTEST[@]}" -v tests/test_device.py tests/test_device_ops.py
+run_step pybench "$PYBENCH_S" 0 07_pybench.txt \
+    "${PYTEST[@]}" -q benchmarks/bench_cuda.py --benchmark-max-time=1 --benchmark-columns=min,median,mean,rounds
 step end
 cat "$OUT"/00_steps.txt
 tail -5 "$OUT"/03_test_cuda.txt; cat "$OUT"/04_case_image.txt "$OUT"/05_case_state.txt; tail -3 "$OUT"/06_test_device.txt
