@@ -1,7 +1,8 @@
 """The main job's ``cuda`` case as a pytest-benchmark group (``cuda``): an image batch of
 256 taken to the GPU, each way side by side (see ``unienv_mp.bench.cuda``); a round is one
-training step (get the batch, move it, a small GPU op that reads it).  Skipped without
-CUDA."""
+training step (get the batch, move it, a small GPU op that reads it).  unienv_mp's ways
+are timed once a window of steps saw no slot page-locked (``unienv_mp.bench.cuda.warm_up``).
+Skipped without CUDA."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -9,7 +10,8 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs CUDA (torch.cuda.is_available() is False)")
 
-WAYS = ["device batches", "CPU batches + .to", "UniEnv in process, device="]
+WAYS = ["device batches", "CPU batches + .to", "pin_memory + .to non_blocking",
+        "UniEnv in process, device="]
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +28,7 @@ def test_cuda(benchmark, buffers, way):
     from unienv_data.samplers import StepSampler
 
     from unienv_mp import MultiprocessingSampler
-    from unienv_mp.bench.cuda import _consume
+    from unienv_mp.bench.cuda import _consume, warm_up
     cfg, rb = buffers
     benchmark.group = "cuda"
     acc = torch.zeros((), device="cuda")
@@ -35,12 +37,15 @@ def test_cuda(benchmark, buffers, way):
         benchmark(lambda: _consume(torch, s.sample(), acc))
         return
     device = "cuda" if way == "device batches" else None
+    pin = way == "pin_memory + .to non_blocking"
     with MultiprocessingSampler(StepSampler(rb, cfg.batch_size, seed=0, device=device),
-                                n_workers=4) as m:
-        if device is None:
-            step = lambda: _consume(torch, {k: v.to("cuda") for k, v in m.sample().items()},
-                                    acc)
-        else:
+                                n_workers=4, pin_memory=pin) as m:
+        if device is not None:
             step = lambda: _consume(torch, m.sample(), acc)
+        else:
+            step = lambda: _consume(torch, {k: v.to("cuda", non_blocking=pin)
+                                            for k, v in m.sample().items()}, acc)
+        warm_up(m, step)
         benchmark(step)
+        assert m.stats().device is None or m.stats().device.pageable_leaves == 0
     torch.cuda.synchronize()

@@ -239,3 +239,189 @@ def test_data_on_the_gpu_runs_in_process_and_gathers_exactly():
         assert same_bits(rb.get_at(torch.tensor(idx)), b)
     assert sorted(i for b in epoch for i in _data.indices_of(_clone(b))) == list(range(400))
     assert all(same_bits(_clone(a), b) for a, b in zip(out, again))   # (the same seed, the same)
+
+
+# -- safe in the loop everyone writes; registered off the clock; the sampler's own stream -----
+
+TIGHT = dict(n_workers=1, n_buffers=1, batches_per_task=1)
+
+
+def _late(cycles=20_000_000):
+    """Queue about ten milliseconds of GPU work on the current stream: what is queued
+    after it runs late."""
+    torch.cuda._sleep(cycles)
+
+
+@pytest.mark.parametrize("idiom", ["chained", "prefetched"])
+def test_pin_memory_in_the_usual_loop_is_bit_exact_with_late_copies(idiom):
+    # One worker, one buffer: a slot given back before the caller's copy read it is
+    # written again at once.  Each copy is queued behind GPU work, so it runs late.
+    rb = _data.replay_buffer(500, img=(3, 64, 64))
+    with MultiprocessingSampler(StepSampler(rb, 64, seed=3), **TIGHT) as m:
+        ref = [_checksum(m.sample()) for _ in range(40)]
+    out = []
+    with MultiprocessingSampler(StepSampler(rb, 64, seed=3), pin_memory=True, **TIGHT) as m:
+        if idiom == "chained":
+            for _ in range(40):
+                _late()
+                out.append({k: v.to("cuda", non_blocking=True) for k, v in m.sample().items()})
+        else:
+            nxt = m.sample()
+            for _ in range(40):
+                cur, nxt = nxt, m.sample()
+                _late()
+                out.append({k: v.to("cuda", non_blocking=True) for k, v in cur.items()})
+                del cur
+        stats = m.stats().device
+    torch.cuda.synchronize()
+    assert [_checksum(b) for b in out] == ref
+    assert stats.pageable_leaves == 0 and stats.registrations > 0
+
+
+def test_registrations_are_counted_and_a_warm_up_ends_them():
+    from unienv_mp.bench.cuda import warm_up
+    rb = _data.replay_buffer(2000, img=(3, 64, 64))
+    with MultiprocessingSampler(StepSampler(rb, 256, seed=0, device="cuda"),
+                                n_workers=8) as m:
+        m.sample()
+        first = m.stats().device
+        assert first.registrations > 0 and first.registration_seconds > 0
+        steps = warm_up(m, m.sample, window=50)
+        assert steps < 4000   # (the slots stopped growing)
+
+
+def test_the_copy_stream_is_none_of_the_callers():
+    rb = _data.replay_buffer(200)
+    mine = [torch.cuda.Stream() for _ in range(40)]   # (more than torch's pool holds)
+    with MultiprocessingSampler(StepSampler(rb, 32, seed=0, device="cuda"),
+                                n_workers=2) as m:
+        m.sample()
+        copy_stream = m._feed._stream
+        assert copy_stream != torch.cuda.current_stream()
+        assert copy_stream != torch.cuda.default_stream()
+        assert all(copy_stream != s for s in mine)
+        assert copy_stream.priority < 0
+        with torch.cuda.stream(copy_stream):   # (the caller makes it current: replaced)
+            with pytest.warns(RuntimeWarning, match="copy stream"):
+                m.sample()
+        assert m._feed._stream != copy_stream
+
+
+def test_another_gpu_gets_no_context_from_the_sampler(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    import subprocess
+    import sys
+    code = (
+        "import sys, torch\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "import _data\n"
+        "from unienv_data.samplers import StepSampler\n"
+        "from unienv_mp import MultiprocessingSampler\n"
+        "rb = _data.replay_buffer(300, img=(3, 32, 32))\n"
+        "with MultiprocessingSampler(StepSampler(rb, 64, seed=0, device='cuda:1'),\n"
+        "                            n_workers=2) as m:\n"
+        "    out = [m.sample() for _ in range(20)]\n"
+        "    assert all(t.device == torch.device('cuda:1') for b in out for t in b.values())\n"
+        "torch.cuda.synchronize(1)\n"
+        "print(torch._C._cuda_hasPrimaryContext(0), torch._C._cuda_hasPrimaryContext(1))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["False", "True"]
+
+
+@pytest.mark.parametrize("pin", [False, True], ids=["device", "pin_memory"])
+def test_a_forked_childs_close_leaves_the_parents_gpu_work_alone(pin):
+    torch.zeros(1, device="cuda")
+    rb = _data.replay_buffer(500, img=IMG)
+    with MultiprocessingSampler(StepSampler(rb, 64, seed=3), n_workers=2, ctx="fork") as m:
+        ref = [_clone(m.sample()) for _ in range(30)]
+    s = StepSampler(rb, 64, seed=3, device=None if pin else "cuda")
+    with MultiprocessingSampler(s, n_workers=2, ctx="fork", pin_memory=pin) as m:
+        out = []
+        for _ in range(10):
+            _late()
+            b = m.sample()
+            out.append({k: v.to("cuda", non_blocking=True) for k, v in b.items()})
+            del b
+        pid = os.fork()
+        if pid == 0:   # (the child closes its copy, drops it, and ends as a program does)
+            code = 0
+            try:
+                m.close()
+                del m
+                import gc
+                gc.collect()
+            except BaseException:
+                code = 3
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        for _ in range(20):
+            b = m.sample()
+            out.append({k: v.to("cuda", non_blocking=True) for k, v in b.items()})
+    torch.cuda.synchronize()
+    assert all(same_bits(a, b) for a, b in zip(ref, out))
+
+
+def test_a_chunk_gathered_on_one_stream_is_read_right_on_another():
+    from unienv_mp.bench.cuda import gpu_copy
+    rb = _data.replay_buffer(400, img=IMG)
+    rb_gpu = gpu_copy(rb)
+    side = torch.cuda.Stream()
+    with MultiprocessingSampler(StepSampler(rb_gpu, 64, seed=0)) as m:
+        # (the chunk's gather, queued next, runs late where it does not wait on the host;
+        # where it does, this checks the values only)
+        _late(200_000_000)
+        first = m.sample()   # (its chunk of 8 gathered now, on the current stream)
+        with torch.cuda.stream(side):   # (the next one handed out, and read, on side)
+            second = m.sample()
+            read = {k: v.clone() for k, v in second.items()}
+        side.synchronize()
+        torch.cuda.synchronize()
+    for b in (first, read):
+        idx = _data.indices_of(_clone(b))
+        assert same_bits(rb.get_at(torch.tensor(idx)), b)
+
+
+def test_a_leaf_that_is_not_contiguous_is_copied_right_and_counted_pageable():
+    from unienv_mp._device.feed import DeviceFeed
+    from unienv_mp._device.ops import CudaOps
+    from unienv_mp._transport.ring import Segment
+    seg = Segment.create(1 << 16, "test")
+    try:
+        whole = torch.frombuffer(seg, dtype=torch.uint8)
+        whole.copy_(torch.randint(0, 256, (1 << 16,), dtype=torch.uint8))
+        batch = {"t": whole[:4096].view(64, 64).t(), "c": whole[4096:8192]}
+        feed = DeviceFeed(CudaOps("cuda"), lambda: [seg])
+        out = feed.hand_out(batch)
+        assert feed.stats().pageable_leaves == 1
+        torch.cuda.synchronize()
+        assert same_bits({k: v.clone() for k, v in batch.items()}, out)
+        feed.close()
+        del whole, batch
+    finally:
+        seg.close()
+
+
+def test_a_refused_registration_leaves_torch_no_error():
+    # A range registered twice is refused (712), on this thread: the error it left in the
+    # runtime's last error must not be reported by torch's next kernel launch.
+    from unienv_mp._device.ops import CudaOps, RegistrationRefused
+    from unienv_mp._transport.ring import Segment
+    ops = CudaOps("cuda")
+    seg = Segment.create(1 << 20, "test")
+    try:
+        ops.register(seg.address, seg.size)
+        try:
+            with pytest.raises(RegistrationRefused) as refused:
+                ops.register(seg.address, seg.size)
+            assert refused.value.errno == 712
+            x = torch.ones(1000, device="cuda")
+            assert float((x * 2).sum()) == 2000.0   # (a kernel launch checks the last error)
+            torch.cuda.synchronize()
+        finally:
+            ops.unregister(seg.address)
+    finally:
+        seg.close()

@@ -2,6 +2,7 @@
 (unienv_mp/_device/feed.py) driven through the sampler with a fake device whose copies
 complete later (tests/_fake_device.py), the placement of samplers, ``pin_memory``, and the
 in-process manager for data on a GPU.  The tests that need CUDA are in test_cuda.py."""
+import collections
 import warnings
 
 import pytest
@@ -148,9 +149,9 @@ def test_memory_stays_flat_and_close_unregisters_with_copies_in_flight(fake):
         assert stats.pinned_bytes == sum(fake.registered.values())
         assert stats.pinned_slots == len(fake.registered)
         fake.check_registered_mapped()
-        assert fake.completed < len(fake.ops)              # copies in flight ...
+        assert fake.pending()                              # copies in flight ...
         m.close()                                          # ... waited for by close()
-    assert fake.completed == len(fake.ops)
+    assert not fake.pending()
     assert fake.registered == {} and not fake.violations
 
 
@@ -458,23 +459,29 @@ def test_a_ctrl_c_in_the_look_ahead_moves_nothing(fake, marker):
     assert not fake.violations
 
 
-@pytest.mark.parametrize("marker", ["self._pins.insert", "i = bisect"])
-def test_a_ctrl_c_while_a_slot_is_page_locked(fake, marker):
-    # Registered exactly when recorded: later calls work, nothing is registered twice,
-    # and close() unregisters everything.
+@pytest.mark.parametrize("func,marker", [
+    ("_submit", "self._jobs.append(job)"),          # a segment handed to the pins' thread
+    ("wait", "self.collect()"),                      # a registration waited for, not taken in
+    ("_take_in", "self._pins.insert(i, pin)"),      # a registration being taken in
+])
+def test_a_ctrl_c_while_a_slot_is_page_locked(fake, func, marker):
+    # Each segment is registered once, and recorded exactly when registered: later calls
+    # work, nothing is registered twice, and close() unregisters everything.
     from unienv_mp._device.pins import HostPins
     rb = replay_buffer(300, img=IMG)
     m = MultiprocessingSampler(_on_cuda(StepSampler(rb, 64, seed=0)), n_workers=1,
                                ctx="fork")
     with m:
-        _ctrl_c_at(HostPins._pin_now, marker)
+        _ctrl_c_at(getattr(HostPins, func), marker)
         try:
             with pytest.raises(KeyboardInterrupt):
-                m.sample()
+                for _ in range(20):   # (until a new slot is met)
+                    m.sample()
         finally:
             _untrace()
         for _ in range(5):
             m.sample()
+        assert fake.registrations == len(fake.registered)
     fake.run_all()
     assert fake.registered == {} and not fake.violations
 
@@ -603,3 +610,359 @@ def test_pin_memory_close_waits_for_the_device_before_unregistering(fake, monkey
         held = m.sample()   # (the caller's own copy of it may still run)
     assert fake.device_syncs == 1 and fake.registered == {}
     assert held["state"].shape == (64, 10)
+
+
+# -- pin_memory: a batch is kept until the caller's copies of it are done -------------------
+
+def _copy_through(fake, m, idiom, n):
+    """The device batches a caller gets from ``n`` pinned batches of ``m`` with its own
+    copies (``.to("cuda", non_blocking=True)``), written as ``idiom``: the CPU batch is
+    dropped at once, rebound each step, held one call longer (a batch prefetched), or kept
+    three calls before its copy."""
+    out = []
+    if idiom == "chained":
+        for _ in range(n):
+            out.append(fake.user_copy(m.sample()))
+    elif idiom == "rebound":
+        for _ in range(n):
+            batch = m.sample()
+            batch = fake.user_copy(batch)
+            out.append(batch)
+    elif idiom == "prefetched":
+        nxt = m.sample()
+        for _ in range(n - 1):
+            cur, nxt = nxt, m.sample()
+            out.append(fake.user_copy(cur))
+            del cur
+        out.append(fake.user_copy(nxt))
+    else:   # "kept"
+        window = collections.deque()
+        for _ in range(n):
+            window.append(m.sample())
+            if len(window) > 3:
+                out.append(fake.user_copy(window.popleft()))
+        out += [fake.user_copy(window.popleft()) for _ in range(len(window))]
+    return out
+
+
+@pytest.mark.parametrize("idiom", ["chained", "rebound", "prefetched", "kept"])
+def test_pin_memory_in_the_usual_loop_is_bit_exact_when_copies_finish_late(fake, monkeypatch,
+                                                                          idiom):
+    # The caller's copies run only when something makes the device catch up, and one
+    # worker with one buffer writes into a slot as soon as it is back: a slot given back
+    # before the caller's copy of it ran gives a wrong batch here.
+    monkeypatch.setattr(ops_mod, "cuda_unavailable", lambda device: None)
+    rb = replay_buffer(500, img=IMG)
+    ref = _cpu_stream(rb, 60, ctx="fork", **TIGHT)
+    with MultiprocessingSampler(StepSampler(rb, 64, seed=3), ctx="fork", pin_memory=True,
+                                **TIGHT) as m:
+        out = _copy_through(fake, m, idiom, 60)
+        assert m.stats().device.in_flight <= 4   # (bounded: the caller waits beyond)
+        assert fake.pending()                    # (copies still queued at close)
+    fake.run_all()
+    assert len(out) == 60 and sum(not _same(a, b) for a, b in zip(ref, out)) == 0
+    assert not fake.violations
+
+
+def test_pin_memory_keeps_a_slot_while_a_view_of_its_batch_lives(fake, monkeypatch):
+    # A view (or a .numpy() array) of the batch keeps it in use: the event is recorded
+    # only after the last one is gone.
+    monkeypatch.setattr(ops_mod, "cuda_unavailable", lambda device: None)
+    rb = replay_buffer(500, img=IMG)
+    ref = _cpu_stream(rb, 30, ctx="fork", **TIGHT)
+    with MultiprocessingSampler(StepSampler(rb, 64, seed=3), ctx="fork", pin_memory=True,
+                                **TIGHT) as m:
+        out = []
+        for _ in range(30):
+            b = m.sample()
+            view, arr = b["image"][::2], b["state"].numpy()
+            del b
+            m.sample_index()   # (a call in between: the view still lives)
+            out.append((fake.user_copy(view), fake.user_copy(torch.from_numpy(arr))))
+            del view, arr
+    fake.run_all()
+    assert not fake.violations
+    assert all(torch.equal(img, r["image"][::2]) and torch.equal(state, r["state"])
+               for (img, state), r in zip(out, ref))
+
+
+def test_pin_memory_close_and_sweeps_unregister_nothing_a_queued_copy_reads(fake,
+                                                                           monkeypatch):
+    # Epochs on workers of their own: each epoch's slots stop backing a slot when it ends,
+    # and are swept at the next; the caller dropped every batch, its copies still queued.
+    monkeypatch.setattr(ops_mod, "cuda_unavailable", lambda device: None)
+    rb = replay_buffer(300, img=IMG)
+    kw = dict(n_workers=1, ctx="fork", persistent_workers=False)
+    with MultiprocessingSampler(StepSampler(rb, 64, seed=5), **kw) as m:
+        ref = [_clone(b) for _ in range(3) for b in m.epoch_iter()]
+    with MultiprocessingSampler(StepSampler(rb, 64, seed=5), pin_memory=True, **kw) as m:
+        out = [fake.user_copy(b) for _ in range(3) for b in m.epoch_iter()]
+        assert m.stats().device.pinned_slots
+    fake.run_all()
+    assert not fake.violations
+    assert len(out) == 15 and all(_same(a, b) for a, b in zip(ref, out))
+
+
+# -- registrations: off the caller's thread, counted -------------------------------------
+
+def test_slots_are_page_locked_off_the_callers_thread_and_counted(fake):
+    rb = replay_buffer(500, img=IMG)
+    with MultiprocessingSampler(_on_cuda(StepSampler(rb, 64, seed=3)), n_workers=2,
+                                ctx="fork") as m:
+        for _ in range(40):
+            m.sample()
+        stats = m.stats(reset=True).device
+        assert stats.registrations == fake.registrations > 0
+        assert stats.registration_seconds > 0
+        assert m.stats().device.registrations == 0   # (reset)
+    assert fake.threads == {"unienv_mp page-locking"}   # (the unregistrations too)
+    assert fake.registered == {} and not fake.violations
+
+
+def test_a_batch_waits_for_its_slot_being_page_locked_and_is_never_copied_meanwhile(
+        monkeypatch):
+    ops = FakeOps(speed=1)
+    ops.register_delay = 0.02
+    monkeypatch.setattr(ops_mod, "for_device", lambda device: ops)
+    rb = replay_buffer(500, img=IMG)
+    ref = _cpu_stream(rb, 40, n_workers=3, ctx="fork")
+    with MultiprocessingSampler(_on_cuda(StepSampler(rb, 64, seed=3)), n_workers=3,
+                                ctx="fork") as m:
+        out = [m.sample() for _ in range(40)]
+        assert m.stats().device.pageable_leaves == 0
+    ops.run_all()
+    assert not ops.violations
+    assert all(_same(a, b) for a, b in zip(ref, out))
+
+
+def test_the_benchmark_warms_up_until_a_window_without_registrations(fake):
+    from unienv_mp.bench.cuda import warm_up
+    rb = replay_buffer(500, img=IMG)
+    with MultiprocessingSampler(_on_cuda(StepSampler(rb, 64, seed=3)), n_workers=2,
+                                ctx="fork") as m:
+        steps = warm_up(m, m.sample, window=10)
+        # (the first window met the slots' registrations)
+        assert steps >= 20 and steps % 10 == 0
+        assert fake.registrations > 0
+
+
+# -- the copy stream is never the caller's -------------------------------------------------
+
+def test_a_copy_stream_made_current_by_the_caller_is_replaced(fake):
+    rb = replay_buffer(300)
+    ref = _cpu_stream(rb, 20, n_workers=2, ctx="fork")
+    with MultiprocessingSampler(_on_cuda(StepSampler(rb, 64, seed=3)), n_workers=2,
+                                ctx="fork") as m:
+        out = [m.sample() for _ in range(5)]
+        fake.current = fake.copy_streams[0]
+        with pytest.warns(RuntimeWarning, match="copy stream"):
+            out.append(m.sample())
+        assert len(fake.copy_streams) == 2
+        issued = fake.copy_streams[0].copies
+        out += [m.sample() for _ in range(14)]
+        assert fake.copy_streams[0].copies == issued   # (the later copies: on the new one)
+        assert fake.copy_streams[1].copies >= 14
+    fake.run_all()
+    assert not fake.violations
+    assert all(_same(a, b) for a, b in zip(ref, out))
+
+
+# -- a forked child frees nothing of its parent's device --------------------------------------
+
+def _child_closes(m, fake):
+    """Fork; the child closes its copy of ``m``, drops it, and exits 0 if nothing made on
+    the (fake) device was freed there."""
+    import gc
+    import os
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            m.close()
+            del m
+            gc.collect()
+            bad = [v for v in fake.violations if "destroyed in" in v or "freed in" in v]
+            code = 7 if bad else 0
+            if fake.unregistrations:
+                code = 5
+        except BaseException:
+            code = 6
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+@pytest.mark.parametrize("mode", ["copy", "pinned", "resident"])
+def test_a_forked_childs_close_frees_no_event_nor_device_tensor(fake, monkeypatch, mode):
+    monkeypatch.setattr(ops_mod, "cuda_unavailable", lambda device: None)
+    rb = replay_buffer(300, img=IMG)
+    kw = dict(n_workers=1, ctx="fork")
+    if mode == "copy":
+        m = MultiprocessingSampler(_on_cuda(StepSampler(rb, 64, seed=3)), **kw)
+    elif mode == "pinned":
+        m = MultiprocessingSampler(StepSampler(rb, 64, seed=3), pin_memory=True, **kw)
+    else:
+        _in_process_on(monkeypatch, "cuda:0")
+        m = MultiprocessingSampler(StepSampler(rb, 64, seed=3), **kw)
+    with m:
+        for _ in range(6):
+            b = m.sample()
+            if mode == "pinned":
+                fake.user_copy(b)
+            del b
+        m.sample()
+        assert fake.pending() or mode == "resident"   # (work still queued on the device)
+        assert _child_closes(m, fake) == 0
+        m.sample()
+    fake.run_all()
+    assert not fake.violations
+
+
+# -- what is copied from pageable memory ------------------------------------------------------
+
+def test_a_leaf_that_is_not_contiguous_counts_as_pageable(fake):
+    from unienv_mp._device.feed import DeviceFeed
+    from unienv_mp._transport.ring import Segment
+    seg = Segment.create(1 << 16, "test")
+    try:
+        whole = torch.frombuffer(seg, dtype=torch.uint8)
+        whole.copy_(torch.randint(0, 256, (1 << 16,), dtype=torch.uint8))
+        grid = whole[:4096].view(64, 64)
+        batch = {"t": grid.t(), "c": whole[4096:8192]}
+        feed = DeviceFeed(fake, lambda: [seg])
+        out = feed.hand_out(batch)
+        stats = feed.stats()
+        assert stats.pageable_leaves == 1 and stats.pinned_slots == 1
+        fake.run_all()
+        assert _same(out, {k: v.clone() for k, v in batch.items()})
+        feed.close()
+        del whole, grid, batch
+    finally:
+        seg.close()
+    assert fake.registered == {} and not fake.violations
+
+
+# -- data on the GPU: a chunk handed out on another stream ----------------------------------
+
+def _in_process_on(monkeypatch, device):
+    """Place every sampler in this process, as data on ``device`` is (here on the CPU)."""
+    monkeypatch.setattr(sampler_mod, "place", lambda sampler, who: Placement(
+        "in_process", torch.device(device), None, f"the data is on {device} (pretended)"))
+
+
+def test_a_chunk_made_on_one_stream_and_handed_out_on_another_waits_for_it(fake,
+                                                                         monkeypatch):
+    rb = replay_buffer(300)
+    ref = _cpu_stream(rb, 10, n_workers=2, ctx="fork", direct_gather=False)
+    _in_process_on(monkeypatch, "cuda:0")
+    side = fake.side_stream()
+    with MultiprocessingSampler(StepSampler(rb, 64, seed=3), n_workers=2) as m:
+        assert m.gather_path == "in_process"
+        out = [m.sample()]   # (its chunk of 8 made now, on the caller's stream)
+        assert fake.waited == [] and fake.held == []
+        fake.current = side
+        out.append(m.sample())   # (made on the caller's stream, handed out on side)
+        assert fake.waited == [("side", "caller", 0)]
+        assert sorted(fake.held) == sorted((t.data_ptr(), "side") for t in out[1].values())
+        index = m.sample_index()   # (its own chunk: made on side, handed out on side)
+        assert isinstance(index, torch.Tensor)
+        fake.current = fake.caller_stream
+        out += [m.sample() for _ in range(8)]   # (the rest made on the stream current)
+        assert fake.waited == [("side", "caller", 0)]
+        epoch = list(m.epoch_iter())
+        assert sorted(i for b in epoch for i in _data.indices_of(b)) == list(range(300))
+    assert all(_same(a, b) for a, b in zip(ref, out))
+    assert not fake.violations
+
+
+# -- an outsider's attacks on the kept batches and the pins' thread ---------------------------
+
+def _by_index(batches):
+    return {tuple(_data.indices_of(b)): b for b in batches}
+
+
+def test_pin_memory_from_two_threads_with_late_copies(fake, monkeypatch):
+    import threading
+    monkeypatch.setattr(ops_mod, "cuda_unavailable", lambda device: None)
+    fake.register_delay = 0.005
+    rb = replay_buffer(500, img=IMG)
+    ref = _by_index(_cpu_stream(rb, 120, n_workers=2, ctx="fork"))
+    outs = [[], []]
+    with MultiprocessingSampler(StepSampler(rb, 64, seed=3), n_workers=2, ctx="fork",
+                                pin_memory=True) as m:
+        def run(i):
+            for _ in range(60):
+                outs[i].append(fake.user_copy(m.sample()))
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    fake.run_all()
+    got = _by_index(outs[0] + outs[1])
+    assert len(got) == 120 and all(_same(ref[k], b) for k, b in got.items())
+    assert not fake.violations
+
+
+def test_pin_memory_with_workers_killed_and_late_copies(fake, monkeypatch):
+    # A replaced worker's segments stop backing slots: swept only once the batches kept
+    # from them are let go and their copies done.
+    import os
+    import signal
+    monkeypatch.setattr(ops_mod, "cuda_unavailable", lambda device: None)
+    rb = replay_buffer(500, img=IMG)
+    kw = dict(n_workers=3, ctx="fork")
+    ref = _cpu_stream(rb, 100, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)   # (the workers replaced)
+        with MultiprocessingSampler(StepSampler(rb, 64, seed=3), pin_memory=True, **kw) as m:
+            out = []
+            for i in range(100):
+                out.append(fake.user_copy(m.sample()))
+                if i % 25 == 10:
+                    workers = m._pools.sample.workers
+                    os.kill(workers[i % len(workers)].pid, signal.SIGKILL)
+    fake.run_all()
+    assert all(_same(a, b) for a, b in zip(ref, out))
+    assert fake.registered == {} and not fake.violations
+
+
+def test_a_sampler_dropped_while_slots_are_being_page_locked_ends_its_thread(monkeypatch):
+    import gc
+    import threading
+    ops = FakeOps()
+    ops.register_delay = 0.05
+    monkeypatch.setattr(ops_mod, "for_device", lambda device: ops)
+    monkeypatch.setattr(ops_mod, "cuda_unavailable", lambda device: None)
+    rb = replay_buffer(300, img=IMG)
+    m = MultiprocessingSampler(StepSampler(rb, 64, seed=3), n_workers=4, ctx="fork",
+                               pin_memory=True)
+    for _ in range(3):
+        m.sample()
+    assert [t for t in threading.enumerate() if t.name == "unienv_mp page-locking"]
+    del m
+    gc.collect()
+    assert not [t for t in threading.enumerate() if t.name == "unienv_mp page-locking"]
+    assert ops.registered == {} and not ops.violations
+
+
+def test_pin_memory_keeps_only_batches_in_page_locked_slots(fake, monkeypatch):
+    # A caller holding many batches: beyond the manager's leases they are copied out of
+    # their slots, into pageable memory that no copy can outlive, and not kept; the
+    # feed looks at a bounded number of those it keeps at each call.
+    monkeypatch.setattr(ops_mod, "cuda_unavailable", lambda device: None)
+    rb = replay_buffer(500, img=IMG)
+    ref = _cpu_stream(rb, 60, n_workers=1, ctx="fork", batches_per_task=1)
+    with MultiprocessingSampler(StepSampler(rb, 64, seed=3), n_workers=1, ctx="fork",
+                                batches_per_task=1, pin_memory=True) as m:
+        held = [m.sample() for _ in range(60)]
+        kept = m._feed.kept
+        assert len(kept._held) <= 2 * 1 + 8 + 1
+        assert m.stats().device.pageable_leaves >= 3 * 40
+        out = [fake.user_copy(b) for b in held]
+        del held
+        for _ in range(3):
+            m.sample()
+    fake.run_all()
+    assert all(_same(a, b) for a, b in zip(ref, out))
+    assert not fake.violations

@@ -343,3 +343,20 @@ def test_the_list_check_sees_each_problem():
     assert _list_problems("- a\n\n    more\n- b\n") == [
         (4, "no blank line after an item's later paragraph")]
     assert _list_problems("text:\n\n- a\n    - b\n\n    more\n\n- c\n") == []
+
+
+def test_the_gpu_guide_says_which_stream_waits_and_claims_no_gpu_number():
+    # Only the stream current at the hand-out waits for a copy: the guide must not say the
+    # batches may be read on any stream, and must say what another stream needs.  Nothing
+    # has run on a GPU: its speed table holds no number, and it says so.
+    with open(os.path.join(ROOT, "docs", "guides", "gpu.md")) as f:
+        text = f.read()
+    flat = " ".join(text.split())
+    assert "on any stream" not in flat
+    assert "Only that stream waits" in flat and "wait_stream(" in flat
+    assert "record_stream(" in flat
+    assert "Nothing in this table has run on a GPU yet" in flat
+    table = text[text.index("| goal | measured |"):]
+    table = table[:table.index("\n\n")]
+    assert not re.search(r"\d+(\.\d+)? ?ms", table)
+    assert all(row.rstrip().endswith("| not yet |") for row in table.splitlines()[2:])

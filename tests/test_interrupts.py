@@ -338,27 +338,38 @@ def test_a_ctrl_c_anywhere_in_sample_loses_nothing(in_order):
         recover()
 
 
-def test_a_ctrl_c_anywhere_in_a_device_sample_loses_nothing(monkeypatch):
-    """As above, with batches handed out on a (fake) device: the feed and its pins are
-    interrupted too.  Every batch is the stream's, once, in order; the device never reads
-    a slot given back, nor one unregistered; close() leaves nothing registered."""
+@pytest.mark.parametrize("mode", ["copy", "pinned"])
+def test_a_ctrl_c_anywhere_in_a_device_sample_loses_nothing(monkeypatch, mode):
+    """As above, with batches handed out on a (fake) device, or page-locked for the
+    caller's own copies (which it makes and drops at once): the feed, its pins and the
+    batches it keeps are interrupted too.  Every batch is the stream's, once, in order; the
+    device never reads a slot given back, nor one unregistered; close() leaves nothing
+    registered."""
     from _fake_device import FakeOps
     from unienv_mp._sampling import streams as _streams, sampler as S
-    from unienv_mp._device import feed, handout, ops as device_ops, pins
+    from unienv_mp._device import feed, handout, keep, ops as device_ops, pins
     fake = FakeOps(speed=1)
     monkeypatch.setattr(device_ops, "for_device", lambda device: fake)
+    monkeypatch.setattr(device_ops, "cuda_unavailable", lambda device: None)
     rb = _data.replay_buffer(100)
 
-    def make(device):
+    def make(device, pin_memory=False):
         s = StepSampler(rb, 8, seed=0)
         s._device = device
         return MultiprocessingSampler(s, n_workers=1, n_buffers=2, ctx="fork",
-                                      batches_per_task=1)
+                                      batches_per_task=1, pin_memory=pin_memory)
 
     with make(None) as reference:
         reference.manual_seed(0)
         position = {tuple(check_batch(reference.sample())): j for j in range(60)}
-    sampler = make(torch.device("cuda"))
+    if mode == "copy":
+        sampler = make(torch.device("cuda"))
+        get = sampler.sample
+    else:
+        sampler = make(None, pin_memory=True)
+
+        def get():
+            return fake.user_copy(sampler.sample())   # (the CPU batch dropped at once)
     held = collections.deque(maxlen=8)
 
     def sample_round():
@@ -368,7 +379,7 @@ def test_a_ctrl_c_anywhere_in_a_device_sample_loses_nothing(monkeypatch):
         try:
             while len(seen) < 2:
                 try:
-                    batch = sampler.sample()
+                    batch = get()
                 except KeyboardInterrupt as e:   # (the caller goes on: what is lost?)
                     cut = e
                     continue
@@ -400,8 +411,8 @@ def test_a_ctrl_c_anywhere_in_a_device_sample_loses_nothing(monkeypatch):
         # (the device rooms and the sampler's hand-out; the manager's code under them is
         # interrupted everywhere by the tests above)
         interrupter = Interrupter({S.__file__, _streams.__file__, feed.__file__,
-                                   pins.__file__, handout.__file__, _pools.__file__,
-                                   _ahead.__file__})
+                                   pins.__file__, handout.__file__, keep.__file__,
+                                   _pools.__file__, _ahead.__file__})
         runs = interrupt_everywhere(interrupter, sample_round, recover)
         assert runs > 300
         print(f"batches lost per round, of {runs}:", collections.Counter(lost_in))
@@ -966,7 +977,7 @@ INTERRUPTED = {os.path.relpath(f, ROOT) for f in PACKAGE_FILES} | {
     os.path.join("_sampling", "sampler.py"), os.path.join("_sampling", "streams.py"), os.path.join("_sampling", "epochs.py"), os.path.join("ray", "manager.py"),
     os.path.join("_sampling", "pools.py"), os.path.join("_sampling", "ahead.py"),
     os.path.join("_device", "feed.py"), os.path.join("_device", "pins.py"),
-    os.path.join("_device", "handout.py")}
+    os.path.join("_device", "handout.py"), os.path.join("_device", "keep.py")}
 
 #: Every other module of the package, and why a Ctrl-C in it needs no such test.
 NOT_INTERRUPTED = {
@@ -994,7 +1005,8 @@ NOT_INTERRUPTED = {
     os.path.join("_sampling", "delegates.py"): "the wrapped sampler's properties and get*_at, forwarded: nothing kept",
     os.path.join("_device", "__init__.py"): "a docstring",
     os.path.join("_device", "ops.py"): "each call is one device call that returns or "
-                                       "raises (CudaOps runs only with CUDA: test_cuda.py; "
+                                       "raises (CudaOps runs on a fake torch.cuda in "
+                                       "test_device_ops.py, and with CUDA in test_cuda.py; "
                                        "the feed and pins that call it are interrupted)",
     os.path.join("_device", "placement.py"): "decides at construction: returns or raises",
     os.path.join("_device", "resident.py"): "submit hands its ticket over last; result "

@@ -342,8 +342,9 @@ class WorkerStats:
 
 @dataclass
 class DeviceStats:
-    """What a sampler did to hand batches out on a device (``device="cuda"``) or from
-    page-locked slots (``pin_memory=True``), since the first request or the last reset.
+    """What a sampler did to hand batches out on a device (``device="cuda"``, or data on a
+    GPU) or from page-locked slots (``pin_memory=True``), since the first request or the
+    last reset.
 
     Attributes:
         device: where batches go (``"cuda:0"``), or ``"cpu (pinned)"`` with ``pin_memory``.
@@ -351,13 +352,20 @@ class DeviceStats:
         copy_seconds: device time of the copies completed (timed on the sampler's copy
             stream; the caller's stream waits for them, the caller does not).
         wait_seconds: time the caller spent issuing copies, and blocked while the device
-            caught up (a copy from pageable memory, or more copies in flight than the
-            feed holds): the caller's own cost of the last hop.
+            caught up (a copy from pageable memory, more copies in flight than the feed
+            holds, or a slot still being page-locked when its batch was needed): the
+            caller's own cost of the last hop.
         pinned_bytes: host memory page-locked now (the registered slots).
         pinned_slots: slot segments page-locked now.
         pageable_leaves: arrays copied from memory that was not page-locked (a batch
-            copied out of its slot, or a registration refused).
-        in_flight: copies not known to have completed.
+            copied out of its slot, a registration refused, or an array that is not
+            contiguous, which is copied through a pageable temporary).
+        in_flight: copies not known to have completed (with ``pin_memory``: batches the
+            caller let go of, kept until the caller's copies of them are known to be done).
+        registrations: slot segments page-locked (each once, on a thread of the sampler's
+            own, never the caller's).  Slots are made while the pipeline fills: a timed
+            loop starts once a window of steps saw none.
+        registration_seconds: the time those registrations took on that thread.
     """
     device: str
     copies: int = 0
@@ -367,6 +375,8 @@ class DeviceStats:
     pinned_slots: int = 0
     pageable_leaves: int = 0
     in_flight: int = 0
+    registrations: int = 0
+    registration_seconds: float = 0.0
 
 
 @dataclass

@@ -1,6 +1,7 @@
-"""The sampler's hand-out of batches on a device (or page-locked): the CPU batch its stream
-gives, passed through the device feed, and the copy of the stream's next batch issued
-ahead when it is here already (rule 6 of `.feed`).
+"""The sampler's hand-out of batches on a device (or page-locked): the batch its stream
+gives, passed through the device feed (`.feed.DeviceFeed.give`), and the copy of the
+stream's next batch issued ahead when it is here already (rule 6 of `.feed`; for
+page-locked batches, only its slot is page-locked ahead, rule 7).
 
 **The look-ahead changes nothing in the stream.**  When the stream's next batch is in its
 ``ready`` chunk, its copy is started; when it is in the next task, which has arrived, the
@@ -41,11 +42,21 @@ class DeviceHandOut:
 
     def sample(self, name):
         """The next batch of ``name``'s stream, on the device (or page-locked).
-        ``sample_index`` stays as the wrapped sampler gives it (on the data's device), as
-        UniEnv's does."""
+        ``sample_index`` stays on the data's device, as UniEnv's does: ordered on the
+        caller's stream where it was made on the device; page-locked and kept as the
+        batches are with ``pin_memory``; else copied out of its slot, which is page-locked
+        (a copy the caller makes of it then cannot outlive the slot, see `.keep`)."""
         s = self._sampler
         if name == "sample_index":
-            return self._cpu_sample(s, name)
+            index = self._cpu_sample(s, name)
+            feed = s._feed
+            mode = feed.mode
+            if mode == "resident":
+                return feed.resident(index)
+            if mode == "pinned":
+                with s._lock:
+                    return feed.pinned(index)
+            return _clone(index)
         with s._lock:
             if name in self._early:
                 # (one step: the task collected ahead joins its stream, or is dropped)
@@ -57,9 +68,13 @@ class DeviceHandOut:
             # position does not move.
             try:
                 feed = s._feed
-                out = feed.hand_out(cpu) if feed.copying else feed.pinned(cpu)
+                out = feed.give(cpu)
                 if feed.copying:
                     self._look_ahead(name, s._streams[name], feed)
+                elif feed.mode == "pinned":
+                    ready = s._streams[name].ready
+                    if ready:
+                        feed.notice(ready[0])
             except BaseException:
                 s._streams[name].ready.appendleft(cpu)
                 s._caller.batches -= 1
@@ -94,9 +109,17 @@ class DeviceHandOut:
             pass
 
     def epoch_batch(self, value):
-        """An epoch's CPU batch, handed out as `sample` hands out batches."""
-        feed = self._sampler._feed
-        return feed.hand_out(value) if feed.copying else feed.pinned(value)
+        """An epoch's batch, handed out as `sample` hands out batches."""
+        return self._sampler._feed.give(value)
+
+
+def _clone(tree):
+    if isinstance(tree, dict):
+        return {k: _clone(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_clone(v) for v in tree)
+    clone = getattr(tree, "clone", None)
+    return tree if clone is None else clone()
 
 
 def _arrive(stream, early):

@@ -11,6 +11,11 @@ are reseeded once per 8 batches); the work function runs on its own copy of the 
 sampler, so the wrapped sampler's RNG in this process is touched only by the epochs'
 permutations, as with workers.  `ResidentTarget` makes the batches of a StepSampler over a
 ReplayBuffer of tensors as one index draw and one ``index_select`` per array.
+
+A chunk is gathered on the stream current when its task runs, and its later batches are
+handed out at later calls, maybe while the caller has another stream current: each batch
+comes tagged with where it was gathered (`unienv_mp._device.feed.Gathered`), and the feed's
+hand-out orders the caller's stream after it (rule 10 of `unienv_mp._device.feed`).
 """
 import time
 from typing import Optional
@@ -22,6 +27,7 @@ from .._direct import storages as _storages
 from .._direct import unienv as _unienv
 from ..backend import TicketTable, none_pending
 from ..errors import WorkerError, error_payload
+from .feed import Gathered
 
 __all__ = ["InProcessManager", "own_target", "ResidentTarget"]
 
@@ -41,11 +47,16 @@ class ResidentTarget:
     and one ``index_select`` per array: what the wrapped sampler computes, without its
     layers.  Every other task, and samplers it cannot read (views, storages that compute
     their rows, ``device=`` on the sampler), run ``target`` itself.  The batches are the
-    same either way, bit for bit (the same RNG draws, the same rows)."""
+    same either way, bit for bit (the same RNG draws, the same rows).
 
-    def __init__(self, target):
+    ``mark``: None, or a function called once a task's batches are made, returning
+    ``(stream, event)`` (`unienv_mp._device.feed.DeviceFeed.gathered_on`): each batch then
+    comes back as a `unienv_mp._device.feed.Gathered`."""
+
+    def __init__(self, target, mark=None):
         self.target = target
         self.batches_in = target.batches_in
+        self.mark = mark
         self._trees = None   # getter -> tree of source tensors (None: not planned yet)
 
     def _tree(self, getter):
@@ -61,6 +72,16 @@ class ResidentTarget:
         return trees.get(getter)
 
     def __call__(self, work):
+        value = self._make(work)
+        mark = self.mark
+        if mark is None:
+            return value
+        stream, event = mark()
+        if len(work) == 3:   # (a chunk: a tuple of batches)
+            return tuple([Gathered(b, stream, event) for b in value])
+        return Gathered(value, stream, event)
+
+    def _make(self, work):
         name = work[0]
         if name == "sample" and len(work) == 3:
             tree = self._tree("get_at")

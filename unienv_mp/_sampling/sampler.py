@@ -24,7 +24,7 @@ from unienv_data.base import BatchSampler
 
 from .. import _os
 from .. import stats as _stats
-from .._device.feed import make_feed
+from .._device.feed import keep_in_forked_child, make_feed
 from .._device.handout import DeviceHandOut
 from .._device.placement import device_type, place
 from .._device.resident import InProcessManager, ResidentTarget, own_target
@@ -161,9 +161,14 @@ def _close(s, pools, feed):
             feed.close()
         if pools is not None:
             pools.close()
+        streams = getattr(s, "_streams", {})
+        if feed is not None and feed.mode == "resident" and _os.pid != s._owner_pid:
+            # (a forked child: the batches ready are the parent's, made on its device:
+            # freeing them here would call CUDA; rule 8 of unienv_mp._device.feed)
+            keep_in_forked_child(dict(streams))
         # (positions kept, for a state_dict() after close(); requests dropped)
         s._streams = {name: Stream.from_position(name, s._base, st.position(), st.per_batch)
-                      for name, st in getattr(s, "_streams", {}).items()}
+                      for name, st in streams.items()}
     finally:
         if got:
             lock.release()
@@ -665,10 +670,12 @@ class MultiprocessingSampler(SamplerBase):
     each element came from.
 
     **Batches on a GPU.** ``StepSampler(rb, B, device="cuda")`` over CPU data: the workers
-    make each batch on the CPU, in a page-locked slot, and this process copies it to the
-    GPU on a stream of its own, ahead of the call that hands it out.  The batch is on the
-    device, ordered on the caller's current CUDA stream (which waits for the copy; the
-    caller does not), and its slot goes back to its worker once the copy has completed.
+    make each batch on the CPU, in a page-locked slot (registered on a thread of the
+    sampler's own), and this process copies it to the GPU on a stream of its own, ahead of
+    the call that hands it out.  The batch is on the device, ordered on the caller's
+    current CUDA stream (which waits for the copy; the caller does not; another stream
+    must wait for that one before it reads the batch), and its slot goes back to its
+    worker once the copy has completed.
     Its values are those of the same sampler without ``device=``, moved, bit for bit;
     ``sample_index()`` stays on the data's device, as UniEnv's does.  Data already on a GPU
     (a ReplayBuffer over CUDA storages): no workers; batches are made in this process, with
@@ -763,21 +770,25 @@ class MultiprocessingSampler(SamplerBase):
             every case, bit for bit, as long as the promise of ``True`` holds.  See the
             Epochs guide for the rule every worker of a pool follows.
         pin_memory: ``True``: CPU batches are handed out from page-locked slots (each
-            slot registered with CUDA once), as torch's ``DataLoader(pin_memory=True)``
-            hands out pinned batches, so that the caller's own ``.to("cuda",
-            non_blocking=True)`` runs asynchronously.  Keep the CPU batch (any of its
-            arrays) alive until that copy has completed (e.g. until a later
-            ``torch.cuda.current_stream().synchronize()``, or an event recorded after the
-            copy): once the last array is garbage collected the slot goes back to its
-            worker, which may write the next batch into it while a copy still reads it.
-            Without CUDA here: one ``RuntimeWarning``, and plain slots.  Not with a
-            sampler whose batches go to a device already, nor with ``copy=True``
-            (``ValueError``).  A batch that is not in a slot is not page-locked: a small
-            one (4 KiB or less travels inside its ring entry), or one copied out because
-            the caller holds more than ``2 * n_workers + 8`` slots' batches at once
-            (``stats().device.pageable_leaves`` counts them).
-            [`close`][unienv_mp.MultiprocessingSampler.close] waits for the work queued on
-            the GPU, then unregisters the slots: batches held after it are ordinary memory.
+            slot registered with CUDA once, on a thread of the sampler's own), as torch's
+            ``DataLoader(pin_memory=True)`` hands out pinned batches, so that the caller's
+            own ``.to("cuda", non_blocking=True)`` runs asynchronously.  Safe as it is
+            usually written, the CPU batch dropped at once: each batch (and its slot) is
+            kept until the caller has let go of it (no tensor, view or ``.numpy()`` array
+            of it left) and an event recorded on the current CUDA stream at a later call
+            has completed, so every copy of it queued on that stream (or on one it waits
+            for) before letting go of it has read the slot before a worker writes it
+            again.  A copy on another stream: make the current stream wait for it, or keep
+            the batch until it is done.  At most 4 batches let go wait so; a caller further
+            ahead of the GPU waits for the oldest.  Without CUDA here: one
+            ``RuntimeWarning``, and plain slots.  Not with a sampler whose batches go to a
+            device already, nor with ``copy=True`` (``ValueError``).  A batch that is not
+            in a slot is not page-locked: a small one (4 KiB or less travels inside its
+            ring entry), or one copied out because the caller holds more than ``2 *
+            n_workers + 8`` slots' batches at once (``stats().device.pageable_leaves``
+            counts them).  [`close`][unienv_mp.MultiprocessingSampler.close] waits for the
+            copies queued until then, then unregisters the slots: batches held after it
+            are ordinary memory.
 
     Limits (each refused with a ``ValueError`` that names the bound and its number here):
     ``n_workers`` at most ``max(64, 8 * CPUs)``, the CPUs this process may run on;
@@ -884,8 +895,11 @@ class MultiprocessingSampler(SamplerBase):
 
     def new_manager(self):
         if self._placement.kind == "in_process":
-            return InProcessManager(ResidentTarget(own_target(SamplerTarget(self.sampler))),
-                                    in_order=self.in_order)
+            feed = self._feed
+            mark = None if feed is None else feed.gathered_on
+            return InProcessManager(
+                ResidentTarget(own_target(SamplerTarget(self.sampler)), mark=mark),
+                in_order=self.in_order)
         return MultiProcessingSampleManager(
             SamplerTarget(self._worker_sampler, direct=self._direct), n_workers=self.n_workers,
             ctx=self.mp_ctx, doze_time=self.doze_time, daemon=self.daemon,

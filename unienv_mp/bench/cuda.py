@@ -7,6 +7,8 @@ time of ``steps`` steps ends with one ``torch.cuda.synchronize``.  Rows:
 * ``device batches``: unienv_mp over ``StepSampler(rb, B, device="cuda")`` (page-locked
   slots, copies issued ahead on its own stream);
 * ``CPU batches + .to``: unienv_mp over a CPU ``StepSampler``, then ``.to("cuda")``;
+* ``pin_memory + .to``: unienv_mp with ``pin_memory=True``, then ``.to("cuda",
+  non_blocking=True)``, the CPU batch dropped at once (the loop DataLoader users write);
 * ``UniEnv in process, device=``: UniEnv's ``StepSampler(rb, B, device="cuda")``;
 * ``UniEnv MP shm + .to``: UniEnv's ``MultiprocessingSampler(shared_memory=True)``;
 * ``DataLoader pin_memory``: torch's DataLoader (``pin_memory=True``), then
@@ -16,11 +18,18 @@ time of ``steps`` steps ends with one ``torch.cuda.synchronize``.  Rows:
 * ``GPU-resident rows``: unienv_mp over a ReplayBuffer whose storages are on the GPU (in
   this process), and UniEnv's ``StepSampler`` over the same buffer.
 
+unienv_mp's rows are timed once its slots are made and page-locked: it warms up until a
+window of steps saw no registration (`warm_up`), as a training loop's first steps would.
+
 Without CUDA it says so in one line and returns 0.
 """
 import time
 
-__all__ = ["run"]
+__all__ = ["run", "warm_up"]
+
+#: Steps in a warm-up window, and the most steps a warm-up takes.
+WINDOW = 50
+WARM_UP_LIMIT = 4000
 
 
 def _available():
@@ -49,10 +58,29 @@ def _tensors(batch):
         yield batch
 
 
-def _time(torch, next_batch, steps, move):
+def warm_up(sampler, step, window=WINDOW, limit=WARM_UP_LIMIT):
+    """Call ``step()`` in windows of ``window`` steps until one saw no slot page-locked
+    (``sampler.stats().device.registrations``: slots are made while the pipeline fills),
+    at most ``limit`` steps; the steps taken.  For a sampler with no device feed, one
+    window."""
+    steps = 0
+    sampler.stats(reset=True)
+    while True:
+        for _ in range(window):
+            step()
+        steps += window
+        device = sampler.stats(reset=True).device
+        if device is None or device.registrations == 0 or steps >= limit:
+            return steps
+
+
+def _time(torch, next_batch, steps, move, sampler=None):
     acc = torch.zeros((), device="cuda")
-    for _ in range(3):   # (warm-up)
-        _consume(torch, move(next_batch()), acc)
+    if sampler is None:
+        for _ in range(3):   # (warm-up)
+            _consume(torch, move(next_batch()), acc)
+    else:
+        warm_up(sampler, lambda: _consume(torch, move(next_batch()), acc))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -92,8 +120,7 @@ def _rows(torch, rb, rb_gpu, batch, workers, steps):
 
     def ours(sampler, move, **kw):
         with MultiprocessingSampler(sampler, n_workers=workers, **kw) as m:
-            m.stats(reset=True)
-            ms = _time(torch, m.sample, steps, move)
+            ms = _time(torch, m.sample, steps, move, sampler=m)
             notes["device"] = _device_note(m.stats().device)
             return ms
 
@@ -111,6 +138,8 @@ def _rows(torch, rb, rb_gpu, batch, workers, steps):
     row("device batches (unienv_mp)",
         lambda: ours(StepSampler(rb, batch, seed=0, device="cuda"), keep))
     row("CPU batches + .to (unienv_mp)", lambda: ours(StepSampler(rb, batch, seed=0), to))
+    row("pin_memory + .to non_blocking (unienv_mp)",
+        lambda: ours(StepSampler(rb, batch, seed=0), _to_cuda(torch, True), pin_memory=True))
     row("sampler alone (unienv_mp, no copy)",
         lambda: ours(StepSampler(rb, batch, seed=0), lambda b: {}))
     row("UniEnv in process, device=",
@@ -127,12 +156,14 @@ def _rows(torch, rb, rb_gpu, batch, workers, steps):
 
 def _device_note(stats):
     """What the feed did per batch (``stats()``'s device part), or None."""
-    if stats is None or not stats.copies:
+    if stats is None or not (stats.copies or stats.pinned_slots):
         return None
-    n = stats.copies
-    return (f"copy {stats.copy_seconds / n * 1e3:.3f} ms on the device, the caller spent "
-            f"{stats.wait_seconds / n * 1e3:.3f} ms issuing and waiting, "
-            f"{stats.pinned_slots} slots ({stats.pinned_bytes / 2**20:.0f} MiB) page-locked, "
+    n = max(1, stats.copies)
+    copies = (f"copy {stats.copy_seconds / n * 1e3:.3f} ms on the device, the caller spent "
+              f"{stats.wait_seconds / n * 1e3:.3f} ms issuing and waiting, "
+              if stats.copies else "")
+    return (f"{copies}{stats.pinned_slots} slots ({stats.pinned_bytes / 2**20:.0f} MiB) "
+            f"page-locked, {stats.registrations} registered while timed, "
             f"{stats.pageable_leaves} arrays copied from pageable memory")
 
 
