@@ -973,6 +973,9 @@ NOT_INTERRUPTED = {
                                         "workers)",
     os.path.join("_direct", "storages.py"): "plans storages and fills their slots: in the "
                                             "workers, and once at construction",
+    os.path.join("_direct", "files.py"): "plans file-backed storages and reads their rows "
+                                         "into slots: in the workers, and once at "
+                                         "construction",
     os.path.join("_process", "__init__.py"): "a docstring",
     os.path.join("_sampling", "__init__.py"): "a docstring",
     os.path.join("_transport", "__init__.py"): "a docstring",

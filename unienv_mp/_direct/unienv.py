@@ -3,13 +3,15 @@
 The direct gather (`unienv_mp._direct.gather`, `unienv_mp._direct.views`) reproduces what
 UniEnv's batches compute, so it reads some of their internals: a ReplayBuffer's ring state,
 the batched spaces UniEnv caches, a stack's anchor position, the functions behind UniEnv's
-valid-mask helpers, the column-stack class.  They are private to UniEnv and may change in
+valid-mask helpers, the column-stack class, an HDF5 storage's datasets and the base class
+of UniEnv's storages of a file per row.  They are private to UniEnv and may change in
 any release (``pyproject.toml`` pins the one release this package is written for), so they
 are read here only, each through one small function, and nowhere else in the package.
 """
 __all__ = ["ring_state", "same_ring", "logical_to_physical", "batched_space", "instance_space",
            "dict_items", "stack_anchor", "stack_mask_key", "column_stack_class", "mask_helpers",
-           "cache_attributes", "SHARED_BUFFER_LIVE", "SHARED_BUFFER_LOCAL"]
+           "cache_attributes", "SHARED_BUFFER_LIVE", "SHARED_BUFFER_LOCAL", "storage_class",
+           "list_storage_class", "hdf5_leaves", "hdf5_fd", "read_sorted_unique_rows"]
 
 
 def ring_state(rb):
@@ -114,3 +116,54 @@ SHARED_BUFFER_LIVE = frozenset(("_ring_state", "_lock"))
 #: the episodes' segments that ``extend`` updates).
 SHARED_BUFFER_LOCAL = frozenset(("_physical_segments", "_active_segment_start_physical",
                                  "_active_segment_length"))
+
+
+#: UniEnv's file-backed storages, by class name: the module each lives in (each needs its
+#: own library: h5py, Pillow, PyAV, pyarrow).
+_STORAGE_MODULES = {
+    "HDF5Storage": "unienv_data.storages.hdf5",
+    "ImageStorage": "unienv_data.storages.image_storage",
+    "NPZStorage": "unienv_data.storages.npz_storage",
+    "VideoStorage": "unienv_data.storages.video_storage",
+    "ParquetStorage": "unienv_data.storages.parquet",
+}
+
+
+def storage_class(name):
+    """UniEnv's file-backed storage class ``name`` (one of ``_STORAGE_MODULES``), or None
+    where its module is not imported: a storage of that class can only exist once it is,
+    so it is not imported here (which would import h5py, PyAV or pyarrow for nothing)."""
+    import sys
+    module = sys.modules.get(_STORAGE_MODULES[name])
+    return None if module is None else getattr(module, name, None)
+
+
+def list_storage_class():
+    """UniEnv's ``ListStorageBase`` (a storage of a file per row, read by
+    ``get_single``), or a class nothing is an instance of where its module is not
+    imported."""
+    import sys
+    module = sys.modules.get("unienv_data.storages._list_storage")
+    return getattr(module, "ListStorageBase", _Nothing)
+
+
+class _Nothing:
+    """(a class with no instances)"""
+
+
+def hdf5_leaves(storage):
+    """An ``HDF5Storage``'s ``(key path, space, h5py dataset)`` of every leaf, opening its
+    file where it is closed (``_get_leaves``)."""
+    return storage._get_leaves()
+
+
+def hdf5_fd(dataset):
+    """The file descriptor HDF5 reads ``dataset``'s file through (its sec2 driver's)."""
+    return int(dataset.file.id.get_vfd_handle())
+
+
+def read_sorted_unique_rows(dataset, index):
+    """UniEnv's reader of an HDF5 dataset's rows at sorted, distinct ``index`` (what
+    ``HDF5Storage.get`` reads them with)."""
+    from unienv_data.storages.hdf5 import read_sorted_unique_rows as read
+    return read(dataset, index)
