@@ -999,6 +999,8 @@ NOT_INTERRUPTED = {
                                             "tickets after any interruption (tested in "
                                             "sampler.py's code)",
     os.path.join("_sampling", "fingerprint.py"): "reads the data and returns a value: nothing kept across a call",
+    os.path.join("_sampling", "files.py"): "stats files and returns values (a file open "
+                                           "for writing flushed: flushed again next time)",
     os.path.join("_sampling", "pages.py"): "reads the page table and a holder's bytes and "
                                            "returns a value; what it keeps (written) is "
                                            "one assignment",

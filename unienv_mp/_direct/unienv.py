@@ -8,10 +8,13 @@ of UniEnv's storages of a file per row.  They are private to UniEnv and may chan
 any release (``pyproject.toml`` pins the one release this package is written for), so they
 are read here only, each through one small function, and nowhere else in the package.
 """
+import os
+
 __all__ = ["ring_state", "same_ring", "logical_to_physical", "batched_space", "instance_space",
            "dict_items", "stack_anchor", "stack_mask_key", "column_stack_class", "mask_helpers",
            "cache_attributes", "SHARED_BUFFER_LIVE", "SHARED_BUFFER_LOCAL", "storage_class",
-           "list_storage_class", "hdf5_leaves", "hdf5_fd", "read_sorted_unique_rows"]
+           "list_storage_class", "hdf5_leaves", "hdf5_fd", "read_sorted_unique_rows",
+           "hdf5_file", "row_files", "episode_files", "parquet_files", "memmap_readonly"]
 
 
 def ring_state(rb):
@@ -106,7 +109,20 @@ def cache_attributes(cls):
     from unienv_data.batches.combined_batch import CombinedBatch
     if cls is CombinedBatch:
         return frozenset(("_executor", "_executor_pid", "_batch_space_cache"))
-    return frozenset()
+    return _FILE_CACHES.get(cls.__name__, frozenset())
+
+
+#: What UniEnv's file-backed storages only cache, or hold open, besides their files (whose
+#: identities the fingerprint records instead; `unienv_mp._sampling.files`): an HDF5
+#: storage's open handle and its datasets, a video storage's decoders and its index of
+#: files and keyframes (rebuilt from its list of files), a read-only parquet storage's
+#: memory-mapped tables.
+_FILE_CACHES = {
+    "HDF5Storage": frozenset(("root", "_leaves")),
+    "VideoStorage": frozenset(("_decoder_cache", "_keyframe_cache", "_cache_index_starts",
+                               "_cache_index_ranges")),
+    "ParquetStorage": frozenset(("_cached_piece_tables",)),
+}
 
 
 #: A ReplayBuffer made with ``multiprocessing=True``: the attributes that every process
@@ -167,3 +183,40 @@ def read_sorted_unique_rows(dataset, index):
     ``HDF5Storage.get`` reads them with)."""
     from unienv_data.storages.hdf5 import read_sorted_unique_rows as read
     return read(dataset, index)
+
+
+def hdf5_file(storage):
+    """An ``HDF5Storage``'s open handle (None where it opens its file when it first reads)
+    and the path of its file."""
+    return storage.root, storage._filename
+
+
+def row_files(storage):
+    """The files an ``ImageStorage`` or ``NPZStorage`` reads its rows from, one per row, as
+    its ``get_single`` names them."""
+    return [os.path.join(storage._cache_path, f"{i}.{storage.file_ext}")
+            for i in range(len(storage))]
+
+
+def episode_files(storage):
+    """The files a ``VideoStorage`` reads, one per episode; None while it has a segment
+    open (frames held in its writer)."""
+    if storage.has_open_segment:
+        return None
+    return [name for _, _, name in storage.get_start_end_filename_iter()]
+
+
+def parquet_files(storage):
+    """The piece files a read-only ``ParquetStorage`` reads, and its metadata; None for a
+    writable one, which keeps the pieces written through it in memory until it flushes
+    them."""
+    if not storage._read_only:
+        return None
+    return ([storage._piece_path(i) for i in range(storage._num_pieces)]
+            + [os.path.join(storage._storage_dir, "_metadata.json")])
+
+
+def memmap_readonly(tensor):
+    """Whether UniEnv's ``MemoryMappedTensor`` ``tensor`` maps its file privately (loaded
+    read-only: what this process writes into it stays in this process)."""
+    return bool(getattr(tensor, "_readonly", False))

@@ -20,6 +20,7 @@ starting now run on the pool).  ``persistent_workers`` decides how far each is a
 import warnings
 import weakref
 
+from . import files as _files
 from . import fingerprint as _fingerprint
 from .pages import PageWitness
 
@@ -46,6 +47,23 @@ def warn_untracked(how):
         f"fork, and only by sampling under spawn and forkserver: pass "
         f"persistent_workers=False if you write the data that way",
         RuntimeWarning, stacklevel=5)
+
+
+def _names(paths, show=3):
+    more = f" and {len(paths) - show} more" if len(paths) > show else ""
+    return ", ".join(paths[:show]) + more
+
+
+def _files_note(files, maps):
+    """What a reason adds for data read from ``files`` and memory-mapped ``maps``."""
+    note = ""
+    if files:
+        note += (f"; the files it reads ({_names(files)}) have the device, inode, size "
+                 f"and times they had then")
+    if maps:
+        note += (f"; the files it maps ({_names(maps)}) are the ones the workers map, "
+                 f"which they read as they are now, as this process does")
+    return note
 
 
 def _holders(ref):
@@ -117,6 +135,19 @@ class DataCopy:
             if now == self.fp:
                 return True, "persistent_workers=True"
             return False, "the data's length changed since the workers started"
+        ok, reason = self._current(now)
+        if ok and isinstance(self.fp, _fingerprint.Fingerprint):
+            reason += _files_note(self.fp.files, self.fp.maps)
+        return ok, reason
+
+    def _current(self, now):
+        racy = getattr(self.fp, "racy", None)
+        if racy is not None:
+            return False, (f"whether the data changed since the workers started cannot be "
+                           f"told: {racy} had changed less than "
+                           f"{_files.RACY_NS // 10**9} s before they started (a later "
+                           f"write within the file system's clock tick leaves its times "
+                           f"as they were)")
         if not _fingerprint.same(self.fp, now):
             return False, "the data changed since the workers started"
         if self.shared:
