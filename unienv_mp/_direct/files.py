@@ -167,16 +167,20 @@ class _H5Leaf(Reader):
 
 class PerRow(Reader):
     """A storage of a file per row: each row decoded by its own ``get_single`` into its
-    place."""
+    place, on UniEnv's pool of I/O threads as its ``get`` decodes them (its decoders let
+    go of the GIL)."""
 
     def __init__(self, storage):
         self.storage = storage
 
     def fill(self, rows, buffer, off, view, memo):
         get_single = self.storage.get_single
-        for i, row in enumerate(rows.tolist()):
-            _copy_into(view[i], get_single(row),
-                       f"{type(self.storage).__name__} row {row}")
+        what = type(self.storage).__name__
+
+        def one(job):
+            i, row = job
+            _copy_into(view[i], get_single(row), f"{what} row {row}")
+        _unienv.map_io(one, list(enumerate(rows.tolist())))
 
 
 class OwnRead(Reader):

@@ -14,7 +14,7 @@ __all__ = ["ring_state", "same_ring", "logical_to_physical", "batched_space", "i
            "dict_items", "stack_anchor", "stack_mask_key", "column_stack_class", "mask_helpers",
            "cache_attributes", "SHARED_BUFFER_LIVE", "SHARED_BUFFER_LOCAL", "storage_class",
            "list_storage_class", "hdf5_leaves", "hdf5_fd", "read_sorted_unique_rows",
-           "hdf5_file", "row_files", "episode_files", "parquet_files", "memmap_readonly"]
+           "map_io", "io_threads", "hdf5_file", "row_files", "episode_files", "parquet_files", "memmap_readonly"]
 
 
 def ring_state(rb):
@@ -220,3 +220,20 @@ def memmap_readonly(tensor):
     """Whether UniEnv's ``MemoryMappedTensor`` ``tensor`` maps its file privately (loaded
     read-only: what this process writes into it stays in this process)."""
     return bool(getattr(tensor, "_readonly", False))
+
+
+def map_io(fn, items):
+    """UniEnv's ``map_io``: ``fn`` over ``items`` on its process-wide pool of I/O threads,
+    as its storages of a file per row decode a batch."""
+    from unienv_data.storages._io_pool import map_io as run
+    return run(fn, items)
+
+
+def io_threads(n=None):
+    """The threads of UniEnv's pool of I/O threads (``IO_POOL_WORKERS``), set to ``n``
+    first if given (it takes effect for pools made after; at one, batches are read in the
+    calling thread)."""
+    from unienv_data.storages import _io_pool
+    if n is not None:
+        _io_pool.IO_POOL_WORKERS = n
+    return _io_pool.IO_POOL_WORKERS
