@@ -86,16 +86,19 @@ class Fingerprint:
     ``files``: the paths of the files the data reads, whose identities the tokens hold;
     ``racy``: the first of them whose identity was taken too soon after it changed to be
     trusted (`unienv_mp._sampling.files.racy`), or None; ``maps``: the files of the
-    memory-mapped tensors, which every process reads as they are."""
-    __slots__ = ("tokens", "refs", "ranges", "files", "racy", "maps")
+    memory-mapped tensors, which every process reads as they are; ``tensors``: how many
+    torch tensors it met (whose writes outside torch's count the copy's page witness or spot
+    check looks for)."""
+    __slots__ = ("tokens", "refs", "ranges", "files", "racy", "maps", "tensors")
 
-    def __init__(self, tokens, refs, ranges=(), files=(), racy=None, maps=()):
+    def __init__(self, tokens, refs, ranges=(), files=(), racy=None, maps=(), tensors=None):
         self.tokens = tokens
         self.refs = refs
         self.ranges = ranges
         self.files = files
         self.racy = racy
         self.maps = maps
+        self.tensors = tensors
 
     def alive(self):
         """True if every object recorded is still alive."""
@@ -198,6 +201,7 @@ class _Walk:
             known.update((cls, _unienv.cache_attributes(cls)) for cls in self.file_kinds)
         self.files = []   # (path, Identity) of every file read
         self.maps = []    # the path of every file mapped
+        self.tensors = 0  # torch tensors met
         self.known = known
         self.space = space
         self.helpers = helpers
@@ -247,6 +251,7 @@ class _Walk:
                 raise _Unknown("an inference tensor (torch keeps no version counter "
                                "for it)")
             self.refs.append(weakref.ref(obj))
+            self.tensors += 1
             # (a tensor in shared memory under a shared buffer: by its memory, which
             # workers read as it is now; any other by its version too)
             shared = obj.is_shared()
@@ -299,6 +304,7 @@ class _Walk:
         if obj.device.type != "cpu" or filename is None:
             raise _Unknown("a memory-mapped tensor with no file")
         self.refs.append(weakref.ref(obj))
+        self.tensors += 1
         private = _unienv.memmap_readonly(obj)
         if private:
             storage = obj.untyped_storage()
@@ -446,7 +452,7 @@ def check(sampler):
     racy = next((path for path, ident in walk.files if _files.racy(ident, now)), None)
     return Fingerprint(tuple(walk.tokens), walk.refs, tuple(walk.ranges.items()),
                        tuple(dict.fromkeys(path for path, _ in walk.files)), racy,
-                       tuple(dict.fromkeys(walk.maps))), None
+                       tuple(dict.fromkeys(walk.maps)), walk.tensors), None
 
 
 def _memmap_class():

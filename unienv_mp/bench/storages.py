@@ -9,16 +9,17 @@ loads a data set, and sampled in batches of ``cfg.batch_size`` by:
 
 * ``in_process``: UniEnv's StepSampler in this process, with torch's and UniEnv's I/O
   threads at their defaults, and again with one thread of each ("one decoder");
-* ``bare``: the same rows read into reused memory in this process, for the backends whose
-  rows lie in memory or in a file one after the other (contiguous HDF5: the rows read from
-  the file with ``preadv``, sorted and coalesced; memory-mapped tensors:
-  ``torch.index_select`` into reused tensors): the read limit;
+* ``bare``: the same rows read into reused memory in this process at one thread, as one
+  worker reads them, for the backends whose rows lie in memory or in a file one after the
+  other (contiguous HDF5: the rows read from the file with ``preadv``, sorted and
+  coalesced; memory-mapped tensors: ``torch.index_select`` into reused tensors, a
+  flattened storage's flat rows once): the read limit;
 * ``unienv``: UniEnv's MultiprocessingSampler; ``unienv_mp``: ours (and its training
   process's CPU per batch).
 
-For the backends read directly it also times, with the buffer's files dropped from the page
-cache before every batch (``posix_fadvise(DONTNEED)``), UniEnv in process and the bare read
-(cold).  And it times epochs over the HDF5 buffer under spawn: the first (which starts the
+For the HDF5 buffer it also times, with its file dropped from the page cache before every
+batch (``posix_fadvise(DONTNEED)``, which cannot drop the pages of a memory map), UniEnv in
+process and the bare read (cold).  And it times epochs over the HDF5 buffer under spawn: the first (which starts the
 workers) and the later ones (on the kept workers).
 """
 import contextlib
@@ -50,6 +51,9 @@ BACKENDS = {
 BUILDERS_NEED = ("h5py", "PIL", "pyarrow")
 #: The backends whose rows are read straight into the slot (the goal's "direct reads").
 DIRECT_READS = ("hdf5", "torch-memmap", "flattened-memmap")
+#: The backends also timed with a cold page cache: posix_fadvise cannot drop the pages a
+#: process maps, so a memory-mapped buffer's are not.
+COLD = ("hdf5",)
 #: The backends whose batches are decoded (the goal's "decode-bound").
 DECODED = ("hdf5-gzip", "hdf5-per-step-lzf", "dict-video+hdf5", "dict-png+hdf5",
            "dict-jpeg+hdf5", "dict-npz+hdf5", "lerobot")
@@ -265,6 +269,7 @@ def bare_reader(name, rb, cfg):
     def next_batch():
         rows = sampled_rows(rb, base.sample_index())
         rows_np = None
+        done = set()
         for leaf in leaves:
             if leaf.reader is not None:
                 if rows_np is None:
@@ -273,7 +278,9 @@ def bare_reader(name, rb, cfg):
                 leaf.reader.fill(rows_np, out, 0, out, {})
             elif leaf.columns is not None:
                 flat = leaf.columns[0]
-                torch.index_select(flat, 0, rows, out=outs[id(flat)])
+                if id(flat) not in done:
+                    done.add(id(flat))
+                    torch.index_select(flat, 0, rows, out=outs[id(flat)])
             else:
                 torch.index_select(leaf.parts[0][0], 0, rows, out=outs[id(leaf)])
         return list(outs.values())
@@ -322,7 +329,9 @@ def measure_backend(name, rb, cfg, columns, advance=lambda f: None):
                     drop_cache(files)
                     return next_batch()
                 return cold_batch, close
-        with (one_thread() if col == "in_process_1" else contextlib.nullcontext()):
+        # (the bare read at one thread, as one worker reads: the read limit per core)
+        threads = col in ("in_process_1", "bare", "cold_bare")
+        with (one_thread() if threads else contextlib.nullcontext()):
             res = measure(col, rb, cfg, advance, make=make)
         res.label = COLUMN_LABELS[col]
         run.results[col] = res
@@ -386,7 +395,7 @@ def run_all(cfg, names, columns, progress, say, backends=None):
             bar.close()
             try:
                 cols = list(columns)
-                if name in DIRECT_READS:
+                if name in COLD:
                     cols += [c for c in ("cold_in_process", "cold_bare") if
                              c.replace("cold_", "") in columns]
 
@@ -527,8 +536,8 @@ def storages_table(runs, cfg):
              f"batch touched once per 4 KiB")
     notes.insert(0, "Buffers built by UniEnv's own benchmarks/storages/bench_storages.py "
                     "(and bench_lerobot.py), saved and loaded back read-only.  bare read: "
-                    "the same rows into reused memory in process (contiguous HDF5: preadv, "
-                    "sorted and coalesced; memory maps: index_select).  1 thread: torch and "
+                    "the same rows into reused memory in process at one thread (contiguous "
+                    "HDF5: preadv, sorted and coalesced; memory maps: index_select).  1 thread: torch and "
                     "UniEnv's I/O pool at one thread (one decoder).  main CPU: ms of this "
                     "process's CPU per batch.")
     return Table(title, head, rows, notes)
