@@ -231,3 +231,40 @@ def test_the_identity_of_a_file(tmp_path):
     assert not _files.racy(ident, max(st.st_mtime_ns, st.st_ctime_ns) + _files.RACY_NS + 1)
     assert _files.identity(str(tmp_path / "missing"))[1:] == (None,) * 5
     assert not _files.racy(_files.identity(str(tmp_path / "missing")))
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_a_worker_started_after_the_files_changed_does_not_start(tmp_path, start):
+    """One copy per pool over files: the first worker reads the file it opened; a worker
+    left to start later would open the path, which names another file now, so it does not
+    start, and the stream is the one of the file the pool started with."""
+    _need("hdf5")
+    rb = build("hdf5", str(tmp_path))
+    twin_dir = tmp_path / "twin"
+    twin_dir.mkdir()
+    twin = build("hdf5", str(twin_dir))
+    try:
+        path = rb.storage.cache_filename
+        _settled(str(tmp_path))
+        kw = dict(n_workers=2, n_buffers=2, ctx=mp.get_context(start))
+        with MultiprocessingSampler(StepSampler(rb, batch_size=B, seed=9), **kw) as ms, \
+                MultiprocessingSampler(StepSampler(twin, batch_size=B, seed=9), **kw) as tw:
+            first = ms.sample()
+            assert len(ms.stats().workers) == 1   # (the second is left to start later)
+            import h5py
+            with h5py.File(path + ".new", "w") as f:   # another file, other rows
+                for key, value in steps(500, len(rb), np_space()).items():
+                    f[key] = value
+            os.replace(path + ".new", path)
+            got, want = [first], [tw.sample()]
+            for s in (ms, tw):   # (the worker left to start later: now, where it can)
+                s._pools.sample.start_all()
+            for _ in range(24):
+                got.append(ms.sample())
+                want.append(tw.sample())
+            assert len(tw.stats().workers) == 2
+            assert len(ms.stats().workers) == 1
+            assert all(map(same_batch, got, want))
+    finally:
+        close(rb)
+        close(twin)

@@ -95,6 +95,13 @@ class DataCopy:
         self.untracked = None   # how a write torch did not count was found, if one was
         self._manager = lambda: None
 
+    @property
+    def reads_files(self):
+        """True where the data is read from files (whose identities the fingerprint
+        holds), which no snapshot of the workers' copy holds."""
+        fp = self.fp
+        return isinstance(fp, _fingerprint.Fingerprint) and bool(fp.files or fp.maps)
+
     def started(self, manager):
         """The pool's first workers started (``manager``'s): under fork, the page table
         watches the data's memory from now on."""

@@ -19,6 +19,20 @@ def _always():
     return True
 
 
+class _EveryStart:
+    """A ``same_copy`` that the launch asks before every process started after the first
+    ones (``every_start``), not only before those that cannot start from the snapshot: the
+    data is read from files, which no snapshot holds (see `unienv_mp._process.launch`)."""
+    every_start = True
+    __slots__ = ("same_copy",)
+
+    def __init__(self, same_copy):
+        self.same_copy = same_copy
+
+    def __call__(self):
+        return self.same_copy()
+
+
 class Pools:
     """A sampler's managers.  ``owner``: the sampler, through a weak proxy (it owns this);
     its ``new_manager()`` makes a manager, ``_ensure_manager()`` opens the ``sample*``
@@ -141,7 +155,11 @@ class Pools:
         later = _always
         if persistent is False or (fork and copy.fp is None):
             later = None
-        return {"start_later": later, "same_copy": copy.same_copy}
+        same = copy.same_copy
+        if copy.reads_files:
+            # (no snapshot holds data read from files: every later start is asked)
+            same = _EveryStart(same)
+        return {"start_later": later, "same_copy": same}
 
     # -- the managers of epochs ------------------------------------------------------------
 
