@@ -235,9 +235,11 @@ def test_the_identity_of_a_file(tmp_path):
 
 @pytest.mark.parametrize("start", ["fork", "spawn"])
 def test_a_worker_started_after_the_files_changed_does_not_start(tmp_path, start):
-    """One copy per pool over files: the first worker reads the file it opened; a worker
-    left to start later would open the path, which names another file now, so it does not
-    start, and the stream is the one of the file the pool started with."""
+    """One copy per pool over files: the first worker reads the file it opened.  Under
+    spawn a worker left to start later would open the path, which names another file now,
+    so it does not start; under fork it starts from the snapshot process, which holds the
+    file the first one opened.  Either way the stream is the one of the file the pool
+    started with."""
     _need("hdf5")
     rb = build("hdf5", str(tmp_path))
     twin_dir = tmp_path / "twin"
@@ -263,8 +265,34 @@ def test_a_worker_started_after_the_files_changed_does_not_start(tmp_path, start
                 got.append(ms.sample())
                 want.append(tw.sample())
             assert len(tw.stats().workers) == 2
-            assert len(ms.stats().workers) == 1
+            assert len(ms.stats().workers) == (2 if start == "fork" else 1)
             assert all(map(same_batch, got, want))
     finally:
         close(rb)
         close(twin)
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_a_worker_killed_over_unchanged_files_is_replaced(tmp_path, start):
+    """A SIGKILLed worker of a pool over files that did not change is replaced, and the
+    stream is an unkilled twin's."""
+    import signal
+    _need("hdf5")
+    rb = build("hdf5", str(tmp_path))
+    try:
+        _settled(str(tmp_path))
+        kw = dict(n_workers=2, n_buffers=2, ctx=mp.get_context(start))
+        with MultiprocessingSampler(StepSampler(rb, batch_size=B, seed=4), **kw) as ms, \
+                MultiprocessingSampler(StepSampler(rb, batch_size=B, seed=4), **kw) as tw:
+            got, want = [ms.sample()], [tw.sample()]
+            ms._pools.sample.start_all()
+            victim = ms.stats().workers[0].pid
+            os.kill(victim, signal.SIGKILL)
+            for _ in range(20):
+                got.append(ms.sample())
+                want.append(tw.sample())
+            assert all(map(same_batch, got, want))
+            pids = [w.pid for w in ms.stats().workers]
+            assert len(pids) == 2 and victim not in pids and ms.stats().workers[0].respawns
+    finally:
+        close(rb)

@@ -14,9 +14,10 @@ once the snapshot process is gone, or under spawn where the work function must b
 again at each start) would copy the data as it is when it starts.  It starts only if the
 manager's ``same_copy()`` says that this is still what the first workers copied; otherwise
 `CopyGone` is raised, and the process does not start (see `WorkerPool` for what then
-becomes of a worker's tasks).  Where the data is read from files (``same_copy.every_start``
-is True), no snapshot holds it: every process after the first ones reads the files as they
-are when it starts, so every such start asks ``same_copy()``.
+becomes of a worker's tasks).  Where the data is read from files that a spawned process
+opens by name (``same_copy.every_start`` is True), the first start's pickle holds their
+names, not the files: every process after the first ones opens them as they are when it
+starts, so every such start asks ``same_copy()``.
 
 Both are released when the last worker handle has released its memory
 (`WorkerHandle.release_memory`), since no process of the manager starts after that.

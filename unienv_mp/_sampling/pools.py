@@ -22,7 +22,8 @@ def _always():
 class _EveryStart:
     """A ``same_copy`` that the launch asks before every process started after the first
     ones (``every_start``), not only before those that cannot start from the snapshot: the
-    data is read from files, which no snapshot holds (see `unienv_mp._process.launch`)."""
+    data is read from files that a process started with spawn opens by name (see
+    `unienv_mp._process.launch`)."""
     every_start = True
     __slots__ = ("same_copy",)
 
@@ -156,8 +157,11 @@ class Pools:
         if persistent is False or (fork and copy.fp is None):
             later = None
         same = copy.same_copy
-        if copy.reads_files:
-            # (no snapshot holds data read from files: every later start is asked)
+        if copy.reads_files and not fork:
+            # (a process started with spawn opens the files by name, as they are then, not
+            # the ones the first workers opened: every later start is asked.  Under fork
+            # the snapshot process holds the first workers' open files and maps, and
+            # later workers inherit them.)
             same = _EveryStart(same)
         return {"start_later": later, "same_copy": same}
 
