@@ -22,6 +22,11 @@ touches one byte per 4 KiB page of every batch.
   ``shared_memory=True``, UniEnv's StepSampler in process, the view's bare limit
   (``index_select`` of its final rows, mask included, into reused memory), and TorchRL's
   ``SliceSampler`` on the action chunks.  A round is one batch.
+* ``windows, ...``: the main job's windows case (an observation history and an action
+  chunk of one step per element, with pad masks: ``unienv_mp.WindowedBatch``), batches of
+  256 over 20k steps in episodes of 200: unienv_mp (and its generic path), the same view
+  in process, two UniEnv samplers paired by seed in process, a torch DataLoader over a
+  map-style dataset doing the same indexing, and the bare gather.  A round is one batch.
 * ``latency, ...``: one group per way of asking for a batch with nothing prefetched
   (``latency.TRIGGERS``); a round is one such batch, its set-up (a pause, closing the
   previous epoch or sampler) untimed.  UniEnv's ``manual_seed()`` keeps the batches its
@@ -40,7 +45,7 @@ command with a table each: ``python -m unienv_mp --case all``.
 import numpy as np
 import pytest
 
-from unienv_mp.bench import config, data, epochs, latency, measure, online, peers, views
+from unienv_mp.bench import config, data, epochs, latency, measure, online, peers, views, windows
 
 CASES = {
     "image": config.Config(transitions=20_000, batch_size=256, image_shape=(3, 128, 128)),
@@ -57,6 +62,7 @@ WARMUP = {"image": 20, "state": 200, "jpeg": 10, "view": 200, "view_images": 10}
 LATENCY_ROUNDS = {"reseed": 40, "epoch": 15, "start": 10}
 VIEWS = config.case_config("views")
 VIEW_IMAGES = ("framestack", "framestack_image", "combined")   # 25 MB a batch
+WINDOWS = config.case_config("windows")
 EPOCH = config.case_config("epoch")
 EPOCH_ROUNDS = {"first": 3, "later": 5}
 MISSING = peers.available()
@@ -141,6 +147,21 @@ def test_views(benchmark, views_data, view, impl):
     benchmark.group = f"views, {views.VIEWS[view].label}: B={VIEWS.batch_size}, 4 workers, fork"
     _bench_batches(benchmark, impl, None, VIEWS,
                    "view_images" if view in VIEW_IMAGES else "view", made)
+
+
+@pytest.fixture(scope="module")
+def windows_rb():
+    with data.case_data("windows", WINDOWS) as rb:
+        yield rb
+
+
+@pytest.mark.parametrize("impl", config.CASES["windows"].rows)
+def test_windows(benchmark, windows_rb, impl):
+    _skip_missing(impl)
+    benchmark.group = (f"windows, image and state at [-1, 0], actions at 0..15, pad masks: "
+                       f"B={WINDOWS.batch_size}, 4 workers, fork")
+    _bench_batches(benchmark, impl, None, WINDOWS, "view_images",
+                   windows.make_window_sampler(impl, windows_rb, WINDOWS))
 
 
 @pytest.mark.parametrize("impl", config.CASES["online"].rows)

@@ -30,6 +30,15 @@
  * filled window to storage rows as the buffer does: one call per batch instead of a dozen
  * tensor operations.
  * unienv_mp's tests compare the result with UniEnv's bit for bit over random windows.
+ *
+ * The windows view (unienv_mp.windows.WindowedBatch) pads as LeRobot pads: a frame outside
+ * the anchor's episode (or outside the data) repeats the nearest frame of the episode,
+ * and is marked as padding.  Its episode is found once per sampled step, whatever the
+ * number of keys and windows: umr_episode_span walks from the step to the first and last
+ * step of its episode that any window can reach, and umr_span_rows clamps each key's
+ * window to that span.  The view's own get_at (the generic path) computes the same spans
+ * with tensor operations; the tests hold the two equal, and both equal to UniEnv's own
+ * SliceStackedBatch over each key with the same indices.
  */
 #include "umr_window.h"
 
@@ -168,4 +177,100 @@ int64_t umr_window_rows(const int64_t *idx, uint64_t m, const int64_t *off, uint
     if (fill && invalid)
         umr_window_fill(rows, mask, m, t, z);
     return (int64_t)invalid;
+}
+
+/* The storage row of logical step l (0 <= l < count, 0 <= offset): the buffer's own
+ * (l + offset) % count, with no overflow below 2^63. */
+static int64_t storage_row(int64_t l, int64_t count, int64_t offset)
+{
+    uint64_t r = (uint64_t)l + (uint64_t)offset;
+    return (int64_t)(r >= (uint64_t)count ? r % (uint64_t)count : r);
+}
+
+int64_t umr_episode_span(const int64_t *idx, uint64_t m, int64_t back, int64_t fwd,
+                         int64_t count, int64_t offset, const void *key, uint64_t key_rows,
+                         int key_type, int kind, int64_t *t, int64_t *lo, int64_t *hi)
+{
+    uint64_t i;
+    for (i = 0; i < m; i++) {
+        int64_t x = idx[i], a, b, first, last, r, anchor;
+        if (x < 0) {
+            if (count <= 0 || x < -count)
+                return (int64_t)i;
+            x += count;
+        }
+        if (x >= count)
+            return (int64_t)i;
+        /* the steps any window can reach: [max(0, x - back), min(count - 1, x + fwd)] */
+        first = back < x ? x - back : 0;
+        last = fwd < count - 1 - x ? x + fwd : count - 1;
+        a = b = x;
+        if (kind == 0) {
+            a = first;
+            b = last;
+        } else if (kind == UMR_EPISODE_ID) {
+            /* a run of equal ids around x: compared with x's own (the same as with each
+             * neighbour, as the run is walked outwards from x) */
+            r = storage_row(x, count, offset);
+            if ((uint64_t)r >= key_rows)
+                return UMR_SPAN_NOT_IN_TABLE;
+            anchor = key_value(key, key_type, 64, r);
+            while (a > first) {
+                r = storage_row(a - 1, count, offset);
+                if ((uint64_t)r >= key_rows)
+                    return UMR_SPAN_NOT_IN_TABLE;
+                if (key_value(key, key_type, 64, r) != anchor)
+                    break;
+                a--;
+            }
+            while (b < last) {
+                r = storage_row(b + 1, count, offset);
+                if ((uint64_t)r >= key_rows)
+                    return UMR_SPAN_NOT_IN_TABLE;
+                if (key_value(key, key_type, 64, r) != anchor)
+                    break;
+                b++;
+            }
+        } else {
+            /* an end flag at step l ends l's episode: step a - 1 must not end one for a - 1
+             * to be in x's episode, and step b must not end one for b + 1 to be */
+            while (a > first) {
+                r = storage_row(a - 1, count, offset);
+                if ((uint64_t)r >= key_rows)
+                    return UMR_SPAN_NOT_IN_TABLE;
+                if (key_value(key, key_type, 64, r) != 0)
+                    break;
+                a--;
+            }
+            while (b < last) {
+                r = storage_row(b, count, offset);
+                if ((uint64_t)r >= key_rows)
+                    return UMR_SPAN_NOT_IN_TABLE;
+                if (key_value(key, key_type, 64, r) != 0)
+                    break;
+                b++;
+            }
+        }
+        t[i] = x;
+        lo[i] = a;
+        hi[i] = b;
+    }
+    return UMR_SPAN_OK;
+}
+
+void umr_span_rows(const int64_t *t, const int64_t *lo, const int64_t *hi, uint64_t m,
+                   const int64_t *off, uint64_t n_off, int64_t count, int64_t offset,
+                   int64_t *rows, uint8_t *pad)
+{
+    uint64_t i, j;
+    for (i = 0; i < m; i++) {
+        for (j = 0; j < n_off; j++) {
+            /* |t| < 2^62 and |off| < 2^62: no overflow */
+            int64_t q = t[i] + off[j];
+            int64_t c = q < lo[i] ? lo[i] : (q > hi[i] ? hi[i] : q);
+            rows[i * n_off + j] = storage_row(c, count, offset);
+            if (pad)
+                pad[i * n_off + j] = c != q;
+        }
+    }
 }

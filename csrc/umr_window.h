@@ -48,6 +48,34 @@ int64_t umr_window_rows(const int64_t *idx, uint64_t m, const int64_t *off, uint
                         uint64_t key_rows, int key_type, int kind, int ends_bits, int fill,
                         int64_t *rows, uint8_t *mask);
 
+/* The windows view (unienv_mp.windows.WindowedBatch): each sampled step t's episode, as
+ * the span [lo, hi] of logical indices around it that the view's windows may read, and
+ * each key's window clamped to that span.
+ *
+ * umr_episode_span: for each of the m indices idx[i] (plus count if negative, as UniEnv
+ * reads a negative index; each must then be in [0, count)), t[i] = that index, and lo[i]
+ * and hi[i] the first and last step of t[i]'s episode within [t - back, t + fwd] and
+ * within the data [0, count - 1].  kind 0: every step is one episode; UMR_EPISODE_ID:
+ * an episode is a run of consecutive steps whose ids (`key`) equal t's; UMR_EPISODE_END:
+ * an episode ends at a step whose end flag (`key`) is not zero.  The episode column is
+ * read at storage row (l + offset) % count of step l: a table of key_rows values of
+ * key_type (UMR_KEY_*).  Returns -1 when every index is in range and every row read is
+ * in the table; else the position i of the first index out of range, or -2 for a row
+ * not in the table.  (0 <= back, fwd < 2^62.) */
+enum { UMR_SPAN_OK = -1, UMR_SPAN_NOT_IN_TABLE = -2 };
+int64_t umr_episode_span(const int64_t *idx, uint64_t m, int64_t back, int64_t fwd,
+                         int64_t count, int64_t offset, const void *key, uint64_t key_rows,
+                         int key_type, int kind, int64_t *t, int64_t *lo, int64_t *hi);
+
+/* One key's window over the spans: for each i and each of the n_off offsets, q = t[i] +
+ * off[j] clamped to [lo[i], hi[i]], as the storage row (q + offset) % count, into
+ * rows[i * n_off + j]; pad[i * n_off + j] (unless pad is NULL) = 1 where the clamp moved
+ * q (a step outside the episode or the data: padding), else 0.  Every lo <= t <= hi must
+ * lie in [0, count), and |off[j]| < 2^62. */
+void umr_span_rows(const int64_t *t, const int64_t *lo, const int64_t *hi, uint64_t m,
+                   const int64_t *off, uint64_t n_off, int64_t count, int64_t offset,
+                   int64_t *rows, uint8_t *pad);
+
 #ifdef __cplusplus
 }
 #endif

@@ -9,9 +9,9 @@ import typing
 
 #: The public modules, in the order of the navigation (tests/test_layout.py holds the same
 #: list and checks that nothing else is public).
-MODULES = ("unienv_mp", "unienv_mp.sampler", "unienv_mp.manager", "unienv_mp.queue",
-           "unienv_mp.stats", "unienv_mp.errors", "unienv_mp.backend", "unienv_mp.gather",
-           "unienv_mp.compat", "unienv_mp.ray")
+MODULES = ("unienv_mp", "unienv_mp.sampler", "unienv_mp.windows", "unienv_mp.manager",
+           "unienv_mp.queue", "unienv_mp.stats", "unienv_mp.errors", "unienv_mp.backend",
+           "unienv_mp.gather", "unienv_mp.compat", "unienv_mp.ray")
 
 
 def public_names():

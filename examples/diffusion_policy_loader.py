@@ -1,14 +1,12 @@
-"""A diffusion-policy style loader: 2 stacked camera frames plus the next 8 actions.
+"""A diffusion-policy style loader: 2 camera frames plus the next 8 actions, of one step.
 
-The observation is a FrameStackedBatch (frames t-1 and t) and the action chunk a
-SliceStackedBatch over actions t .. t+7, each sampled by its own MultiprocessingSampler.
+One sampler over a WindowedBatch: the image at steps t-1 and t, the actions t .. t+7,
+padded where the window leaves the episode, with a mask per key the loss uses.
 Run: python examples/diffusion_policy_loader.py [--steps N]
 """
 import argparse
 
 import torch
-from unienv_data.batches.framestack_batch import FrameStackedBatch
-from unienv_data.batches.slicestack_batch import SliceStackedBatch
 from unienv_data.replay_buffer import ReplayBuffer
 from unienv_data.samplers import StepSampler
 from unienv_data.storages.dict_storage import DictStorage
@@ -16,12 +14,12 @@ from unienv_data.storages.pytorch import PytorchTensorStorage
 from unienv_interface.backends.pytorch import PyTorchComputeBackend as B
 from unienv_interface.space import BoxSpace, DictSpace
 
-from unienv_mp import MultiprocessingSampler
+from unienv_mp import MultiprocessingSampler, WindowedBatch
 
 N_EPISODES, EPISODE_LEN = 20, 50   # 1000 steps of demonstrations
 BATCH = 32
-HISTORY = 1                        # frames before t: 2 frames in all
-CHUNK = 8                          # actions t .. t+7
+HISTORY = [-1, 0]                  # the image at steps t-1 and t
+CHUNK = list(range(8))             # actions t .. t+7
 
 
 def make_buffer():
@@ -50,45 +48,38 @@ def main():
         parser.error("--steps must be 1 or more")
 
     rb = make_buffer()
-    # A window must not reach into another episode: UniEnv's helper marks the steps whose
-    # episode_id differs from step t's as invalid, and the view (fill_invalid_data, on by
-    # default) repeats the nearest valid step in their place: the episode's first frame
-    # before it starts, its last action after it ends, as diffusion policy pads.
-    same_episode = SliceStackedBatch.get_valid_mask_function_with_episodeid_key("episode_id")
-    # Observation: every key of steps t-1 and t (image (2, 3, 32, 32), action (2, 7), ...).
-    frames = FrameStackedBatch(rb, prefetch_horizon=HISTORY,
-                               get_valid_mask_function=same_episode)
-    # Action chunk: only the action column of steps t .. t+CHUNK-1, shape (CHUNK, 7).
-    chunks = SliceStackedBatch(rb, torch.arange(CHUNK),
-                               get_valid_mask_function=same_episode).get_column(["action"])
-
-    # How the two are matched: both views have one element per step of rb, and both
-    # samplers draw the same steps t for the same seed. A MultiprocessingSampler's j-th
-    # batch depends only on the seed, j and batches_per_task, whose default depends on
-    # the batch's size in bytes, so it is set to the same value for both. The stream
-    # also depends on the method: call the same one on both (here sample_with_metadata).
-    obs_sampler = MultiprocessingSampler(StepSampler(frames, BATCH, seed=0), n_workers=2,
-                                         batches_per_task=4)
-    act_sampler = MultiprocessingSampler(StepSampler(chunks, BATCH, seed=0), n_workers=1,
-                                         batches_per_task=4)
-    with obs_sampler, act_sampler:
+    # One element per step t: each key's own window of steps around t.  A step outside
+    # t's episode (told by episode_id) repeats the episode's nearest step, as diffusion
+    # policy and LeRobot pad: its first frame before it starts, its last action after
+    # it ends; meta["<key>_is_pad"] says which.  In seconds, as LeRobot's
+    # delta_timestamps: WindowedBatch(rb, delta_timestamps={...}, fps=...).
+    view = WindowedBatch(rb, {"image": HISTORY, "action": CHUNK},
+                         episode_id_key="episode_id", keep_other_keys=False)
+    sampler = MultiprocessingSampler(StepSampler(view, BATCH, seed=0), n_workers=2)
+    padded = total = 0
+    with sampler:
         for _ in range(args.steps):
-            obs, _ = obs_sampler.sample_with_metadata()
-            actions, meta = act_sampler.sample_with_metadata()
-            # meta["slice_valid_mask"] (B, CHUNK): False where the chunk ran past the end of
-            # its episode and was padded, for a loss that leaves those actions out
-            valid = meta["slice_valid_mask"]
-            # The check that they are matched: the last stacked frame is step t, and so
-            # is the chunk's first action.
-            assert torch.equal(obs["action"][:, -1], actions[:, 0])
-            images = obs["image"].float() / 255   # a model's input: (B, 2, 3, 32, 32)
-            # ... a diffusion policy's training step on (images, actions) goes here
-        print(f"{args.steps} batches, observation and action chunk of the same steps")
+            batch, meta = sampler.sample_with_metadata()
+            images = batch["image"].float() / 255     # a model's input: (B, 2, 3, 32, 32)
+            actions = batch["action"]                 # the target: (B, 8, 7)
+            pad = meta["action_is_pad"]               # (B, 8): True past the episode's end
+            # A diffusion policy's loss over the actions the episode really has: a
+            # stand-in prediction here, the padded actions left out.
+            prediction = torch.zeros_like(actions)
+            error = ((prediction - actions) ** 2).mean(-1)        # (B, 8)
+            loss = (error * ~pad).sum() / (~pad).sum().clamp(min=1)
+            padded += int(pad.sum())
+            total += pad.numel()
+            # ... the model's training step on (images, actions, loss) goes here
+        print(f"{args.steps} batches of one sampler, image history and action chunk of "
+              f"the same steps")
         print("image history:", tuple(images.shape), images.dtype)
         print("action chunk: ", tuple(actions.shape), actions.dtype)
-        print("valid mask:   ", tuple(valid.shape), valid.dtype,
-              f"({int((~valid).sum())} of {valid.numel()} actions padded in the last batch)")
-        print("gather paths: ", obs_sampler.gather_path, act_sampler.gather_path)
+        print("pad masks:    ", tuple(meta["image_is_pad"].shape),
+              tuple(pad.shape), pad.dtype,
+              f"({padded} of {total} actions padded, left out of the loss)")
+        print("last loss:    ", f"{float(loss):.3f}")
+        print("gather path:  ", sampler.gather_path)
 
 
 if __name__ == "__main__":

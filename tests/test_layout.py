@@ -127,6 +127,7 @@ def test_no_module_imports_another_ones_private_names(path):
 #: The modules whose names are the package's public surface; a class reachable from one of
 #: them is public.  Every other class of the package is private.
 PUBLIC_MODULES = ("unienv_mp", "unienv_mp.backend", "unienv_mp.manager", "unienv_mp.sampler",
+                  "unienv_mp.windows",
                   "unienv_mp.queue", "unienv_mp.gather", "unienv_mp.stats", "unienv_mp.errors",
                   "unienv_mp.compat", "unienv_mp.ray")
 

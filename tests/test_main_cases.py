@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from unienv_mp.bench import cli, config, data, epochs, index_select, latency, measure, online, peers, plots, tables, views
+from unienv_mp.bench import cli, config, data, epochs, index_select, latency, measure, online, peers, plots, tables, views, windows
 
 SMALL = ["--transitions", "300", "--image-shape", "3x8x8", "--batch-size", "16",
          "--workers", "2", "--buffers", "2", "--seconds", "0.3", "--no-progress"]
@@ -159,9 +159,10 @@ def test_without_pillow_all_cases_but_jpeg_run():
     for c in out["cases"]:
         rows = (c["results"] if c["case"] != "views" else
                 [r for view in c["results"].values() for r in view.values()])
-        # (--impl in_process brings the epoch case's frame-stack row of its own)
-        assert {r["name"] for r in rows} == (
-            {"in_process", "in_process_view"} if c["case"] == "epoch" else {"in_process"})
+        # (--impl in_process brings the epoch case's frame-stack row of its own, and the
+        # windows case's paired samplers)
+        assert {r["name"] for r in rows} == {"in_process", *{
+            "epoch": {"in_process_view"}, "windows": {"paired_in_process"}}.get(c["case"], ())}
 
 
 # --- latency -------------------------------------------------------------------------------
@@ -462,6 +463,61 @@ def test_the_bare_limit_of_a_view_gathers_uniEnvs_batch():
             for _ in range(3):
                 assert_identical(limit(), reference.sample(), name)
             close()
+
+
+# --- windows ------------------------------------------------------------------------------
+
+def test_windows_case_times_each_way_of_making_the_batch(capsys):
+    rc, out = _json_run(capsys, SMALL + ["--case", "windows"])
+    assert rc == 0 and out["case"] == "windows"
+    rows = {r["name"]: r for r in out["results"]}
+    assert list(rows) == list(config.CASES["windows"].rows)
+    for r in rows.values():
+        assert r["error"] is None and r["batches"] >= 5, r
+    # the same bytes (image and state at 2 steps, 16 actions, a pad mask each), but for
+    # the paired samplers, whose frame stack stacks every key
+    same = 16 * (2 * (3 * 8 * 8 + 10 * 4) + 16 * 7 * 4 + 2 + 2 + 16)
+    for name in ("unienv_mp", "unienv_mp_generic", "in_process", "dataloader_map",
+                 "index_select"):
+        assert rows[name]["batch_bytes"] == same, name
+    assert rows["paired_in_process"]["batch_bytes"] > same
+    assert rows["unienv_mp"]["workers"] == 2 and rows["in_process"]["workers"] is None
+    assert set(out["speedup_of_unienv_mp"]) == set(rows) - {"unienv_mp"}
+    assert cli.main(SMALL + ["--case", "windows", "--impl", "in_process,dataloader"]) == 0
+    table = capsys.readouterr().out
+    assert config.LABELS["paired_in_process"] in table
+    assert config.LABELS["dataloader_map"] in table and "unienv_mp is" in table
+    assert "at 0..15" in table and "episode_data_index" in table
+
+
+def test_every_row_of_the_windows_case_makes_the_views_batch():
+    """The rows compared make the same batch: the DataLoader's dataset, collated, and the
+    bare gather give the view's own batch for the same steps, and the paired samplers
+    draw the same steps in process."""
+    from unienv_data.samplers import StepSampler
+    from test_gather import assert_identical
+    cfg = dataclasses.replace(config.case_config("windows"), **TINY)
+    with data.case_data("windows", cfg) as rb:
+        view = windows.windowed_view(rb)
+        dataset = windows.WindowDataset(rb)
+        steps = [0, 1, 150, 199, 200, 201, 299, 17]
+        collated = torch.utils.data.default_collate([dataset[t] for t in steps])
+        data_, meta = view.get_at_with_metadata(torch.tensor(steps))
+        assert_identical({k: collated[k] for k in data_}, data_)
+        assert_identical({k: collated[k] for k in meta}, meta)
+        assert len(collated) == len(data_) + len(meta)
+        assert meta["action_is_pad"][3].sum() == 15 and not meta["action_is_pad"][4].any()
+        limit, close = index_select.view_limit_sampler(StepSampler(view, 16, seed=4), cfg,
+                                                       with_metadata=True)
+        reference = StepSampler(view, 16, seed=4)
+        for _ in range(3):
+            assert_identical(limit(), reference.sample_with_metadata())
+        close()
+        next_batch, close = windows.make_window_sampler("paired_in_process", rb, cfg)
+        for _ in range(3):
+            (obs, _), (actions, valid) = next_batch()
+            assert torch.equal(obs["action"][:, -1], actions[:, 0])
+        close()
 
 
 # --- what the main job says ---------------------------------------------------------------

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from ._process.manager import \
         MultiProcessingSampleManager as MultiProcessingSampleManager
     from ._sampling.sampler import MultiprocessingSampler as MultiprocessingSampler
+    from .windows import WindowedBatch as WindowedBatch
     from .compat import worker_loop as worker_loop
     from .compat import wrap_epoch_iter_function as wrap_epoch_iter_function
     from .compat import wrap_sample_function as wrap_sample_function
@@ -35,6 +36,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "MultiprocessingSampler": "sampler",
     "MultiProcessingSampleManager": "manager",
+    "WindowedBatch": "windows",
     "worker_loop": "compat",
     "wrap_sample_function": "compat",
     "wrap_epoch_iter_function": "compat",

@@ -1,16 +1,18 @@
 """Row gathering for the direct gather (`unienv_mp._direct.gather`): the rows a batch samples,
 copied from a table of rows into a slot, with the GIL released and streaming stores for
 large rows (see ``csrc/umr_rows.c`` for why), or read from a file straight into the slot
-(``csrc/umr_pread.c``); and the row table of a stacked view's batch, its window, valid mask
-and fill (`unienv_mp._direct.views`, ``csrc/umr_window.c``)."""
+(``csrc/umr_pread.c``); the row table of a stacked view's batch, its window, valid mask
+and fill (`unienv_mp._direct.views`, ``csrc/umr_window.c``); and the windows view's
+episode spans and per-key rows (``unienv_mp.windows``)."""
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 from _typeshed import ReadableBuffer, WriteableBuffer
 
-__all__ = ["gather_rows", "scatter_rows", "pread_rows", "PREAD_GAP", "window", "window_mask", "window_fill",
-           "window_rows", "EPISODE_ID", "EPISODE_END", "KEY_TYPES"]
+__all__ = ["gather_rows", "scatter_rows", "pread_rows", "PREAD_GAP", "window", "window_mask",
+           "window_fill", "window_rows", "episode_span", "span_rows", "EPISODE_ID",
+           "EPISODE_END", "KEY_TYPES", "SPAN_LIMIT"]
 
 # (numpy arrays are buffers for type checkers only from Python 3.12: hence the unions)
 def gather_rows(table: npt.NDArray[Any] | ReadableBuffer, row_bytes: int,
@@ -90,3 +92,34 @@ def window_rows(idx: npt.NDArray[np.int64] | ReadableBuffer,
     converted to an integer of ``ends_bits``, 32 or 64, as UniEnv converts them).  Returns
     the number of invalid frames; raises ``IndexError`` if a row is not in the key's
     storage."""
+
+#: The largest step count, window reach and offset `episode_span` and `span_rows` take
+#: (their sums stay below 2**63).
+SPAN_LIMIT: int
+
+def episode_span(idx: npt.NDArray[np.int64] | ReadableBuffer, back: int, fwd: int,
+                 count: int, offset: int, key: npt.NDArray[np.uint8] | ReadableBuffer,
+                 key_type: int, kind: int, t: npt.NDArray[np.int64] | WriteableBuffer,
+                 lo: npt.NDArray[np.int64] | WriteableBuffer,
+                 hi: npt.NDArray[np.int64] | WriteableBuffer) -> None:
+    """The episode of each step of ``idx`` (plus ``count`` where negative) in a ReplayBuffer
+    of ``count`` rows at ``offset``, as far as windows reaching ``back`` steps before it
+    and ``fwd`` after it can see: the step into ``t``, the first and last steps of its
+    episode within that reach and within the data into ``lo`` and ``hi``.  ``kind`` 0 (the
+    data is one episode), `EPISODE_ID` (an episode is a run of equal ids) or `EPISODE_END`
+    (an episode ends at a step whose flag is not zero); ``key``: the bytes of the episode
+    column's storage, one value of ``key_type`` (`KEY_TYPES`) per storage row.  Raises
+    ``IndexError`` for an index outside ``[-count, count)`` or a row not in the key's
+    storage."""
+
+def span_rows(t: npt.NDArray[np.int64] | ReadableBuffer,
+              lo: npt.NDArray[np.int64] | ReadableBuffer,
+              hi: npt.NDArray[np.int64] | ReadableBuffer,
+              offsets: npt.NDArray[np.int64] | ReadableBuffer, count: int, offset: int,
+              rows: npt.NDArray[np.int64] | WriteableBuffer,
+              pad: npt.NDArray[np.uint8] | WriteableBuffer | None = None) -> None:
+    """One key's window over the spans of `episode_span`: for each step ``t[i]`` and each
+    offset, the step ``t[i] + offset`` clamped to ``[lo[i], hi[i]]``, as its storage row
+    ``(step + offset) % count``, into ``rows`` (row-major, one row per step); and, if
+    ``pad`` (a writable buffer of as many bytes) is given, 1 where the clamp moved the step
+    (padding), else 0."""

@@ -2,8 +2,9 @@
 """Row gathering for the direct gather (`unienv_mp._direct.gather`): the rows a batch samples,
 copied from a table of rows into a slot, with the GIL released and streaming stores for
 large rows (see ``csrc/umr_rows.c`` for why), or read from a file straight into the slot
-(``csrc/umr_pread.c``); and the row table of a stacked view's batch, its window, valid mask
-and fill (`unienv_mp._direct.views`, ``csrc/umr_window.c``)."""
+(``csrc/umr_pread.c``); the row table of a stacked view's batch, its window, valid mask
+and fill (`unienv_mp._direct.views`, ``csrc/umr_window.c``); and the windows view's
+episode spans and per-key rows (``unienv_mp.windows``)."""
 from libc.stdint cimport int64_t, uint64_t, uint8_t, INT64_MIN, INT64_MAX
 from libc.stdlib cimport malloc, free
 import os
@@ -11,8 +12,9 @@ import os
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE,
                              PyBUF_WRITABLE)
 
-__all__ = ["gather_rows", "scatter_rows", "pread_rows", "PREAD_GAP", "window", "window_mask", "window_fill",
-           "window_rows", "EPISODE_ID", "EPISODE_END", "KEY_TYPES"]
+__all__ = ["gather_rows", "scatter_rows", "pread_rows", "PREAD_GAP", "window", "window_mask",
+           "window_fill", "window_rows", "episode_span", "span_rows", "EPISODE_ID",
+           "EPISODE_END", "KEY_TYPES", "SPAN_LIMIT"]
 
 cdef extern from "umr_rows.h" nogil:
     int64_t umr_gather_rows(const unsigned char *src, uint64_t n_src, uint64_t row_bytes,
@@ -40,7 +42,16 @@ cdef extern from "umr_window.h" nogil:
                             uint64_t z, int64_t count, int64_t offset, const void *key,
                             uint64_t key_rows, int key_type, int kind, int ends_bits,
                             int fill, int64_t *rows, uint8_t *mask)
+    int64_t umr_episode_span(const int64_t *idx, uint64_t m, int64_t back, int64_t fwd,
+                             int64_t count, int64_t offset, const void *key,
+                             uint64_t key_rows, int key_type, int kind, int64_t *t,
+                             int64_t *lo, int64_t *hi)
+    void umr_span_rows(const int64_t *t, const int64_t *lo, const int64_t *hi, uint64_t m,
+                       const int64_t *off, uint64_t n_off, int64_t count, int64_t offset,
+                       int64_t *rows, uint8_t *pad)
     enum:
+        UMR_SPAN_OK
+        UMR_SPAN_NOT_IN_TABLE
         UMR_EPISODE_ID
         UMR_EPISODE_END
         UMR_KEY_I64
@@ -286,3 +297,86 @@ def window_rows(const int64_t[::1] idx, const int64_t[::1] offsets, Py_ssize_t a
     if out < 0:
         raise IndexError(f"a window row is not in the episode column's {key_rows} rows")
     return out
+
+
+#: The largest step count, window reach and offset `episode_span` and `span_rows` take
+#: (their sums stay below 2**63).
+SPAN_LIMIT = 2 ** 62
+
+
+def episode_span(const int64_t[::1] idx, int64_t back, int64_t fwd, int64_t count,
+                 int64_t offset, const unsigned char[::1] key, int key_type, int kind,
+                 int64_t[::1] t, int64_t[::1] lo, int64_t[::1] hi):
+    """The episode of each step of ``idx`` (plus ``count`` where negative) in a ReplayBuffer
+    of ``count`` rows at ``offset``, as far as windows reaching ``back`` steps before it
+    and ``fwd`` after it can see: the step into ``t``, the first and last steps of its
+    episode within that reach and within the data into ``lo`` and ``hi``.  ``kind`` 0 (the
+    data is one episode), `EPISODE_ID` (an episode is a run of equal ids) or `EPISODE_END`
+    (an episode ends at a step whose flag is not zero); ``key``: the bytes of the episode
+    column's storage, one value of ``key_type`` (`KEY_TYPES`) per storage row.  Raises
+    ``IndexError`` for an index outside ``[-count, count)`` or a row not in the key's
+    storage."""
+    cdef uint64_t m = idx.shape[0], key_rows = 0
+    cdef int64_t out
+    cdef const void *k = NULL
+    if <uint64_t>t.shape[0] != m or <uint64_t>lo.shape[0] != m or <uint64_t>hi.shape[0] != m:
+        raise ValueError(f"t, lo and hi hold {t.shape[0]}, {lo.shape[0]} and {hi.shape[0]} "
+                         f"steps, not {m}")
+    if not (0 <= back < SPAN_LIMIT and 0 <= fwd < SPAN_LIMIT and 0 <= count < SPAN_LIMIT
+            and 0 <= offset < SPAN_LIMIT):
+        raise ValueError(f"a reach of {back} and {fwd} steps over {count} rows at offset "
+                         f"{offset}")
+    if kind != 0 and kind != UMR_EPISODE_ID and kind != UMR_EPISODE_END:
+        raise ValueError(f"unknown episode kind {kind}")
+    if kind != 0:
+        size = _KEY_SIZES.get(key_type)
+        if size is None:
+            raise ValueError(f"unknown key type {key_type}")
+        key_rows = key.shape[0] // <uint64_t>size
+        if key_rows:
+            k = &key[0]
+    if m == 0:
+        return
+    with nogil:
+        out = umr_episode_span(&idx[0], m, back, fwd, count, offset, k, key_rows, key_type,
+                               kind, &t[0], &lo[0], &hi[0])
+    if out == UMR_SPAN_NOT_IN_TABLE:
+        raise IndexError(f"a step's row is not in the episode column's {key_rows} rows")
+    if out != UMR_SPAN_OK:
+        raise IndexError(f"index {idx[out]} is out of range for {count} steps")
+
+
+def span_rows(const int64_t[::1] t, const int64_t[::1] lo, const int64_t[::1] hi,
+              const int64_t[::1] offsets, int64_t count, int64_t offset, int64_t[::1] rows,
+              pad=None):
+    """One key's window over the spans of `episode_span`: for each step ``t[i]`` and each
+    offset, the step ``t[i] + offset`` clamped to ``[lo[i], hi[i]]``, as its storage row
+    ``(step + offset) % count``, into ``rows`` (row-major, one row per step); and, if
+    ``pad`` (a writable buffer of as many bytes) is given, 1 where the clamp moved the step
+    (padding), else 0."""
+    cdef uint64_t m = t.shape[0], n = offsets.shape[0], i
+    cdef uint8_t[::1] p
+    cdef uint8_t *pp = NULL
+    if <uint64_t>lo.shape[0] != m or <uint64_t>hi.shape[0] != m:
+        raise ValueError(f"lo and hi hold {lo.shape[0]} and {hi.shape[0]} steps, not {m}")
+    if <uint64_t>rows.shape[0] != m * n:
+        raise ValueError(f"rows holds {rows.shape[0]} frames, not {m} x {n}")
+    if not (0 < count < SPAN_LIMIT and 0 <= offset < SPAN_LIMIT):
+        raise ValueError(f"a buffer of {count} rows at offset {offset}")
+    for i in range(m):
+        if not (0 <= lo[i] <= t[i] <= hi[i] < count):
+            raise ValueError(f"step {t[i]} and its span [{lo[i]}, {hi[i]}] are not in "
+                             f"[0, {count})")
+    for i in range(n):
+        if not -SPAN_LIMIT < offsets[i] < SPAN_LIMIT:
+            raise ValueError(f"offset {offsets[i]} is out of range")
+    if pad is not None:
+        p = pad
+        if <uint64_t>p.shape[0] != m * n:
+            raise ValueError(f"pad holds {p.shape[0]} frames, not {m} x {n}")
+        if m * n:
+            pp = &p[0]
+    if m == 0 or n == 0:
+        return
+    with nogil:
+        umr_span_rows(&t[0], &lo[0], &hi[0], m, &offsets[0], n, count, offset, &rows[0], pp)

@@ -585,6 +585,124 @@ class _SubIndexedNode(_Node):
         return self.child.evaluate(idx, meta)
 
 
+class _WindowNode(_Node):
+    """A WindowedBatch (`unienv_mp.windows`) over a ReplayBuffer: each index's episode
+    span found once (``umr_episode_span``), then each key's window clamped to it as
+    storage rows, with its pad mask (``umr_span_rows``), and the keys without a window
+    at the index's own row.  The view's ``get_at`` computes the same with tensor
+    operations; the layout of the slot is taken from its answer, as for UniEnv's views."""
+
+    _METHODS = ("get_at", "get_at_with_metadata", "__len__", "_indices", "_spans",
+                "_joined", "_assemble", "_fetch")
+
+    def __init__(self, view, planner):
+        torch = _torch()
+        name = overridden(view, type(view), self._METHODS)
+        if name is not None:
+            raise NotDirect(f"it overrides {name}()")
+        self.view = view
+        self.child = child = plan(view.batch, planner)
+        if type(child) is not _BufferNode or _unienv.ring_state(child.rb) is None:
+            raise NotDirect(f"its data is a {type(view.batch).__name__}: windows are "
+                            f"gathered directly over a ReplayBuffer or a column of one")
+        self.windows = [(name, tuple(name.split("/")),
+                         np.ascontiguousarray(offs, dtype=np.int64))
+                        for name, offs in view.offsets.items()]
+        reach = [int(o) for _, _, offs in self.windows for o in offs]
+        self.back, self.fwd = max(0, -min(reach)), max(0, max(reach))
+        self.key = np.zeros(0, np.uint8), _rows.KEY_TYPES["int64"], 0
+        for kind, key in ((_rows.EPISODE_ID, view.episode_id_key),
+                          (_rows.EPISODE_END, view.episode_end_key)):
+            if key is not None:
+                self.key = self._episode_column(key, kind)
+        windowed = {path: (i, len(offs)) for i, (_, path, offs) in enumerate(self.windows)}
+        # {key: ("window", i) | ("anchor",) | {nested}}, as the view's own layout (in the
+        # order of its space)
+        self.layout = self._layout(view.single_space, windowed, ())
+        pads = {f"{name}_is_pad": Spec(torch.bool, (len(offs),), ())
+                for name, _, offs in self.windows}
+        self._specs = (self._spec_tree(self.layout, child.tree),
+                       {k: pads[k] for k in view.single_metadata_space.spaces})
+
+    def _episode_column(self, key, kind):
+        leaf = self.child.tree
+        for k in key.split("/"):
+            leaf = leaf[k]
+        source, spec = leaf
+        dtype = str(spec.dtype).replace("torch.", "")
+        if source.table is None or spec.unit != () or dtype not in _rows.KEY_TYPES:
+            raise NotDirect(f"its episode column {key!r} is {spec.dtype}{spec.unit}: "
+                            f"gathered directly from one integer or bool per step")
+        return source.table.reshape(-1), _rows.KEY_TYPES[dtype], kind
+
+    def _layout(self, space, windowed, path):
+        out = {}
+        for key in space.spaces:
+            here = path + (key,)
+            if here in windowed:
+                out[key] = ("window",) + windowed[here]
+            elif any(w[:len(here)] == here for w in windowed):
+                out[key] = self._layout(space.spaces[key], windowed, here)
+            else:
+                out[key] = ("anchor",)
+        return out
+
+    def _spec_tree(self, layout, tree):
+        out = {}
+        for key, entry in layout.items():
+            sub = tree[key]
+            if isinstance(entry, dict):
+                out[key] = self._spec_tree(entry, sub)
+            elif entry[0] == "window":
+                out[key] = _map(sub, lambda s, t=entry[2]: s[1].stacked(t))
+            else:
+                out[key] = _map(sub, lambda s: s[1])
+        return out
+
+    def length(self):
+        return self.child.length()
+
+    def specs(self):
+        return self._specs
+
+    def evaluate(self, idx, meta, within=None):
+        torch = _torch()
+        count, offset = _unienv.ring_state(self.child.rb)
+        if count <= 0:
+            raise _OutOfRange()
+        idx = _as_rows(idx)
+        m = int(idx.shape[0])
+        t, lo, hi = (torch.empty(m, dtype=torch.int64) for _ in range(3))
+        key, key_type, kind = self.key
+        try:
+            _rows.episode_span(idx.numpy(), self.back, self.fwd, count, offset, key, key_type,
+                               kind, t.numpy(), lo.numpy(), hi.numpy())
+        except IndexError:
+            raise _OutOfRange() from None
+        rows, pads = [], {}
+        for name, _, offs in self.windows:
+            r = torch.empty(m * len(offs), dtype=torch.int64)
+            pad = torch.empty(m * len(offs), dtype=torch.bool)
+            _rows.span_rows(t.numpy(), lo.numpy(), hi.numpy(), offs, count, offset,
+                            r.numpy(), pad.view(torch.uint8).numpy())
+            rows.append(r)
+            pads[f"{name}_is_pad"] = [Part(None, pad)]
+        anchor = (t + offset).remainder_(count)   # (0 <= t < count)
+        data = self._parts(self.layout, self.child.tree, rows, anchor)
+        return data, (pads if meta else None)
+
+    def _parts(self, layout, tree, rows, anchor):
+        out = {}
+        for key, entry in layout.items():
+            sub = tree[key]
+            if isinstance(entry, dict):
+                out[key] = self._parts(entry, sub, rows, anchor)
+            else:
+                r = rows[entry[1]] if entry[0] == "window" else anchor
+                out[key] = _map(sub, lambda s, r=r: [Part(s[0], r)])
+        return out
+
+
 def _planners():
     from unienv_data.batches.combined_batch import CombinedBatch
     from unienv_data.batches.framestack_batch import FrameStackedBatch
@@ -592,8 +710,11 @@ def _planners():
     from unienv_data.batches.subindex_batch import SubIndexedBatch
     from unienv_data.batches.subitem_batch import SubItemBatch
     from unienv_data.replay_buffer.replay_buffer import ReplayBuffer
+
+    from ..windows import WindowedBatch
     return {
         ReplayBuffer: _BufferNode,
+        WindowedBatch: _WindowNode,
         SliceStackedBatch: _StackNode,
         FrameStackedBatch: _StackNode,
         _unienv.column_stack_class(): _StackNode,
@@ -624,7 +745,7 @@ def plan(batch, planner):
             raise NotDirect(f"{qualname(batch)} is not a batch that the direct path "
                             f"reproduces (a ReplayBuffer, or UniEnv's SliceStackedBatch, "
                             f"FrameStackedBatch, CombinedBatch, SubItemBatch or "
-                            f"SubIndexedBatch over one)")
+                            f"SubIndexedBatch over one, or a WindowedBatch)")
     try:
         return cls(batch, planner)
     except NotDirect as e:

@@ -336,7 +336,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         deadline = None if timeout is None else time.monotonic() + timeout
         pool = self._pool
         if pool.starting:
-            pool.check_starting()   # (a worker that died starting: no wait is on it)
+            pool.check_starting(deadline)   # (workers no wait is on: see check_starting)
         while not task.arrived:
             # (the task's worker, again each time: a retired worker's tasks move)
             lane = self._lanes[task.worker]
@@ -554,9 +554,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         try:
             finalizer = getattr(self, "_finalizer", None)
             if finalizer is not None:
-                finalizer()
-            else:
-                pool.resources.close()
+                finalizer()   # (runs once: a close it ran cut short is finished below)
+            pool.resources.close()
             self._tasks.clear()
             if getattr(self, "_unienv", None) is not None:   # (not in a half-built one)
                 self._unienv.order.clear()

@@ -72,7 +72,8 @@ class Resources:
         self.doorbell_seg = None
         self.spills = []
         self.done_event = None
-        self.closed = False
+        self.closed = False   # (no process starts once set)
+        self.done = False     # close() ran to its end
 
     def shut_down(self):
         """Tell every worker to stop (their rings shut down, the done event set), and make
@@ -89,14 +90,18 @@ class Resources:
                 pass
 
     def close(self, join_timeout=2.0):
-        if self.closed:
+        """Stop the processes and release the memory.  Cut short (a Ctrl-C while it waits
+        for the processes), it kills them and releases the memory, and the next call
+        finishes what is left (the processes' end, their descriptors); then it does
+        nothing."""
+        if self.done:
             return
         self.closed = True
         try:
             self.shut_down()   # (again: a process started since, by a call ending now)
-            # (cut short, this kills the workers: a second close() does nothing)
             _os.stop_processes([w.proc for w in self.workers if w.proc is not None],
                                     join_timeout)
+            self.done = True
         finally:
             if self.launch is not None:
                 self.launch.release()
@@ -238,19 +243,23 @@ class WorkerPool:
             self.starting.add(lane)
         return True
 
-    def check_starting(self):
-        """Bury and replace the workers whose process ended before it began taking tasks
-        (no wait is on them yet: nothing else would notice), and forget those seen taking
-        tasks."""
+    def check_starting(self, deadline=None):
+        """Look after the workers no wait may be on (they take no task until they are
+        up): one whose process ended before it began taking tasks is buried and replaced,
+        one left without a process (its replacement failed to start, say out of
+        descriptors) is started again (what that raises is raised: the next call tries
+        again), and those seen taking tasks are forgotten."""
         for lane in list(self.starting):
             w = lane.worker
-            if not w.has_process:
+            if lane.retired:
                 self.starting.discard(lane)
+            elif not w.has_process:
+                self.restart(lane, deadline)
             elif w.started_ns:
                 self.starting.discard(lane)
             elif w.has_exited():
                 self.bury(lane)
-                self.restart(lane)
+                self.restart(lane, deadline)
 
     def bury(self, lane, cause=None):
         """The process of ``lane``'s worker died (``cause``: the WorkerDied noticed), or
@@ -360,6 +369,7 @@ class WorkerPool:
         w = lane.worker
         lane.deaths_in_a_row = deaths
         lane.stall = None
+        self.starting.add(lane)   # (without a process until the restart: looked after)
         lane.record.process_ended(w.counters(), time.monotonic_ns())
         if failed is not None:
             task, error = failed

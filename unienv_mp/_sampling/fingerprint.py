@@ -26,16 +26,17 @@ attributes: UniEnv's ``StepSampler``, ``ReplayBuffer`` (with its in-process ring
 ``FrameStackedBatch``, ``SliceStackedBatch`` (and the column stacks its ``get_column``
 makes), ``CombinedBatch``, ``SubItemBatch`` and ``SubIndexedBatch`` (exactly those
 classes, not subclasses), UniEnv's spaces, UniEnv's two valid-mask helpers
-(``get_valid_mask_function_with_episodeid_key`` / ``..._with_episode_end_key``), and
-plain containers, scalars and CPU tensors.  In a ReplayBuffer made with
-``multiprocessing=True``, workers read the ring state and the tensors in shared memory as
-they are now: those count by identity (a tensor by where its memory is, not by its
-version), the rest as in any buffer.  UniEnv's file-backed storages (``HDF5Storage``,
-``ImageStorage``, ``NPZStorage``, ``VideoStorage``, a read-only ``ParquetStorage``) count by
-the identity of every file they read (`unienv_mp._sampling.files`: device, inode, size,
-modification and change times; a file open for writing is flushed first), and a
-memory-mapped tensor by the inode of the file it maps, which every process reads as it is;
-small numpy arrays (a space's bounds) count by value.  A view is a pure function of its parameters
+(``get_valid_mask_function_with_episodeid_key`` / ``..._with_episode_end_key``),
+unienv_mp's ``WindowedBatch``, and plain containers, scalars and CPU tensors.  In a
+ReplayBuffer made with ``multiprocessing=True``, workers read the ring state and the
+tensors in shared memory as they are now: those count by identity (a tensor by where its
+memory is, not by its version), the rest as in any buffer.  UniEnv's file-backed storages
+(``HDF5Storage``, ``ImageStorage``, ``NPZStorage``, ``VideoStorage``, a read-only
+``ParquetStorage``) count by the identity of every file they read
+(`unienv_mp._sampling.files`: device, inode, size, modification and change times; a file
+open for writing is flushed first), and a memory-mapped tensor by the inode of the file it
+maps, which every process reads as it is; small numpy arrays (a space's bounds) count by
+value.  A view is a pure function of its parameters
 and the buffers under it, so its fingerprint is theirs: a view parameter changed
 (``fill_invalid_data``, ``fixed_offset``, a part added to a ``CombinedBatch``) is seen as
 a change of the data.  What a view only caches (a ``CombinedBatch``'s thread pool and its
@@ -137,6 +138,8 @@ def _classes():
         known.add(space_dict)
     # class -> the attributes left out of its fingerprint (see the module's docstring)
     known = {cls: _unienv.cache_attributes(cls) for cls in known}
+    from ..windows import WindowedBatch
+    known[WindowedBatch] = WindowedBatch.CACHE_ATTRIBUTES
     return StepSampler, known, Space, frozenset(_unienv.mask_helpers()), rbm.ReplayBuffer
 
 
@@ -383,7 +386,8 @@ class _Walk:
         """An object of one of the known classes: by identity, then every attribute but
         those it only caches."""
         add = self.add
-        if not (t.__module__.startswith(("unienv_data.", "unienv_interface."))):
+        if t not in self.known and not t.__module__.startswith(("unienv_data.",
+                                                                 "unienv_interface.")):
             raise _Unknown(f"a {_name(obj)}, a subclass of UniEnv's Space defined "
                            f"elsewhere")
         try:

@@ -202,7 +202,8 @@ class PageWitness:
 
 def _before_fork():
     # A fork maps every written page of this process again: look first (see the module's
-    # docstring).  Nothing raised here may stop the fork.
+    # docstring).  Nothing raised here may stop the fork.  (As in any at-fork hook, a
+    # Ctrl-C landing in it is dropped by Python: it reads the page table, and is short.)
     for ref in list(_live):
         w = ref()
         if w is None:

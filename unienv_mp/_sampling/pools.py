@@ -232,7 +232,11 @@ class Pools:
         if self.users.get(manager, 0) > 0:
             self.own.add(manager)
         else:
-            manager.close()
+            try:
+                manager.close()
+            except BaseException:
+                self.own.add(manager)   # (a close cut short: finished by the sampler's)
+                raise
 
     def close_unused(self):
         """Close the managers in ``own`` that no epoch runs on (one made for an epoch that

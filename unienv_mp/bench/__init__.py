@@ -25,6 +25,11 @@ The cases (``config.CASES``):
 * ``epoch``: seconds per epoch of ``epoch_iter()`` over an in-memory ReplayBuffer, the
   first epoch and the later ones, and each epoch's first batch (``measure_epochs``), with
   a row for the same number of steady-state ``sample()`` batches (``EPOCH_ROWS``).
+* ``windows``: batches per second of ``sample_with_metadata()`` of an observation history
+  and an action chunk of one step per element, with pad masks (``unienv_mp.WindowedBatch``
+  over the episodic buffer), against the same view in process, two UniEnv samplers paired
+  by seed, a torch DataLoader over a map-style dataset doing the same indexing, and the
+  bare gather (``measure_windows``; its extra rows ``config.WINDOW_ROWS``).
 
 The implementations (``config.IMPLEMENTATIONS``, their samplers ``peers.make_sampler``):
 
@@ -57,6 +62,7 @@ The modules:
 * ``config``: the rows, the cases, ``Config``; ``data``: the cases' buffers;
 * ``peers``: the samplers compared (``make_sampler``), with ``index_select`` (the speed
   limit) and ``torchrl_peer`` (TorchRL's ReplayBuffer); ``views``: the views case's views;
+  ``windows``: the windows case's view and the samplers it is compared with;
 * ``measure``: timing a row (``Result``); ``online``, ``latency``, ``epochs``: the other
   cases' measurements and results;
 * ``runner``: one case's rows measured into a table, a JSON payload and a chart;

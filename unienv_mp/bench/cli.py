@@ -15,6 +15,8 @@ rows one after the other, in one run, over the same data, and prints one table p
   step, and how stale the batches are;
 * ``latency``: the time to one batch when nothing was prefetched;
 * ``epoch``: seconds per epoch of ``epoch_iter()``, the first and the later ones;
+* ``windows``: an observation history and an action chunk of one step per element
+  (``WindowedBatch``), against the ways users make it today;
 * ``storages``: a row per UniEnv storage backend on disk (``unienv_mp.bench.storages``).
 
 ``--workers 1,2,4,8`` times every worker count (a sweep).
@@ -171,7 +173,7 @@ def make_config(args, case=None):
         cfg.transitions = args.transitions
     cfg.transitions = max(cfg.transitions, cfg.batch_size)
     # jpeg: images on disk; online: none; views: the buffer and its two halves, twice it
-    in_memory = case in ("image", "state", "latency", "views", "epoch")
+    in_memory = case in ("image", "state", "latency", "views", "epoch", "windows")
     row = 17 * 4 + (int(_prod(cfg.image_shape)) if cfg.image_shape and in_memory else 0)
     row *= 2 if case == "views" else 1
     mem = _available_memory()

@@ -35,7 +35,8 @@ TORCHRL_PREFETCH = 4
 # The implementations whose speed depends on the number of workers (a worker sweep times
 # them at each count; the others run once).
 USES_WORKERS = ("unienv_mp", "unienv_mp_generic", "unienv", "unienv_shm", "dataloader", "ray",
-                "unienv_mp_sample", "dataloader_epoch", "unienv_mp_view", "unienv_mp_view_spawn")
+                "unienv_mp_sample", "dataloader_epoch", "unienv_mp_view", "unienv_mp_view_spawn",
+                "dataloader_map")
 
 
 #: The steps of one episode in the views case's buffers (``data.build_episodic_buffer``).
@@ -106,6 +107,17 @@ CASES = {
                   "episodes of 200 {obs: {state, 3x128x128 image}, action, reward, "
                   "episode_id, episode_end}, a row per view",
                   {"seconds": 4.0}),
+    "windows": Case("windows", "windows",
+                    ("unienv_mp", "unienv_mp_generic", "in_process", "paired_in_process",
+                     "dataloader_map", "index_select"),
+                    "batches of 256 of one sampled step each: obs image and state at steps "
+                    "[-1, 0], actions at 0..15, padded at episode ends, with a pad mask per "
+                    "key (unienv_mp.WindowedBatch, sample_with_metadata), over 20,000 steps "
+                    "in episodes of 200; against the same view in process, two UniEnv "
+                    "samplers paired by seed (a frame stack and an action chunk), a torch "
+                    "DataLoader over a map-style dataset doing the same indexing per item, "
+                    "and the bare gather",
+                    {"seconds": 4.0}),
     "latency": Case("latency", "latency", ("unienv_mp", "unienv", "in_process"),
                     "the time to one batch of 256 {state, action, 3x128x128 image} from "
                     "an in-memory ReplayBuffer with nothing prefetched, p50 and p99, "
@@ -163,6 +175,21 @@ EPOCH_ROW_OF = {"unienv_mp_sample": "unienv_mp", "dataloader_epoch": "dataloader
                 "in_process_view": "in_process"}
 
 
+#: The windows case's rows besides the UniEnv-API samplers: ``paired_in_process`` (what a
+#: user writes today: two UniEnv StepSamplers, a frame stack and an action chunk, paired
+#: by seed) and ``dataloader_map`` (a torch DataLoader over a map-style dataset doing the
+#: windows' indexing per item, as a LeRobot-style dataset does).
+WINDOW_ROWS = {
+    "paired_in_process": "two UniEnv StepSamplers paired by seed, in process",
+    "dataloader_map": "torch DataLoader(map-style dataset)",
+}
+LABELS.update(WINDOW_ROWS)
+
+#: Every row that is not an implementation of its own, with the implementation
+#: (``--impl``) it comes with.
+ROW_OF = {**EPOCH_ROW_OF, "paired_in_process": "in_process", "dataloader_map": "dataloader"}
+
+
 def case_config(case: str, quick: bool = False, **overrides) -> Config:
     """The ``Config`` of ``case``: its defaults, the quick run's (a small buffer, 1.5 s
     per row) if ``quick``, then ``overrides``."""
@@ -186,6 +213,9 @@ def describe(case: str, cfg: Config) -> str:
     if case == "views":
         return (f"obs.state 10 f32, obs.image {img or 'none'} u8, action 7 f32, reward f32, "
                 f"episode_id i64, episode_end bool; episodes of {EPISODE_STEPS}")
+    if case == "windows":
+        return (f"obs.image {img or 'none'} u8 and obs.state 10 f32 at [-1, 0], action 7 "
+                f"f32 at 0..15, a pad mask each; episodes of {EPISODE_STEPS}")
     return "state 10 f32, action 7 f32" + (f", image {img} u8" if cfg.image_shape else "")
 
 

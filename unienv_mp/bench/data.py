@@ -167,11 +167,14 @@ def build_online_buffer(cfg: Config, progress: Callable[[int], None] = lambda n:
 
 @contextlib.contextmanager
 def case_data(case: str, cfg: Config, progress: Callable[[int], None] = lambda n: None):
-    """The ReplayBuffer of ``case`` (``with case_data(...) as rb``); the jpeg case's files
-    live in a temporary directory removed on exit.  The online case makes a fresh buffer
-    for every row instead (``measure_online``): this yields None for it."""
+    """The ReplayBuffer of ``case`` (``with case_data(...) as rb``; the windows case's is
+    episodic, ``build_episodic_buffer``); the jpeg case's files live in a temporary
+    directory removed on exit.  The online case makes a fresh buffer for every row
+    instead (``measure_online``): this yields None for it."""
     if case == "online":
         yield None
+    elif case == "windows":
+        yield build_episodic_buffer(cfg.transitions, cfg, progress)
     elif case == "views":
         # the buffer, and two halves of as many steps for the combined dataset
         half = cfg.transitions // 2

@@ -27,12 +27,13 @@ def index_select_sampler(base, rb, cfg: Config):
     return next_batch, lambda: None
 
 
-def view_limit_sampler(base, cfg: Config):
+def view_limit_sampler(base, cfg: Config, with_metadata: bool = False):
     """The speed limit of in-process sampling of a view: ``base``'s own indices, the
     view's final storage rows and valid mask computed as unienv_mp's workers compute them
     (``unienv_mp._direct.views``, the same table of rows), and every array gathered by
     ``torch.index_select`` into output tensors allocated once here and returned (the same
-    ones) for every batch."""
+    ones) for every batch: the data, or ``(data, metadata)`` ``with_metadata`` (the
+    metadata the workers compute, such as valid or pad masks, copied likewise)."""
     root = Planner(base).view
     if root is None:
         raise TypeError("not a view")
@@ -42,13 +43,13 @@ def view_limit_sampler(base, cfg: Config):
         import torch
         return torch.empty((n * spec.per_element, *spec.unit), dtype=spec.dtype)
 
-    specs = root.specs()[0]
+    specs = root.specs() if with_metadata else root.specs()[0]
     outs = _tree_map(out_of, specs)
     batch = _tree_map(lambda o, s: o.view(n, *s.shape), outs, specs)
 
     def next_batch():
-        values = root.evaluate(base.sample_index(), False)[0]
-        _tree_map(_gather_parts, values, outs)
+        values = root.evaluate(base.sample_index(), with_metadata)
+        _tree_map(_gather_parts, values if with_metadata else values[0], outs)
         return batch
     return next_batch, lambda: None
 
@@ -61,6 +62,12 @@ def _gather_parts(parts, out):
     import torch
     at = 0
     for part in parts:
+        if part.source is None:   # (values made in the worker: a mask)
+            if part.pos is None:
+                out.copy_(part.data.reshape(out.shape))
+            else:
+                out.index_copy_(0, part.pos, part.data)
+            continue
         if part.pos is None:
             torch.index_select(part.source.tensor, 0, part.data, out=out)
             continue

@@ -3,7 +3,7 @@ progress bar, into a ``CaseRun``: its table, its JSON payload and its chart."""
 from dataclasses import dataclass, replace
 
 from . import plots, tables
-from .config import (CASES, EPOCH_ROW_OF, LABELS, USES_WORKERS, VIEW_EPOCH_ROWS, Config,
+from .config import (CASES, LABELS, ROW_OF, USES_WORKERS, VIEW_EPOCH_ROWS, Config,
                      case_missing)
 from .data import build_episodic_buffer, case_data
 from .epochs import measure_epochs
@@ -11,6 +11,7 @@ from .latency import TRIGGERS, measure_latency
 from .measure import measure, speedups
 from .online import measure_online
 from .views import VIEWS, measure_view
+from .windows import measure_windows
 
 
 @dataclass
@@ -92,9 +93,9 @@ def rows_to_run(case, impls, missing, say):
     those that cannot, name: why), saying which are skipped, and why nothing runs when
     none can."""
     spec = CASES[case]
-    # (the epoch case's extra rows come with the implementation they belong to)
+    # (the epoch and windows cases' extra rows come with the implementation they belong to)
     impls = [x for name in impls
-             for x in [name] + [r for r, of in EPOCH_ROW_OF.items() if of == name]]
+             for x in [name] + [r for r, of in ROW_OF.items() if of == name]]
     listed = [n for n in impls if n in spec.rows]
     for name in listed:
         if name in missing:
@@ -132,7 +133,9 @@ def run_case(case, cfg, impls, counts, missing, progress, say):
             if rows.swept:
                 say("the views case runs with the first of --workers only")
             return _views(rows, data)
-        run = {"latency": _latency, "epoch": _epochs}.get(kind)
+        if kind == "windows" and rows.swept:
+            say("the windows case runs with the first of --workers only")
+        run = {"latency": _latency, "epoch": _epochs, "windows": _windows}.get(kind)
         return (run or (_sweep if rows.swept else _throughput))(rows, data)
 
 
@@ -160,6 +163,19 @@ def _views(rows, data):
                      lambda plt: plots.views_figure(plt, results),
                      any(r.error for row in results.values() for r in row.values()
                          if r is not None))
+
+
+def _windows(rows, rb):
+    """windows: a row per way of making the batch, in the order asked for."""
+    cfg = rows.cfg
+    results = [rows.timed(n, None, lambda adv: measure_windows(n, rb, cfg, adv))
+               for n in rows.names]
+    payload = {"results": [_row_dict(cfg.workers if r.name in USES_WORKERS else None, r)
+                           for r in results],
+               "speedup_of_unienv_mp": speedups(results)}
+    return rows.done(tables.windows_table(results, cfg), payload,
+                     lambda plt: plots.table_figure(plt, results, "windows", cfg),
+                     any(r.error for r in results))
 
 
 def _latency(rows, rb):

@@ -73,6 +73,28 @@ def throughput_table(results, cfg, case="image"):
     return Table(title, head, rows, notes + where_time_went(results))
 
 
+def windows_table(results, cfg):
+    """The windows case: a row per way of making the batch, as ``throughput_table``, with
+    notes saying what each row does."""
+    table = throughput_table(results, cfg, "windows")
+    table.notes[1:1] = [
+        "unienv_mp: WindowedBatch(rb, {obs/image: [-1, 0], obs/state: [-1, 0], action: "
+        "0..15}) under unienv_mp's MultiprocessingSampler, sample_with_metadata() (the "
+        "data and a pad mask per key); its generic path: the same, direct_gather=False; "
+        "in process: the same view under UniEnv's StepSampler.",
+        f"{LABELS['paired_in_process']}: what a user wrote before this view: a "
+        "FrameStackedBatch(rb, 1) (every key stacked) and SliceStackedBatch(rb, arange(16))"
+        ".get_column(['action']), each masked by UniEnv's episode-id helper, each under "
+        "its own StepSampler with the same seed (in process they draw the same steps).",
+        f"{LABELS['dataloader_map']}: {cfg.workers} workers, persistent, over a map-style "
+        "dataset whose __getitem__(t) clamps each key's window to t's episode (its bounds "
+        "found once, as LeRobot's episode_data_index) and indexes the buffer's tensors; "
+        "torch's default collate.  index_select: the view's rows and pad masks worked out "
+        "in this process as the workers work them out, then torch.index_select per key "
+        "into memory allocated once (the bare gather of the same bytes)."]
+    return table
+
+
 def where_time_went(results):
     """Lines saying where unienv_mp's time went in the measured batches (from its
     ``stats()``): the workers' busy and CPU time, the caller's waiting, the bottleneck and
