@@ -32,7 +32,7 @@ from . import rows as _rows
 from . import unienv as _unienv
 from .base import NotDirect, overridden, qualname
 
-__all__ = ["plan", "Reader", "Pread", "H5Rows", "PerRow", "OwnRead"]
+__all__ = ["plan", "file_storage", "Reader", "Pread", "H5Rows", "PerRow", "OwnRead"]
 
 
 def _no_override(storage, base, names):
@@ -249,6 +249,16 @@ def plan(storage, leaf, bind):
     if bind:
         _bind(tree)
     return tree
+
+
+def file_storage(storage):
+    """The name of UniEnv's file-backed storage class that ``storage`` is an instance of
+    (``"HDF5Storage"``, ...), or None."""
+    HDF5Storage = _unienv.storage_class("HDF5Storage")
+    if HDF5Storage is not None and isinstance(storage, HDF5Storage):
+        return "HDF5Storage"
+    cls = _known(storage, ("ImageStorage", "NPZStorage", "VideoStorage", "ParquetStorage"))
+    return None if cls is None else cls.__name__
 
 
 def _known(storage, names):

@@ -140,6 +140,8 @@ class Planner:
             self.buffer = data
         else:
             self.storages.files = None   # (not under a view)
+            self.storages.files_refused = ("under a view (a frame stack, a window): the "
+                                           "generic path reads them")
             self.view = _views.plan(data, self.storages)
 
     def structure(self, getter):

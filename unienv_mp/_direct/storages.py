@@ -65,6 +65,8 @@ class StoragePlanner:
         # "plan", planned from their spaces (the training process); "bind", their files
         # opened and checked too (a worker)
         self.files = files
+        # where ``files`` is None: why, as the refusal of a file-backed storage says it
+        self.files_refused = "for batches gathered on a device" if on_device else None
 
     # -- what storage.get(rows) returns: a tree of Leaf ------------------------------------
 
@@ -93,6 +95,12 @@ class StoragePlanner:
             tree = _files.plan(storage, _file_leaf, self.files == "bind")
             if tree is not None:
                 return tree
+        else:
+            name = _files.file_storage(storage)
+            if name is not None:
+                raise NotDirect(f"its storage {name} reads files: the workers read "
+                                f"them straight into the slot for a ReplayBuffer sampled "
+                                f"as it is, not {self.files_refused or 'here'}")
         raise NotDirect(f"storage {qualname(storage)} is not one that keeps its rows in "
                         f"one in-memory tensor (PytorchTensorStorage, DictStorage or "
                         f"FlattenedStorage of those)")

@@ -24,8 +24,10 @@ The walk is exact only for classes whose ``get*_at`` methods read nothing but th
 attributes: UniEnv's ``StepSampler``, ``ReplayBuffer`` (with its in-process ring state),
 ``DictStorage``, ``FlattenedStorage`` and ``PytorchTensorStorage``, the views
 ``FrameStackedBatch``, ``SliceStackedBatch`` (and the column stacks its ``get_column``
-makes), ``CombinedBatch``, ``SubItemBatch`` and ``SubIndexedBatch`` (exactly those
-classes, not subclasses), UniEnv's spaces, UniEnv's two valid-mask helpers
+makes), ``CombinedBatch``, ``SubItemBatch``, ``SubIndexedBatch`` and
+``ToBackendOrDeviceBatch`` (which converts a batch's arrays to another backend: how a
+torch view such as ``WindowedBatch`` is put over an HDF5 file's numpy arrays), exactly
+those classes, not subclasses; UniEnv's spaces, UniEnv's two valid-mask helpers
 (``get_valid_mask_function_with_episodeid_key`` / ``..._with_episode_end_key``),
 unienv_mp's ``WindowedBatch``, and plain containers, scalars and CPU tensors.  In a
 ReplayBuffer made with ``multiprocessing=True``, workers read the ring state and the
@@ -118,6 +120,7 @@ def same(old, new):
 
 
 def _classes():
+    from unienv_data.batches.backend_compat import ToBackendOrDeviceBatch
     from unienv_data.batches.combined_batch import CombinedBatch
     from unienv_data.batches.framestack_batch import FrameStackedBatch
     from unienv_data.batches.slicestack_batch import SliceStackedBatch
@@ -132,7 +135,8 @@ def _classes():
     from unienv_interface.space.spaces import dict as dict_space
     known = {rbm.ReplayBuffer, rbm._LocalRingState, DictStorage, FlattenedStorage,
              PytorchTensorStorage, FrameStackedBatch, SliceStackedBatch,
-             _unienv.column_stack_class(), CombinedBatch, SubItemBatch, SubIndexedBatch}
+             _unienv.column_stack_class(), CombinedBatch, SubItemBatch, SubIndexedBatch,
+             ToBackendOrDeviceBatch}
     space_dict = getattr(dict_space, "_SpaceDict", None)
     if space_dict is not None:
         known.add(space_dict)
