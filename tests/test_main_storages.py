@@ -58,3 +58,16 @@ def test_the_storages_case_runs_alone():
     assert not config.CASES["storages"].in_all
     quick = config.case_config("storages", quick=True)
     assert quick.transitions == 1024 and quick.image_shape == (3, 32, 32)
+
+
+def test_building_a_video_buffer_prints_nothing_from_the_encoder(capfd):
+    """UniEnv's VideoStorage gives libav's logging back to libav after every clip: the
+    encoder's statistics (pages of them) stay out of the case's output."""
+    if storages.missing_for("dict-video+hdf5"):
+        pytest.skip(storages.missing_for("dict-video+hdf5"))
+    cfg = config.case_config("storages", **TINY)
+    runs = storages.run_all(cfg, None, ("in_process",), progress.Progress(False),
+                            _say([]), backends=["dict-video+hdf5"])
+    assert runs[0].skipped is None and runs[0].results["in_process"].error is None
+    err = capfd.readouterr().err
+    assert "libx264" not in err, err[:500]

@@ -431,7 +431,9 @@ def run_all(cfg, names, columns, progress, say, backends=None):
 
 @contextlib.contextmanager
 def _quiet_av():
-    """PyAV's encoders print their statistics on stderr: quiet while building."""
+    """PyAV's encoders print their statistics on stderr: quiet while building.  UniEnv's
+    VideoStorage hands libav's logging back to libav's own printer after every clip
+    (``restore_default_callback``), so libav's level is set too, not only PyAV's."""
     try:
         import av
     except ImportError:
@@ -439,9 +441,12 @@ def _quiet_av():
         return
     level = av.logging.get_level()
     av.logging.set_level(av.logging.ERROR)
+    av.logging.set_libav_level(av.logging.ERROR)
     try:
         yield
     finally:
+        # (libav's own default level, which nothing here can read back)
+        av.logging.set_libav_level(av.logging.INFO)
         av.logging.set_level(level)
 
 
