@@ -38,8 +38,9 @@ def read_state(s, state):
     whole state."""
     try:
         return _read(s, state)
-    except _state.Refused:
-        raise
+    except _state.Refused as e:
+        # (a ValueError, as the docs say, not the private class that says why)
+        raise ValueError(str(e)) from None
     except Exception as e:
         raise ValueError(f"not a whole state_dict(): {type(e).__name__}: {e}") from e
 
