@@ -1356,8 +1356,14 @@ class DataModel(RuleBasedStateMachine):
             self._sample_workers_after(method, before, copy, moved, mark)
             self._died(e, None)
             return None
-        self._sample_workers_after(method, before, copy, moved, mark)
+        went_on = self._sample_workers_after(method, before, copy, moved, mark)
+        # (the batch first: where the call went on with workers the data moved away from,
+        # what they handed out, torn or stale rows, tells more than that they did)
         self._check_stream_batch(method, batch)
+        assert not went_on, (
+            "the data moved away from what the sample* workers read in shared memory (a "
+            "shared tensor replaced, or data partly in shared memory written), and the "
+            "call went on with them")
         self._note_pids()
         return batch
 
@@ -1368,27 +1374,24 @@ class DataModel(RuleBasedStateMachine):
         """Note the ``sample*`` workers after a call of ``method`` that began with
         ``before`` (None: none; ``copy``: the data then; ``moved``: whether the data
         moved away from ``before``'s copy, see `PoolCopy.moved`); ``mark``: the warnings
-        before the call."""
+        before the call.  True if the data moved away from ``before``'s workers and the
+        call went on with them."""
         after = _sample_manager(self.s)
         replaced = after is not None and before is not None and after is not before
-        if moved == "must":
-            assert replaced, (
-                "the data moved away from what the sample* workers read in shared memory "
-                "(a shared tensor replaced, or data partly in shared memory written), and "
-                "the call went on with them")
         if moved and replaced:
             self._sample_pool_moved(after, mark)
-            return
+            return False
         assert not self._said("moved away", mark), (
             f"a warning that the data moved away, where it did not: "
             f"{self._said('moved away', mark)}")
         if after is None or after is before:
-            return
+            return moved == "must"
         if before is None:
             self.pools.append((after, copy))
         else:
             self._sample_pool_replaced(before, after, mark)
             self.lost_by = method
+        return False
 
     def _sample_pool_moved(self, after, mark):
         """The ``sample*`` workers were replaced by new ones over the data as it is now,
