@@ -51,7 +51,7 @@ import weakref
 
 from .._direct import unienv as _unienv
 
-__all__ = ["take", "check", "same"]
+__all__ = ["take", "check", "same", "moved"]
 
 # The walk gives up past this many objects (a fingerprint should cost microseconds; a
 # graph this large is not a replay buffer of tensors).
@@ -65,13 +65,15 @@ class Fingerprint:
     the objects whose identities the tokens hold (so that an identity cannot be reused by a
     new object while the fingerprint lives without being noticed), and ``ranges``, the
     ``(address, nbytes)`` of the memory of every tensor that is not shared between
-    processes (what `unienv_mp._sampling.pages` watches for writes torch does not count)."""
-    __slots__ = ("tokens", "refs", "ranges")
+    processes (what `unienv_mp._sampling.pages` watches for writes torch does not count),
+    and ``watch``, what `moved` looks at (see there)."""
+    __slots__ = ("tokens", "refs", "ranges", "watch")
 
-    def __init__(self, tokens, refs, ranges=()):
+    def __init__(self, tokens, refs, ranges=(), watch=()):
         self.tokens = tokens
         self.refs = refs
         self.ranges = ranges
+        self.watch = watch
 
     def alive(self):
         """True if every object recorded is still alive."""
@@ -87,6 +89,40 @@ def same(old, new):
     if old is None or new is None:
         return False
     return old.tokens == new.tokens and old.alive()
+
+
+def moved(watch):
+    """True if the data moved away from what workers that read shared memory as it is now
+    can serve whole rows of: a tensor in shared memory that they read was replaced (its
+    holder holds another), or, in data only partly in shared memory, a tensor was written
+    (its version moved on: they read the shared tensors as they are now and the rest as it
+    was, so a row written since would be torn).  ``watch``: a fingerprint's, cheap to
+    look at (a few attribute reads per tensor), so the ``sample*`` calls look at it each
+    time."""
+    for holder, key, is_dict, ref, version in watch:
+        t = ref()
+        now = holder.get(key) if is_dict else getattr(holder, key, None)
+        if t is None or now is not t or (version >= 0 and t._version != version):
+            return True
+    return False
+
+
+def _watch(held):
+    """``watch`` (see `moved`) of the tensors a walk met as ``(holder, key, tensor,
+    in_shared)``: none where no tensor is in shared memory; else every tensor in shared
+    memory inside a buffer made with ``multiprocessing=True`` by identity, and, where the
+    tensors outside such buffers are some in shared memory and some not (data partly
+    shared), each of those by its version."""
+    outside = {t.is_shared() for _, _, t, in_shared in held if not in_shared}
+    partly = len(outside) == 2
+    out = []
+    for holder, key, t, in_shared in held:
+        if in_shared:
+            if t.is_shared():
+                out.append((holder, key, type(holder) is dict, weakref.ref(t), -1))
+        elif partly:
+            out.append((holder, key, type(holder) is dict, weakref.ref(t), t._version))
+    return tuple(out)
 
 
 def _classes():
@@ -169,6 +205,11 @@ class _Walk:
         self.helpers = helpers
         self.buffer_t = buffer_t
         self.in_shared = 0   # (inside a buffer made with multiprocessing=True)
+        self.held = []   # (holder, key, tensor, in_shared) of every tensor met (see _watch)
+
+    def hold(self, holder, key, value):
+        if type(value) is self.tensor_t:
+            self.held.append((holder, key, value, self.in_shared > 0))
 
     def sampler(self, sampler):
         add = self.add
@@ -243,6 +284,7 @@ class _Walk:
         for k, v in mapping.items():
             self.visit(k)
             self.visit(v)
+            self.hold(mapping, k, v)
 
     def shared_buffer(self, rb, key):
         """A ReplayBuffer made with ``multiprocessing=True``: workers read its shared ring
@@ -264,6 +306,7 @@ class _Walk:
                     add(("live", type(v), id(v)))
                     continue
                 self.visit(v)
+                self.hold(rb, k, v)
         finally:
             self.in_shared -= 1
 
@@ -302,7 +345,9 @@ class _Walk:
                  if n not in ("__dict__", "__weakref__")]
         for n in names:
             add(n)
-            self.visit(getattr(obj, n, _MISSING))
+            v = getattr(obj, n, _MISSING)
+            self.visit(v)
+            self.hold(obj, n, v)
         attrs = getattr(obj, "__dict__", None)
         if attrs is not None:
             skip = self.known.get(t, ())
@@ -311,6 +356,7 @@ class _Walk:
                 add(k)
                 if k not in skip:
                     self.visit(v)
+                    self.hold(obj, k, v)
 
 
 def take(sampler):
@@ -344,4 +390,5 @@ def check(sampler):
         return None, str(e)
     except Exception as e:
         return None, f"reading the data raised {type(e).__name__}: {e}"
-    return Fingerprint(tuple(walk.tokens), walk.refs, tuple(walk.ranges.items())), None
+    return Fingerprint(tuple(walk.tokens), walk.refs, tuple(walk.ranges.items()),
+                       _watch(walk.held)), None

@@ -8,6 +8,7 @@ Every call here is made with the sampler's lock held (but `Pools.close`, as ``cl
 """
 import collections
 import multiprocessing as _mp
+import warnings
 
 from . import fingerprint as _fingerprint
 from .copies import DataCopy, warn_untracked
@@ -17,6 +18,11 @@ __all__ = ["Pools"]
 
 def _always():
     return True
+
+
+def _watch_of(copy):
+    fp = None if copy is None else copy.fp
+    return fp.watch if isinstance(fp, _fingerprint.Fingerprint) else ()
 
 
 class Pools:
@@ -30,12 +36,14 @@ class Pools:
     those two, an epoch's own and managers no longer kept (see `retire`), each closed by the
     last epoch on it; ``users``: how many epoch iterators run on each manager.
     ``sample_copy`` and ``kept_copy``: the copies of the data that ``sample`` and ``kept``
-    hold (`unienv_mp._sampling.copies.DataCopy`)."""
+    hold (`unienv_mp._sampling.copies.DataCopy`); ``watch``: what the ``sample*`` calls
+    look at each time (see `sample_moved`)."""
 
     def __init__(self, owner, sample=None):
         self.owner = owner
         self.sample = sample
         self.sample_copy = None
+        self.watch = ()
         self.kept = None
         self.kept_copy = None
         self.own = set()
@@ -45,6 +53,7 @@ class Pools:
         self.ended_startup_ns = 0   # (and their start-up part)
         self._next_copy = None      # the copy of a manager being made (see launch_options)
         self._warned = False        # of a write torch does not count (warn_untracked)
+        self._warned_moved = False  # (see retire_moved)
 
     def _persistent(self):
         return getattr(self.owner, "persistent_workers", False)
@@ -65,6 +74,7 @@ class Pools:
         if self.sample is not None:
             self.sample_copy = DataCopy(self.owner.sampler, self._persistent(), False)
             self.sample_copy.started(self.sample)
+            self.watch = _watch_of(self.sample_copy)
 
     # -- the sample* manager ---------------------------------------------------------------
 
@@ -76,6 +86,7 @@ class Pools:
             sample, copy = self._new_sample()
             self.sample = sample
             self.sample_copy = copy   # (second: a pool without one only costs new workers)
+            self.watch = _watch_of(copy)
         return sample
 
     def _new_sample(self):
@@ -93,8 +104,29 @@ class Pools:
         """The ``sample*`` manager can make no more batches from its copy of the data
         (`CopyLost`): the next call makes a new one."""
         sample, copy = self.sample, self.sample_copy
+        self.watch = ()
         self.sample = self.sample_copy = None
         self.retire(sample, copy)
+
+    def sample_moved(self):
+        """Whether the data moved away from what the ``sample*`` workers can serve whole
+        rows of, reading part of it in shared memory as it is now (see
+        `unienv_mp._sampling.fingerprint.moved`): a tensor in shared memory replaced, or
+        data partly in shared memory written.  Then the next call makes a new pool."""
+        return _fingerprint.moved(self.watch)
+
+    def retire_moved(self):
+        """`retire_sample`, the data having moved (`sample_moved`); says so once."""
+        self.retire_sample()
+        if not self._warned_moved:
+            self._warned_moved = True
+            warnings.warn(
+                "unienv_mp: the data moved away from what the sample* workers read in "
+                "shared memory (a shared tensor was replaced, or data only partly in "
+                "shared memory was written): new workers start, over the data as it is "
+                "now, and the streams go on in order.  That costs a pool start each time: "
+                "keep the whole buffer in shared memory (multiprocessing=True) or none of "
+                "it, and write to its tensors in place", RuntimeWarning, stacklevel=5)
 
     # -- the persistent_workers rule -------------------------------------------------------
 

@@ -40,7 +40,7 @@ from .delegates import forwarded, passed_on
 from .epochs import Epochs
 from .pools import Pools
 from .state import give_rngs
-from .streams import Stream, base_seed, forget_requests
+from .streams import Stream, base_seed, forget_all, forget_requests
 from .target import SamplerTarget
 
 __all__ = ["SamplerBase", "MultiprocessingSampler"]
@@ -362,9 +362,12 @@ class SamplerBase(BatchSampler):
         # Runs once per batch.  Every attribute read on this class goes through
         # __getattribute__ and then its __getattr__ hook: each is read once here.
         with self._lock:
-            manager = self._pools.sample
+            pools = self._pools
+            manager = pools.sample
             if manager is None or self._closed or _os.pid != self._owner_pid:
                 manager = self._ensure_manager()
+            elif pools.watch and pools.sample_moved():
+                manager = self._sample_pool_moved(manager)
             stream = self._streams.get(name)
             if stream is None:
                 stream = Stream(name, self._chunk_size(name), self._base, self._per_batch)
@@ -404,13 +407,22 @@ class SamplerBase(BatchSampler):
             except CopyLost as e:
                 # (every worker gone, none can start from their copy: the stream goes on,
                 # from new workers over the data as it is now)
-                forget_requests(manager, stream)
+                # (every method's requests were to those workers)
+                forget_all(manager, self._streams.values())
                 self._pools.retire_sample()
                 _warn_copy_lost(e)
                 return SamplerBase._sample(self, name)
             except BaseException:
                 forget_requests(manager, stream)
                 raise
+
+    def _sample_pool_moved(self, manager):
+        """The ``sample*`` workers read data that moved away from them (see
+        `Pools.sample_moved`): every batch they made or will make is dropped and asked for
+        again from a new pool, over the data as it is now; the streams go on in order."""
+        forget_all(manager, self._streams.values(), ready=True)
+        self._pools.retire_moved()
+        return self._ensure_manager()
 
     def _chunk_size(self, name):
         """Batches per task of ``name``'s stream (see `_chunk_size`)."""

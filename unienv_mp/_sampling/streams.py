@@ -47,7 +47,7 @@ import zlib
 from .. import _os
 
 __all__ = ["Stream", "EpochProgress", "base_seed", "stream_key", "chunk_seed",
-           "forget_requests"]
+           "forget_requests", "forget_all"]
 
 _MASK = (1 << 64) - 1
 _MASK32 = (1 << 32) - 1
@@ -225,6 +225,18 @@ class Stream:
                    if c not in self.done and c != self.ready_chunk]
         self.retry = missing
 
+    def drop_ready(self):
+        """Forget the batches in ``ready`` (made from a copy of the data that is no longer
+        current): their chunk is asked for again, less those already handed out.  The
+        caller calls `reset` next."""
+        self._drop_filling()
+        self.finish_ready()
+        chunk = self.ready_chunk
+        if chunk is not None:
+            self.skip[chunk] = self.k - len(self.ready)
+            self.ready.clear()
+            self.ready_chunk = None
+
     def _drop_filling(self):
         """arrived() was cut short putting a chunk's batches in ``ready``: drop them (the
         chunk is not handed out, and is asked for again)."""
@@ -264,6 +276,19 @@ def forget_requests(manager, stream):
         for t in stream.tickets:
             manager.cancel(t)
         stream.reset()
+
+
+def forget_all(manager, streams, ready=False):
+    """Every request of ``streams`` on ``manager`` is cancelled and asked for again next
+    time (the manager's workers can make no more batches that are right); ``ready``: the
+    batches already made are dropped too, and asked for again."""
+    with _os.interrupts_deferred():
+        for stream in streams:
+            for t in stream.tickets:
+                manager.cancel(t)
+            if ready:
+                stream.drop_ready()
+            stream.reset()
 
 
 class EpochProgress:
