@@ -26,62 +26,60 @@ class _Failed:
 
 
 class DeviceHandOut:
-    """Owned by a sampler whose batches go through a feed (``sampler._feed``): its
-    `sample` is the sampler's ``_sample``, and epochs pass their batches through
-    `epoch_batch`.  ``cpu_sample(sampler, name)``: the sampler's own ``_sample``, which
-    hands out the stream's CPU batch.  Works on the sampler's streams, manager and lock, as
-    ``_sample`` does."""
+    """How a sampler whose batches go through ``feed`` (a `.feed.DeviceFeed`) hands them
+    out: its ``sample*`` calls hand out what `sample` returns, and epochs pass their
+    batches through `epoch_batch`.  Chosen once, when the sampler is made; it holds no
+    reference to the sampler: each call is handed what it works on."""
 
-    def __init__(self, sampler, cpu_sample):
-        self._sampler = sampler
-        self._cpu_sample = cpu_sample
+    def __init__(self, feed):
+        self.feed = feed
         # method -> (its stream, ticket, result or _Failed) collected ahead; used only by
         # the same stream while that ticket is still its request (manual_seed,
         # load_state_dict and close make new streams; a reset forgets the requests)
         self._early = {}
 
-    def sample(self, name):
-        """The next batch of ``name``'s stream, on the device (or page-locked).
-        ``sample_index`` stays on the data's device, as UniEnv's does: ordered on the
-        caller's stream where it was made on the device; page-locked and kept as the
-        batches are with ``pin_memory``; else copied out of its slot, which is page-locked
-        (a copy the caller makes of it then cannot outlive the slot, see `.keep`)."""
-        s = self._sampler
+    def sample(self, name, take, streams, caller, pools, in_order):
+        """The next batch of ``name``'s stream, on the device (or page-locked), called with
+        the sampler's lock held.  ``take(name)``: the stream's next CPU batch (the
+        sampler's); ``streams``: the sampler's streams by method; ``caller``: its count of
+        batches handed out; ``pools``: its managers (the ``sample*`` one as
+        ``take`` leaves it); ``in_order``: its option.  ``sample_index`` stays on the data's device, as UniEnv's
+        does: ordered on the caller's stream where it was made on the device; page-locked
+        and kept as the batches are with ``pin_memory``; else copied out of its slot,
+        which is page-locked (a copy the caller makes of it then cannot outlive the slot,
+        see `.keep`)."""
+        feed = self.feed
         if name == "sample_index":
-            index = self._cpu_sample(s, name)
-            feed = s._feed
+            index = take(name)
             mode = feed.mode
             if mode == "resident":
                 return feed.resident(index)
             if mode == "pinned":
-                with s._lock:
-                    return feed.pinned(index)
+                return feed.pinned(index)
             return _clone(index)
-        with s._lock:
-            if name in self._early:
-                # (one step: the task collected ahead joins its stream, or is dropped)
-                with _os.interrupts_deferred():
-                    _arrive(s._streams.get(name), self._early.pop(name))
-            cpu = self._cpu_sample(s, name)
-            # The batch is off the stream now, and nothing below changes the stream: a
-            # device error or a Ctrl-C puts it back, so that nothing is lost and the
-            # position does not move.
-            try:
-                feed = s._feed
-                out = feed.give(cpu)
-                if feed.copying:
-                    self._look_ahead(name, s._streams[name], feed)
-                elif feed.mode == "pinned":
-                    ready = s._streams[name].ready
-                    if ready:
-                        feed.notice(ready[0])
-            except BaseException:
-                s._streams[name].ready.appendleft(cpu)
-                s._caller.batches -= 1
-                raise
-            return out
+        if name in self._early:
+            # (one step: the task collected ahead joins its stream, or is dropped)
+            with _os.interrupts_deferred():
+                _arrive(streams.get(name), self._early.pop(name))
+        cpu = take(name)
+        # The batch is off the stream now, and nothing below changes the stream: a
+        # device error or a Ctrl-C puts it back, so that nothing is lost and the
+        # position does not move.
+        try:
+            out = feed.give(cpu)
+            if feed.copying:
+                self._look_ahead(name, streams[name], feed, pools.sample, in_order)
+            elif feed.mode == "pinned":
+                ready = streams[name].ready
+                if ready:
+                    feed.notice(ready[0])
+        except BaseException:
+            streams[name].ready.appendleft(cpu)
+            caller.batches -= 1
+            raise
+        return out
 
-    def _look_ahead(self, name, stream, feed):
+    def _look_ahead(self, name, stream, feed, manager, in_order):
         """Issue the copy of ``name``'s next batch if it is here (see the module's
         docstring).  What fails here (but a Ctrl-C) is met again by the next call."""
         try:
@@ -89,10 +87,8 @@ class DeviceHandOut:
             if ready:
                 feed.start(ready[0])
                 return
-            s = self._sampler
             tickets = stream.tickets
-            manager = s._pools.sample
-            if not tickets or not s.in_order or manager is None \
+            if not tickets or not in_order or manager is None \
                     or not manager.ready(tickets[0]):
                 return
             ticket = tickets[0]
@@ -110,7 +106,7 @@ class DeviceHandOut:
 
     def epoch_batch(self, value):
         """An epoch's batch, handed out as `sample` hands out batches."""
-        return self._sampler._feed.give(value)
+        return self.feed.give(value)
 
 
 def _clone(tree):

@@ -63,16 +63,17 @@ __all__ = ["MultiProcessingSampleManager", "TaskInfoT", "ResultT", "TASK_CAPACIT
 # * Recording a result (_accept) may run again on the same entry, and every step of it
 #   gives the same state when run twice; ``arrived`` is set before the ticket leaves
 #   ``inflight``, so a task is never neither arrived nor in flight (nor re-issued once it
-#   has arrived: _bury skips arrived tasks).
-# * A slot number is given back only through _give_back_slot, which clears ``task.slot``
-#   first: an interruption can at worst leak a slot number (the worker makes another
-#   slot), never give one back twice (two tasks writing into one slot).  A delivered
-#   result's slot goes back once the task has left ``_tasks`` and no lease on it is alive
-#   (``task.leases``): a delivery cut short can be asked for again, from the same slot.
+#   has arrived: WorkerPool.bury skips arrived tasks).
+# * A slot number is given back only through SlotLedger.give_back_slot, which clears
+#   ``task.slot`` first: an interruption can at worst leak a slot number (the worker
+#   makes another slot), never give one back twice (two tasks writing into one slot).
+#   A delivered result's slot goes back once the task has left ``_tasks`` and no lease
+#   on it is alive (``task.leases``): a delivery cut short can be asked for again, from
+#   the same slot.
 # * submit() hands its ticket over through ``record`` (the caller's list), appended as
-#   the last step; if it raises before, the task is abandoned (_abandon).
+#   the last step; if it raises before, the task is abandoned (SlotLedger.abandon).
 # * The rare multi-step changes (replacing a worker's process) hold SIGINT back until
-#   they are done (_process.interrupts_deferred).
+#   they are done (``_os.interrupts_deferred``).
 #
 # Protocol constants as globals of this module: the per-batch path reads them once per
 # batch, and a global is cheaper to read than a module attribute.
@@ -235,7 +236,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         resources.doorbell_seg = Segment.create(64, "doorbell")
         self._poller = Poller(pool, take, Event(resources.doorbell_seg, 0, True),
                               self._caller)
-        self._unienv = UniEnvQueue(me, tasks, self._slots, self._poller)
+        self._unienv = UniEnvQueue(tasks, self._slots, self._poller, self.in_order)
         self._finalizer = _mputil.Finalize(self, resources.close, exitpriority=100)
         self._batches_in = getattr(target_fn, "batches_in", None)
         self._spot_rng = np.random.default_rng()   # (which blocks spot_check compares)
@@ -370,7 +371,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         """Turn an arrived result into the value returned to the caller.  The task leaves
         ``_tasks`` once the value is made: cut short before, it can be delivered again
         (from the slot, which it still holds) or cancelled.  Its slot goes back then, or
-        once the last lease on it is garbage collected (see _give_back_released_slots)."""
+        once the last lease on it is garbage collected (see SlotLedger.give_back_released)."""
         status = task.status
         seg = task.seg
         try:
@@ -448,7 +449,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
 
     def add_work(self, work_info: TaskInfoT) -> None:
         """Queue ``work_info``; its result is returned by a later [`fetch`][]."""
-        self._unienv.add_work(work_info)
+        self.submit(work_info, record=self._unienv.order)
 
     def fetch(self, block: bool = True, timeout: Optional[float] = None) -> Optional[ResultT]:
         """Return the result of work added with [`add_work`][]: the oldest one
@@ -456,7 +457,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         ``timeout`` expires before it arrives, as UniEnv's manager does."""
         with self._lock:
             self._ensure_open()
-            return self._unienv.fetch(block, timeout)
+            return self._unienv.fetch(block, timeout, self.timeout, self._wait, self._deliver)
 
     @property
     def remaining_work(self) -> int:

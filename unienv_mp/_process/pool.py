@@ -362,7 +362,7 @@ class WorkerPool:
         return deaths, give_up, failed
 
     def _requeue(self, lane, deaths, failed):
-        """The step of _bury that a Ctrl-C must not cut in two (the caller holds SIGINT
+        """The step of `bury` that a Ctrl-C must not cut in two (the caller holds SIGINT
         back): record the process's end, hand out the result of ``failed``, queue the
         unfinished tasks for the next process, and detach the process from the lane's
         worker.  Returns the detached process, to stop."""

@@ -27,9 +27,10 @@ def _watch_of(copy):
 
 class Pools:
     """A sampler's managers.  ``owner``: the sampler, through a weak proxy (it owns this);
-    its ``new_manager()`` makes a manager, ``_ensure_manager()`` opens the ``sample*``
-    one, and its ``persistent_workers`` option (False if it has none: no workers are kept
-    for epochs) is read each time it is needed.
+    its ``new_manager()`` makes a manager, and its ``persistent_workers`` option (False if
+    it has none: no workers are kept for epochs) is read each time it is needed.
+    ``open_sample``: a weak reference to the sampler's method that checks it is open and
+    returns the ``sample*`` manager, made if needed.
 
     ``sample``: the ``sample*`` manager (None until the first call); ``kept``: one kept for
     the next epochs (``persistent_workers``); ``own``: the managers epochs run on besides
@@ -39,8 +40,9 @@ class Pools:
     hold (`unienv_mp._sampling.copies.DataCopy`); ``watch``: what the ``sample*`` calls
     look at each time (see `sample_moved`)."""
 
-    def __init__(self, owner, sample=None):
+    def __init__(self, owner, open_sample, sample=None):
         self.owner = owner
+        self.open_sample = open_sample
         self.sample = sample
         self.sample_copy = None
         self.watch = ()
@@ -181,7 +183,7 @@ class Pools:
         """``(the sample* manager, False)`` for an epoch, ``workers`` noted as the
         ``(kind, reason)`` of the sampler's ``epoch_workers``."""
         self.epoch_workers = workers
-        return self.owner._ensure_manager(), False
+        return self.open_sample()(), False
 
     def every_epoch_on_sample_workers(self):
         """The rule of a sampler that keeps no other workers: every epoch runs on the

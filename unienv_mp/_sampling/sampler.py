@@ -70,25 +70,6 @@ def _check_cpu(sampler, who):
                 f"{dev!r} in the training loop")
 
 
-def _set_up_device(s):
-    """The device feed of sampler ``s``, where batches are handed out on a device or
-    page-locked (then the instance's ``_sample``, and the epochs' hand-out, are a
-    DeviceHandOut's: see `unienv_mp._device.handout`); a sampler with no placement (Ray's)
-    takes CPU batches only."""
-    if s._placement is None:
-        _check_cpu(s.sampler, type(s).__name__)
-    if s.pin_memory and s.copy:
-        raise ValueError("pin_memory=True hands out batches in their page-locked slots, "
-                         "and copy=True copies them out of their slots: choose one")
-    # (both see the sampler through a weak proxy: a sampler that refers to itself
-    # would outlive its last user until a garbage collection, and its workers with it)
-    me = weakref.proxy(s)
-    s._feed = make_feed(s._placement, s.pin_memory, lambda: me._pools.slot_segments())
-    if s._feed is not None:
-        s._hand_out = DeviceHandOut(me, SamplerBase._sample)
-        s._sample = s._hand_out.sample
-
-
 def _checked(n_workers, n_buffers, timeout, in_order, copy, respawn, pin_memory,
              batches_per_task):
     """The options every backend has, checked, in this order."""
@@ -126,16 +107,6 @@ def _extra_methods(s):
     return extra
 
 
-def _chunk_size(s, name):
-    """Batches per task of ``name``'s stream for sampler ``s``: ``batches_per_task``, or
-    `default_chunk`.  A function of the wrapped sampler and the options alone (not of
-    ``n_workers`` or ``n_buffers``): the stream of batches depends on it."""
-    k = s.batches_per_task
-    if k is not None:
-        return k
-    return default_chunk(s.row_nbytes(name), s.batch_size)
-
-
 def default_chunk(row, batch_size):
     """Batches per task where ``batches_per_task`` is not given: for batches gathered
     directly, ``row`` bytes per row, as many as fit in 1 MiB (at most 8); else (``row``
@@ -143,35 +114,6 @@ def default_chunk(row, batch_size):
     if row is None:
         return 1
     return max(1, min(_CHUNK_MAX, _CHUNK_BYTES // max(1, row * batch_size)))
-
-
-def _close(s, pools, feed):
-    """The end of ``s.close()`` (see it), once ``s`` is marked closed."""
-    # First without the lock, which a call in another thread may hold while it waits
-    # on a manager: closing the managers wakes it.  Then again with it, for a manager
-    # that such a call made meanwhile.
-    if pools is not None:
-        pools.close()
-    lock = getattr(s, "_lock", None)
-    got = lock is not None and lock.acquire(timeout=CLOSE_WAIT)
-    try:
-        if feed is not None and got:
-            # (its pins keep the slots mapped until now: rule 8 of the feed; without the
-            # lock, a call in another thread may be using it: closed at the next close)
-            feed.close()
-        if pools is not None:
-            pools.close()
-        streams = getattr(s, "_streams", {})
-        if feed is not None and feed.mode == "resident" and _os.pid != s._owner_pid:
-            # (a forked child: the batches ready are the parent's, made on its device:
-            # freeing them here would call CUDA; rule 8 of unienv_mp._device.feed)
-            keep_in_forked_child(dict(streams))
-        # (positions kept, for a state_dict() after close(); requests dropped)
-        s._streams = {name: Stream.from_position(name, s._base, st.position(), st.per_batch)
-                      for name, st in streams.items()}
-    finally:
-        if got:
-            lock.release()
 
 
 def _warn_copy_lost(error):
@@ -183,7 +125,7 @@ def _warn_copy_lost(error):
 def _sampling(name, doc):
     """The sampler's method ``name()``: the next batch of ``name``'s stream."""
     def method(self):
-        return self._sample(name)
+        return self._next(name)
     method.__name__ = method.__qualname__ = name
     method.__doc__ = doc
     return method
@@ -199,15 +141,14 @@ def _epoch_of(name, getter):
     return method
 
 
-def _check_memory(s):
-    """Refuse ``n_buffers`` and ``batches_per_task`` of sampler ``s`` whose batches in
-    flight would need more than half of this machine's memory, where their size is known
+def _check_memory(s, k):
+    """Refuse ``n_buffers`` and ``batches_per_task`` of sampler ``s`` (tasks of ``k``
+    batches) whose batches in flight would need more than half of this machine's memory, where their size is known
     before any is made (batches gathered directly)."""
     row = s.row_nbytes("sample")
     memory = physical_memory()
     if row is None or memory is None:
         return
-    k = s._chunk_size("sample")
     batch = row * s.batch_size
     need = (s.n_buffers + k) * batch
     if need > memory // 2:
@@ -254,9 +195,10 @@ class SamplerBase(BatchSampler):
                  pin_memory=False):
         self._closed = True   # first: __del__ -> close() must work on a half-built sampler
         # (the sample* manager made on first use, if None)
-        self._pools = Pools(weakref.proxy(self), manager)
-        self._epochs = Epochs(self._pools)
-        self._feed = None   # (see _set_up_device)
+        self._pools = Pools(weakref.proxy(self), weakref.WeakMethod(self._ensure_manager),
+                            manager)
+        self._feed = None        # (see _choose_hand_out)
+        self._hand_out = None
         self._owner_pid = os.getpid()
         # Held by every call but close() (see "Threads" in MultiprocessingSampler's
         # docstring); re-entrant, for a call from a signal handler in the middle of one.
@@ -278,9 +220,10 @@ class SamplerBase(BatchSampler):
         self.timeout = timeout
         self.respawn = respawn
         self.batches_per_task = batches_per_task
-        _check_memory(self)
-        _set_up_device(self)
+        _check_memory(self, self._chunk_size("sample"))
+        self._feed, self._hand_out = self._choose_hand_out()
         self._caller = _stats.CallerRecord()   # batches handed out (see stats)
+        self._epochs = Epochs(self._pools, self._lock, self._caller, self._hand_out)
         self._base = base_seed(sampler)
         self._per_batch = True      # (False: streams of a state of unienv_mp 0.1)
         self._streams = {}          # method -> Stream
@@ -292,7 +235,7 @@ class SamplerBase(BatchSampler):
         extra = self.__dict__.get("_extra")
         if extra is not None and attr in extra:
             kind, name = extra[attr]
-            return kind(self, name)
+            return kind(self, name, self._next if kind is _StreamMethod else self._epoch)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}")
 
     def __dir__(self):
@@ -325,7 +268,7 @@ class SamplerBase(BatchSampler):
         [`load_state_dict`][unienv_mp.sampler.SamplerBase.load_state_dict]): the wrapped
         sampler's configuration and the batches per task of ``methods`` and of every
         ``sample*`` method."""
-        return _checkpoints.configuration(self, methods)
+        return _checkpoints.configuration(self, methods, self._chunk_size)
 
     def epoch_manager(self):
         """``(manager, own)``: the manager an epoch starting now runs on, and whether it
@@ -425,8 +368,37 @@ class SamplerBase(BatchSampler):
         return self._ensure_manager()
 
     def _chunk_size(self, name):
-        """Batches per task of ``name``'s stream (see `_chunk_size`)."""
-        return _chunk_size(self, name)
+        """Batches per task of ``name``'s stream: ``batches_per_task``, or `default_chunk`.
+        A function of the wrapped sampler and the options alone (not of ``n_workers`` or
+        ``n_buffers``): the stream of batches depends on it."""
+        k = self.batches_per_task
+        if k is not None:
+            return k
+        return default_chunk(self.row_nbytes(name), self.batch_size)
+
+    def _choose_hand_out(self):
+        """``(feed, hand-out)``: where batches are handed out on a device or page-locked,
+        the device feed and the `DeviceHandOut` that passes every batch through it; else
+        ``(None, None)``: CPU batches, handed out as they come (a sampler with no placement,
+        Ray's, takes CPU batches only)."""
+        if self._placement is None:
+            _check_cpu(self.sampler, type(self).__name__)
+        if self.pin_memory and self.copy:
+            raise ValueError("pin_memory=True hands out batches in their page-locked slots, "
+                             "and copy=True copies them out of their slots: choose one")
+        # (the feed asks the pools, which see the sampler through a weak proxy: nothing
+        # here refers back to the sampler, which a user's last reference then frees)
+        feed = make_feed(self._placement, self.pin_memory, self._pools.slot_segments)
+        return feed, (None if feed is None else DeviceHandOut(feed))
+
+    def _next(self, name):
+        """The next batch of ``name``'s stream, as this sampler hands batches out."""
+        hand_out = self._hand_out
+        if hand_out is None:
+            return self._sample(name)
+        with self._lock:
+            return hand_out.sample(name, self._sample, self._streams, self._caller,
+                                   self._pools, self.in_order)
 
     def stats(self, reset: bool = False):
         """Where the time went since the first request (or the last ``stats(reset=True)``),
@@ -490,7 +462,7 @@ class SamplerBase(BatchSampler):
 
     def _epoch(self, getter):
         self.check_epoch(getter)
-        return self._epochs.run(self, getter)
+        return self._epochs.run(self, getter, self._ensure_open)
 
     def epoch_iter(self):
         """One pass over a random permutation of the data (drawn here, with the wrapped
@@ -560,7 +532,8 @@ class SamplerBase(BatchSampler):
         part of it.  See
         [`load_state_dict`][unienv_mp.sampler.SamplerBase.load_state_dict]."""
         with self._lock:
-            return _checkpoints.state_of(self)
+            return _checkpoints.state_of(self, self._streams, self._base, self._per_batch,
+                                          self._epochs)
 
     def load_state_dict(self, state):
         """Go on from ``state`` (from
@@ -575,7 +548,8 @@ class SamplerBase(BatchSampler):
         a state of another configuration, or one that is not a whole state; the sampler is
         then as it was."""
         with self._lock:
-            base, per_batch, rngs, streams, resume = _checkpoints.read_state(self, state)
+            base, per_batch, rngs, streams, resume = _checkpoints.read_state(
+                self, state, self._chunk_size)
             with _os.interrupts_deferred():   # (one step: a Ctrl-C cannot cut it in two)
                 self._drop_streams()
                 self._base = base
@@ -631,7 +605,35 @@ class SamplerBase(BatchSampler):
                 and (feed is None or feed.closed)):
             return
         self._closed = True
-        _close(self, pools, feed)
+        self._close_parts(pools, feed)
+
+    def _close_parts(self, pools, feed):
+        """The end of `close`, once the sampler is marked closed."""
+        # First without the lock, which a call in another thread may hold while it waits
+        # on a manager: closing the managers wakes it.  Then again with it, for a manager
+        # that such a call made meanwhile.
+        if pools is not None:
+            pools.close()
+        lock = getattr(self, "_lock", None)
+        got = lock is not None and lock.acquire(timeout=CLOSE_WAIT)
+        try:
+            if feed is not None and got:
+                # (its pins keep the slots mapped until now: rule 8 of the feed; without the
+                # lock, a call in another thread may be using it: closed at the next close)
+                feed.close()
+            if pools is not None:
+                pools.close()
+            streams = getattr(self, "_streams", {})
+            if feed is not None and feed.mode == "resident" and _os.pid != self._owner_pid:
+                # (a forked child: the batches ready are the parent's, made on its device:
+                # freeing them here would call CUDA; rule 8 of unienv_mp._device.feed)
+                keep_in_forked_child(dict(streams))
+            # (positions kept, for a state_dict() after close(); requests dropped)
+            self._streams = {name: Stream.from_position(name, self._base, st.position(), st.per_batch)
+                          for name, st in streams.items()}
+        finally:
+            if got:
+                lock.release()
 
     def __enter__(self):
         return self
@@ -921,14 +923,15 @@ class MultiprocessingSampler(SamplerBase):
 class _StreamMethod:
     """An extra ``sample*`` method of the wrapped sampler, run in the workers (made on
     each attribute access, like a bound method: it keeps its sampler alive)."""
-    __slots__ = ("__self__", "__name__")
+    __slots__ = ("__self__", "__name__", "_call")
 
-    def __init__(self, owner, name):
+    def __init__(self, owner, name, call):
         self.__self__ = owner
         self.__name__ = name
+        self._call = call   # (the owner's method that makes the batch, or the epoch)
 
     def __call__(self):
-        return self.__self__._sample(self.__name__)
+        return self._call(self.__name__)
 
     def __repr__(self):
         return f"<worker method {self.__name__} of {self.__self__!r}>"
@@ -938,5 +941,3 @@ class _EpochMethod(_StreamMethod):
     """An extra ``get*_at`` method of the wrapped sampler, as an epoch iterator."""
     __slots__ = ()
 
-    def __call__(self):
-        return self.__self__._epoch(self.__name__)
