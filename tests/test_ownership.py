@@ -119,33 +119,44 @@ def test_the_rule_finds_what_it_should(source, found):
 
 # A subclass in the package uses what its base class (in another module) offers publicly:
 # the hooks of SamplerBase, not its private attributes.
-SUBCLASSES = {"ray/sampler.py": "unienv_mp._sampling.sampler"}
+SUBCLASSES = {"ray/sampler.py": "_sampling/sampler.py"}
 
 
-def base_privates_reached(sub_source, base_module):
-    """The private attributes that the classes of ``sub_source`` read on ``self`` without
-    defining them, that the classes of ``base_module`` define."""
-    import importlib
-    import inspect
-    base_tree = ast.parse(inspect.getsource(importlib.import_module(base_module)))
-    base_names = set()
-    for node in ast.walk(base_tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+def _privates_on_self(tree):
+    """``(read, written)``: the private attributes read and written on ``self`` in
+    ``tree``, and the private methods it defines (as written)."""
+    read, written = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _private(node.name):
+            written.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
                 and node.value.id == "self" and _private(node.attr):
-            base_names.add(node.attr)
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _private(node.name):
-            base_names.add(node.name)
-    tree = ast.parse(sub_source)
-    own = set()
-    reached = set()
-    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
-        for node in ast.walk(cls):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                own.add(node.name)
-            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
-                    and node.value.id == "self" and _private(node.attr):
-                if isinstance(node.ctx, ast.Store):
-                    own.add(node.attr)
-                else:
-                    reached.add(node.attr)
-    return sorted((reached - own) & base_names)
+            (written if isinstance(node.ctx, ast.Store) else read).add(node.attr)
+    return read, written
+
+
+def base_privates_reached(sub_source, base_source):
+    """The private attributes of ``base_source``'s classes (those they set on ``self`` or
+    define) that ``sub_source``'s classes read or write on ``self``."""
+    base_read, base_written = _privates_on_self(ast.parse(base_source))
+    sub_read, sub_written = _privates_on_self(ast.parse(sub_source))
+    return sorted((sub_read | sub_written) & base_written)
+
+
+def test_a_subclass_uses_only_the_public_hooks_of_its_base():
+    for sub, base in SUBCLASSES.items():
+        reached = base_privates_reached((PACKAGE / sub).read_text(),
+                                        (PACKAGE / base).read_text())
+        assert reached == [], f"{sub} reaches private attributes of {base}: {reached}"
+
+
+def test_the_subclass_rule_finds_what_it_should():
+    base = "class B:\n    def __init__(self):\n        self._lock = 1\n    def _hook(self):\n        pass\n"
+    assert base_privates_reached("class S(B):\n    def f(self):\n        return self._lock\n",
+                                 base) == ["_lock"]
+    assert base_privates_reached("class S(B):\n    def f(self):\n        self._hook()\n",
+                                 base) == ["_hook"]
+    assert base_privates_reached("class S(B):\n    def f(self):\n        self._lock = 2\n",
+                                 base) == ["_lock"]
+    assert base_privates_reached("class S(B):\n    def f(self):\n        self._own = 2\n"
+                                 "        return self._own\n", base) == []

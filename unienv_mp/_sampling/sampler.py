@@ -187,7 +187,14 @@ class SamplerBase(BatchSampler):
     what a saved state must match;
     [`epoch_manager`][unienv_mp.sampler.SamplerBase.epoch_manager] the manager an epoch runs
     on; [`check_epoch`][unienv_mp.sampler.SamplerBase.check_epoch] refuses an epoch (by
-    raising).
+    raising); [`chunk_size`][unienv_mp.sampler.SamplerBase.chunk_size] the batches per
+    task of a method.  What a backend may use:
+    [`kept_epoch_manager`][unienv_mp.sampler.SamplerBase.kept_epoch_manager] (epochs by the
+    ``persistent_workers`` rule),
+    [`sample_workers_have_current_data`][unienv_mp.sampler.SamplerBase.sample_workers_have_current_data],
+    [`lock`][unienv_mp.sampler.SamplerBase.lock],
+    [`gather_path`][unienv_mp.sampler.SamplerBase.gather_path] and
+    [`closed`][unienv_mp.sampler.SamplerBase.closed].
     """
 
     def __init__(self, sampler, n_workers, n_buffers, *, in_order, copy, timeout, respawn,
@@ -220,7 +227,7 @@ class SamplerBase(BatchSampler):
         self.timeout = timeout
         self.respawn = respawn
         self.batches_per_task = batches_per_task
-        _check_memory(self, self._chunk_size("sample"))
+        _check_memory(self, self.chunk_size("sample"))
         self._feed, self._hand_out = self._choose_hand_out()
         self._caller = _stats.CallerRecord()   # batches handed out (see stats)
         self._epochs = Epochs(self._pools, self._lock, self._caller, self._hand_out)
@@ -268,7 +275,7 @@ class SamplerBase(BatchSampler):
         [`load_state_dict`][unienv_mp.sampler.SamplerBase.load_state_dict]): the wrapped
         sampler's configuration and the batches per task of ``methods`` and of every
         ``sample*`` method."""
-        return _checkpoints.configuration(self, methods, self._chunk_size)
+        return _checkpoints.configuration(self, methods, self.chunk_size)
 
     def epoch_manager(self):
         """``(manager, own)``: the manager an epoch starting now runs on, and whether it
@@ -276,6 +283,21 @@ class SamplerBase(BatchSampler):
         notes why (see [`epoch_workers`][unienv_mp.sampler.SamplerBase.epoch_workers]).
         Here: the ``sample*`` manager."""
         return self._pools.every_epoch_on_sample_workers()
+
+    def kept_epoch_manager(self):
+        """``(manager, own)`` for an epoch starting now, by the ``persistent_workers``
+        rule: workers that exist if their copy of the data is the data as it is now,
+        else new ones (kept for the next epochs unless ``persistent_workers=False`` or
+        whether the data changed cannot be told: then the epoch's own).  For an
+        [`epoch_manager`][unienv_mp.sampler.SamplerBase.epoch_manager] that keeps
+        workers between epochs."""
+        return self._pools.epoch_manager()
+
+    def sample_workers_have_current_data(self):
+        """Note that the ``sample*`` manager given to the constructor was handed the data
+        as it is now, so that epochs may run on its workers while the data stays so (see
+        [`kept_epoch_manager`][unienv_mp.sampler.SamplerBase.kept_epoch_manager])."""
+        self._pools.note_sample_copy()
 
     def check_epoch(self, getter):
         """Called when an epoch iterator of ``getter`` is made, before it starts: raise to
@@ -313,7 +335,7 @@ class SamplerBase(BatchSampler):
                 manager = self._sample_pool_moved(manager)
             stream = self._streams.get(name)
             if stream is None:
-                stream = Stream(name, self._chunk_size(name), self._base, self._per_batch)
+                stream = Stream(name, self.chunk_size(name), self._base, self._per_batch)
                 self._streams[name] = stream
             ready = stream.ready
             tickets = stream.tickets
@@ -367,10 +389,12 @@ class SamplerBase(BatchSampler):
         self._pools.retire_moved()
         return self._ensure_manager()
 
-    def _chunk_size(self, name):
-        """Batches per task of ``name``'s stream: ``batches_per_task``, or `default_chunk`.
-        A function of the wrapped sampler and the options alone (not of ``n_workers`` or
-        ``n_buffers``): the stream of batches depends on it."""
+    def chunk_size(self, name):
+        """How many batches of the ``sample*`` method ``name`` a worker makes per task:
+        ``batches_per_task`` if given, else as many as fit in 1 MiB (at most 8) for
+        batches gathered directly, else 1.  It depends on the wrapped sampler and the
+        options alone (not on ``n_workers`` or ``n_buffers``), since the stream of
+        batches does; a checkpoint records it."""
         k = self.batches_per_task
         if k is not None:
             return k
@@ -549,7 +573,7 @@ class SamplerBase(BatchSampler):
         then as it was."""
         with self._lock:
             base, per_batch, rngs, streams, resume = _checkpoints.read_state(
-                self, state, self._chunk_size)
+                self, state, self.chunk_size)
             with _os.interrupts_deferred():   # (one step: a Ctrl-C cannot cut it in two)
                 self._drop_streams()
                 self._base = base
@@ -591,8 +615,16 @@ class SamplerBase(BatchSampler):
 
     @property
     def closed(self):
-        """True once [`close`][unienv_mp.sampler.SamplerBase.close] was called."""
-        return self._closed
+        """True once [`close`][unienv_mp.sampler.SamplerBase.close] was called (or
+        before the constructor finished)."""
+        return self.__dict__.get("_closed", True)
+
+    @property
+    def lock(self):
+        """The re-entrant lock that every call of this sampler holds but
+        [`close`][unienv_mp.sampler.SamplerBase.close]: a subclass holds it where its own
+        code shares state with those calls."""
+        return self._lock
 
     def close(self):
         """End the workers and release the shared memory; batches already returned stay
@@ -884,10 +916,10 @@ class MultiprocessingSampler(SamplerBase):
                          timeout=timeout, respawn=respawn, batches_per_task=batches_per_task,
                          not_direct=not_direct, placement=placement, pin_memory=pin_memory)
 
-    def _chunk_size(self, name):
+    def chunk_size(self, name):
         if self._placement.kind == "in_process" and self.batches_per_task is None:
             return _CHUNK_MAX   # (no slot to fill: chunks only save reseeding the RNGs)
-        return super()._chunk_size(name)
+        return super().chunk_size(name)
 
     def row_nbytes(self, name):
         worker_sampler = self._worker_sampler
@@ -917,7 +949,7 @@ class MultiprocessingSampler(SamplerBase):
             return self._pools.on_sample_workers(
                 ("in_process", "the data is on a GPU: batches are made in this process, "
                                "by no workers"))
-        return self._pools.epoch_manager()
+        return self.kept_epoch_manager()
 
 
 class _StreamMethod:

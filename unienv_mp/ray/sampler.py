@@ -390,7 +390,6 @@ class RaySampler(SamplerBase):
         tasks_per_call: Optional[int] = None,
         persistent_workers: Optional[bool] = None,
     ):
-        self._closed = True   # first: __del__ -> close() must work on a half-built sampler
         self._actors = None   # the RayManager (the sample* manager too, until close())
         self._ray_token = None
         not_direct = _check_input(sampler, sampler_factory, direct_gather,
@@ -431,11 +430,11 @@ class RaySampler(SamplerBase):
                              batches_per_task=batches_per_task,
                              not_direct=not_direct, manager=manager)
             if isinstance(sampler, RemoteSampler):
-                sampler.lock = self._lock
+                sampler.lock = self.lock
             if not_direct is not None and None in self._asked:   # (weakly: no cycle)
                 manager.sized = _weakly(weakref.WeakMethod(self._sized))
             if sampler_factory is None:   # (the data the actors were sent)
-                self._pools.note_sample_copy()
+                self.sample_workers_have_current_data()
         except BaseException:
             self._close_actors()
             raise
@@ -472,15 +471,15 @@ class RaySampler(SamplerBase):
 
     def new_manager(self):
         # (an epoch's actors, sent the sampler as it is now: see epoch_manager)
-        if self._closed:
+        if self.closed:
             raise RuntimeError(f"this {type(self).__name__} is closed")
-        return self._new_actors(self.sampler, self._direct, self.n_workers,
+        return self._new_actors(self.sampler, self.gather_path == "direct", self.n_workers,
                                 num_cpus_per_worker=0)
 
     def epoch_manager(self):
         if self.sampler_factory is not None:   # (their data cannot be told from here)
-            return self._pools.every_epoch_on_sample_workers()
-        return self._pools.epoch_manager()
+            return super().epoch_manager()   # (every epoch on the sample* workers)
+        return self.kept_epoch_manager()
 
     def sampler_methods(self):
         if isinstance(self.sampler, RemoteSampler):
@@ -497,7 +496,7 @@ class RaySampler(SamplerBase):
             return super().configuration(methods)
         methods = set(methods) | {n for n in self.sampler_methods() if n.startswith("sample")}
         out = dict(self.sampler.description["configuration"])
-        out["chunks"] = {m: self._chunk_size(m) for m in methods}
+        out["chunks"] = {m: self.chunk_size(m) for m in methods}
         return out
 
     def stats(self, reset: bool = False):
@@ -526,5 +525,5 @@ class RaySampler(SamplerBase):
         self._close_actors()
 
     def __repr__(self):
-        state = "closed" if self._closed else f"{self.n_workers} Ray actors"
+        state = "closed" if self.closed else f"{self.n_workers} Ray actors"
         return f"<{type(self).__name__} {state}>"
