@@ -5,9 +5,8 @@ page-locked batches, only its slot is page-locked ahead, rule 7).
 
 **The look-ahead changes nothing in the stream.**  When the stream's next batch is in its
 ``ready`` chunk, its copy is started; when it is in the next task, which has arrived, the
-task's result is collected from the manager and kept here (``_early``) with its copy
-started, and it joins the stream only at the next call, as that call would have collected
-it.  So the position between calls is what the caller was handed, a ``state_dict()``
+task's result is taken from the manager and kept here (``_early``) with its copy
+started, and the stream collects it only at the next call, as that call would have.  So the position between calls is what the caller was handed, a ``state_dict()``
 taken then is exact, and a Ctrl-C anywhere in the look-ahead puts the batch being handed
 out back (nothing else moved): the next call hands it out again.
 """
@@ -17,12 +16,19 @@ from ..errors import WorkerError
 __all__ = ["DeviceHandOut"]
 
 
-class _Failed:
-    """The result of a task collected ahead that raised (its error, raised in turn)."""
-    __slots__ = ("error",)
+class _Taken:
+    """The result of a task taken ahead: its ``value``, or the ``error`` it raised;
+    `result` gives it to `Stream.collect` as the manager would have."""
+    __slots__ = ("value", "error")
 
-    def __init__(self, error):
+    def __init__(self, value, error):
+        self.value = value
         self.error = error
+
+    def result(self, ticket):
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
 class DeviceHandOut:
@@ -92,15 +98,15 @@ class DeviceHandOut:
                     or not manager.ready(tickets[0]):
                 return
             ticket = tickets[0]
-            # (one step: a result collected is a result kept)
+            # (one step: a result taken is a result kept)
             with _os.interrupts_deferred():
                 try:
-                    value = manager.result(ticket)
+                    taken = _Taken(manager.result(ticket), None)
                 except WorkerError as e:
-                    value = _Failed(e)
-                self._early[name] = (stream, ticket, value)
-            if type(value) is not _Failed and value:
-                feed.start(value[0])
+                    taken = _Taken(None, e)
+                self._early[name] = (stream, ticket, taken)
+            if taken.error is None and taken.value:
+                feed.start(taken.value[0])
         except Exception:
             pass
 
@@ -119,14 +125,9 @@ def _clone(tree):
 
 
 def _arrive(stream, early):
-    """The task collected ahead joins ``stream``, as the next call would have joined it
-    (see ``SamplerBase._sample``), if it is still that stream's request; a task that
-    raised raises now, its chunk skipped."""
-    owner, ticket, value = early
+    """``stream`` collects the task taken ahead, as the next call would have, if it is
+    still that stream's request; a task that raised raises now, its chunk skipped."""
+    owner, ticket, taken = early
     if owner is not stream or ticket not in stream.chunk_of:
         return   # (a new stream, or requests forgotten: asked for again, or dropped)
-    stream.tickets.remove(ticket)
-    if type(value) is _Failed:
-        stream.failed(ticket)
-        raise value.error
-    stream.arrived(ticket, value)
+    stream.collect(ticket, taken.result)

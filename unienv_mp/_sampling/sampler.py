@@ -354,15 +354,8 @@ class SamplerBase(BatchSampler):
                     self._caller.batches += 1
                     return ready.popleft()
                 ticket = tickets[0] if self.in_order else manager.wait_any(tickets)
-                try:
-                    value = manager.result(ticket)
-                except WorkerError:
-                    # the chunk's batches are skipped; the other requests stand
-                    tickets.remove(ticket)
-                    stream.failed(ticket)
-                    raise
-                tickets.remove(ticket)
-                stream.arrived(ticket, value)
+                # (a WorkerError skips the chunk's batches; the other requests stand)
+                stream.collect(ticket, manager.result)
                 if first:
                     stream.top_up(manager.submit, depth(n_buffers, False))
                 self._caller.batches += 1
