@@ -143,8 +143,8 @@ def _epoch_of(name, getter):
 
 def _check_memory(s, k):
     """Refuse ``n_buffers`` and ``batches_per_task`` of sampler ``s`` (tasks of ``k``
-    batches) whose batches in flight would need more than half of this machine's memory, where their size is known
-    before any is made (batches gathered directly)."""
+    batches) whose batches in flight would need more than half of this machine's memory,
+    where their size is known before any is made (batches gathered directly)."""
     row = s.row_nbytes("sample")
     memory = physical_memory()
     if row is None or memory is None:
@@ -401,8 +401,9 @@ class SamplerBase(BatchSampler):
         if self._placement is None:
             _check_cpu(self.sampler, type(self).__name__)
         if self.pin_memory and self.copy:
-            raise ValueError("pin_memory=True hands out batches in their page-locked slots, "
-                             "and copy=True copies them out of their slots: choose one")
+            raise ValueError("pin_memory=True hands out batches in their page-locked "
+                             "slots, and copy=True copies them out of their slots: "
+                             "choose one")
         # (the feed asks the pools, which see the sampler through a weak proxy: nothing
         # here refers back to the sampler, which a user's last reference then frees)
         feed = make_feed(self._placement, self.pin_memory, self._pools.slot_segments)
@@ -643,8 +644,9 @@ class SamplerBase(BatchSampler):
         got = lock is not None and lock.acquire(timeout=CLOSE_WAIT)
         try:
             if feed is not None and got:
-                # (its pins keep the slots mapped until now: rule 8 of the feed; without the
-                # lock, a call in another thread may be using it: closed at the next close)
+                # (its pins keep the slots mapped until now: rule 8 of the feed; without
+                # the lock, a call in another thread may be using it: closed at the next
+                # close)
                 feed.close()
             if pools is not None:
                 pools.close()
@@ -654,8 +656,9 @@ class SamplerBase(BatchSampler):
                 # freeing them here would call CUDA; rule 8 of unienv_mp._device.feed)
                 keep_in_forked_child(dict(streams))
             # (positions kept, for a state_dict() after close(); requests dropped)
-            self._streams = {name: Stream.from_position(name, self._base, st.position(), st.per_batch)
-                          for name, st in streams.items()}
+            self._streams = {
+                name: Stream.from_position(name, self._base, st.position(), st.per_batch)
+                for name, st in streams.items()}
         finally:
             if got:
                 lock.release()
@@ -671,53 +674,33 @@ class MultiprocessingSampler(SamplerBase):
     """Run ``sampler``'s ``sample*`` methods, and epochs over its ``get*_at`` methods, in
     ``n_workers`` processes, keeping ``n_buffers`` batches in flight per method.
 
-    A drop-in for ``unienv_data.samplers.MultiprocessingSampler`` (same constructor, same
-    methods and properties), with batches moved through shared memory instead of pickles.
-    As in UniEnv, the ``sample*`` workers start at the first call and see the data as it
-    was then (the first of them starts then, the others later with the same copy: see
-    the manager's ``start_later``) (unless it is shared between processes, e.g. a
-    ReplayBuffer made with
-    ``multiprocessing=True``), and an epoch over unshared data covers it as it is when
-    the epoch starts: on workers that exist if their copy is still current, else on new
-    ones (see ``persistent_workers``).
+    A drop-in for UniEnv's ``unienv_data.samplers.MultiprocessingSampler``: the same
+    constructor, methods and properties, with batches passed through shared memory instead
+    of pickles.  As in UniEnv, the workers start at the first call and see the data as it
+    was then, unless it is shared between processes (a ReplayBuffer made with
+    ``multiprocessing=True``); an epoch covers the data as it is when it starts (see
+    ``persistent_workers``).
 
-    **What it wraps.** UniEnv's ``StepSampler(data, batch_size)``, where ``data`` is a
-    ``ReplayBuffer`` or one of UniEnv's views of one (``unienv_data.batches``), which the
-    workers gather directly too.  With ``mask =
-    SliceStackedBatch.get_valid_mask_function_with_episodeid_key("episode_id")`` (frames of
-    other episodes are invalid and filled with the nearest valid one;
-    ``..._with_episode_end_key("done")`` reads episode ends instead), a frame stack of the
-    step and the one before it is ``FrameStackedBatch(rb, prefetch_horizon=1,
-    get_valid_mask_function=mask)`` (``prefetch_horizon=k`` frames before the step,
-    ``postfetch_horizon=j`` after it), and an action chunk of the next 16 actions is
-    ``SliceStackedBatch(rb, torch.arange(16),
-    get_valid_mask_function=mask).get_column(["action"])``.  The valid mask comes back in
-    the metadata: ``batch, meta = sample_with_metadata()``, ``meta["slice_valid_mask"]`` of
-    shape ``(B, frames)``; ``CombinedBatch(parts)`` adds ``meta["batch_index"]``, the part
-    each element came from.
+    [`stats`][unienv_mp.MultiprocessingSampler.stats] says where the time goes;
+    [`state_dict`][unienv_mp.MultiprocessingSampler.state_dict] and
+    [`load_state_dict`][unienv_mp.MultiprocessingSampler.load_state_dict] save and restore
+    the position of every stream and of an epoch in progress.  A call cut short (Ctrl-C,
+    ``timeout``) does not move the position.  A worker that raises does not end the
+    sampler: the call that needed its batch raises [`WorkerError`][unienv_mp.WorkerError]
+    (with the worker's traceback) and later calls work.  After
+    [`close`][unienv_mp.MultiprocessingSampler.close] every method raises ``RuntimeError``.
 
-    **Batches on a GPU.** ``StepSampler(rb, B, device="cuda")`` over CPU data: the workers
-    make each batch on the CPU, in a page-locked slot (registered on a thread of the
-    sampler's own), and this process copies it to the GPU on a stream of its own, ahead of
-    the call that hands it out.  The batch is on the device, ordered on the caller's
-    current CUDA stream (which waits for the copy; the caller does not; another stream
-    must wait for that one before it reads the batch), and its slot goes back to its
-    worker once the copy has completed.
-    Its values are those of the same sampler without ``device=``, moved, bit for bit;
-    ``sample_index()`` stays on the data's device, as UniEnv's does.  Data already on a GPU
-    (a ReplayBuffer over CUDA storages): no workers; batches are made in this process, with
-    one ``index_select`` per array for a ReplayBuffer of tensors
-    ([`gather_path`][unienv_mp.MultiprocessingSampler.gather_path] ``"in_process"``).
-    Other samplers whose ``device`` is a GPU are refused with ``ValueError``, and
-    ``device="cuda"`` without CUDA here with a ``RuntimeError`` that says why.  A device
-    error (out of memory) in ``sample*`` puts the batch back for the next call; in an epoch
-    it ends the epoch, as a worker's error does.  ``copy`` has no effect on device batches
-    (they are copies).
+    The guides say more: [what it wraps](../../guides/direct-gather.md#what-the-sampler-wraps)
+    (UniEnv's views, frame stacks, action chunks),
+    [batches on the GPU](../../guides/gpu.md), [epochs](../../guides/epochs.md),
+    [reliability](../../guides/reliability.md) (errors, Ctrl-C, threads, forked
+    children), [reproducible and resumable](../../guides/reproducible.md) and
+    [the bounds on its options](../../limitations.md#bounds-on-the-options).
 
     Args:
         sampler: the ``BatchSampler`` to run in the workers: a ``StepSampler`` over a
             ``ReplayBuffer`` or a view of one, its batches on the CPU or on a CUDA device
-            (see "What it wraps" and "Batches on a GPU" above).
+            (see the guides above).
         n_workers: worker processes.
         n_buffers: batches requested ahead of the caller, per method.
         ctx: multiprocessing context or start method name (``"fork"``, ``"spawn"``,
@@ -816,38 +799,6 @@ class MultiprocessingSampler(SamplerBase):
             counts them).  [`close`][unienv_mp.MultiprocessingSampler.close] waits for the
             copies queued until then, then unregisters the slots: batches held after it
             are ordinary memory.
-
-    Limits (each refused with a ``ValueError`` that names the bound and its number here):
-    ``n_workers`` at most ``max(64, 8 * CPUs)``, the CPUs this process may run on;
-    ``n_buffers`` at most 4096 and ``batches_per_task`` at most 1024 (far more than ever
-    helps); the batches in flight, ``(n_buffers + batches_per_task) * batch bytes``, at
-    most half of the machine's memory, where the batch size is known before any batch is
-    made; ``doze_time`` at most 10 s; ``timeout`` and ``stall_timeout`` at most
-    10,000,000 s (about 116 days; ``None``: no limit).  The manager takes the same
-    ``n_workers``, ``doze_time``, ``timeout`` and ``stall_timeout``, and ``max_respawns``
-    up to 1e9, ``max_leases`` up to 1,000,000.
-
-    [`stats`][unienv_mp.MultiprocessingSampler.stats] says where the time goes.
-    [`state_dict`][unienv_mp.MultiprocessingSampler.state_dict] and
-    [`load_state_dict`][unienv_mp.MultiprocessingSampler.load_state_dict] save and restore
-    the position of every stream and of an epoch in progress.  A call cut short (Ctrl-C,
-    ``timeout``) does not move the position.  A worker that raises does not end the sampler:
-    the call that needed that batch raises [`WorkerError`][unienv_mp.WorkerError] (with the
-    worker's traceback) and later calls work.  After
-    [`close`][unienv_mp.MultiprocessingSampler.close] every method raises ``RuntimeError``.
-
-    Threads: the ``sample*`` methods, [`stats`][unienv_mp.MultiprocessingSampler.stats],
-    [`state_dict`][unienv_mp.MultiprocessingSampler.state_dict],
-    [`load_state_dict`][unienv_mp.MultiprocessingSampler.load_state_dict] and
-    [`manual_seed`][unienv_mp.MultiprocessingSampler.manual_seed] may be called from any
-    thread; calls are serialised (a lock: a second thread waits while the first waits for
-    its batch), and every batch goes to exactly one caller.  An epoch iterator is a
-    generator: one thread at a time may advance it (Python raises ``ValueError`` otherwise),
-    while other threads sample or run epochs of their own.
-    [`close`][unienv_mp.MultiprocessingSampler.close] is safe from any thread at any moment:
-    a call running meanwhile raises ``RuntimeError``, and no worker starts after it returns.
-    A forked child cannot use its parent's sampler: its first call raises ``RuntimeError``,
-    before any batch (see the Reliability guide on batches held across a fork).
     """
 
     def __init__(
