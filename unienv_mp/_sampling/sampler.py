@@ -38,7 +38,7 @@ from . import checkpoints as _checkpoints
 from .ahead import depth
 from .delegates import forwarded, passed_on
 from .epochs import Epochs
-from .pools import Pools
+from .pools import Pools, check_persistent
 from .state import give_rngs
 from .streams import Stream, base_seed, forget_all, forget_requests
 from .target import SamplerTarget
@@ -202,8 +202,8 @@ class SamplerBase(BatchSampler):
                  pin_memory=False):
         self._closed = True   # first: __del__ -> close() must work on a half-built sampler
         # (the sample* manager made on first use, if None)
-        self._pools = Pools(weakref.proxy(self), weakref.WeakMethod(self._ensure_manager),
-                            manager)
+        self._pools = Pools(sampler, weakref.WeakMethod(self.new_manager),
+                            weakref.WeakMethod(self._ensure_manager), manager)
         self._feed = None        # (see _choose_hand_out)
         self._hand_out = None
         self._owner_pid = os.getpid()
@@ -404,8 +404,8 @@ class SamplerBase(BatchSampler):
             raise ValueError("pin_memory=True hands out batches in their page-locked "
                              "slots, and copy=True copies them out of their slots: "
                              "choose one")
-        # (the feed asks the pools, which see the sampler through a weak proxy: nothing
-        # here refers back to the sampler, which a user's last reference then frees)
+        # (the feed asks the pools, which hold no reference to the sampler: nothing here
+        # refers back to the sampler, which a user's last reference then frees)
         feed = make_feed(self._placement, self.pin_memory, self._pools.slot_segments)
         return feed, (None if feed is None else DeviceHandOut(feed))
 
@@ -612,6 +612,18 @@ class SamplerBase(BatchSampler):
         """True once [`close`][unienv_mp.sampler.SamplerBase.close] was called (or
         before the constructor finished)."""
         return self.__dict__.get("_closed", True)
+
+    @property
+    def persistent_workers(self) -> Optional[bool]:
+        """Which workers epochs run on (see
+        [`kept_epoch_manager`][unienv_mp.sampler.SamplerBase.kept_epoch_manager]): None,
+        True or False, read at each epoch's start; False where a backend keeps no workers
+        for epochs."""
+        return self._pools.persistent
+
+    @persistent_workers.setter
+    def persistent_workers(self, value):
+        self._pools.persistent = check_persistent(value)
 
     @property
     def lock(self):
@@ -831,9 +843,6 @@ class MultiprocessingSampler(SamplerBase):
             ctx = check_context(ctx)
         if direct_gather is not None and type(direct_gather) is not bool:
             raise TypeError(f"direct_gather must be None, True or False, got {direct_gather!r}")
-        if persistent_workers is not None and type(persistent_workers) is not bool:
-            raise TypeError(f"persistent_workers must be None, True or False, got "
-                            f"{persistent_workers!r}")
         check_batch_sampler(sampler)   # (before place() reads its device)
         placement = place(sampler, type(self).__name__)
         self._worker_sampler = placement.worker_sampler
@@ -855,10 +864,10 @@ class MultiprocessingSampler(SamplerBase):
         self.daemon = daemon
         self.shared_memory = shared_memory
         self.stall_timeout = stall_timeout
-        self.persistent_workers = persistent_workers
         super().__init__(sampler, n_workers, n_buffers, in_order=in_order, copy=copy,
                          timeout=timeout, respawn=respawn, batches_per_task=batches_per_task,
                          not_direct=not_direct, placement=placement, pin_memory=pin_memory)
+        self.persistent_workers = persistent_workers   # (checked by the property)
 
     def chunk_size(self, name):
         if self._placement.kind == "in_process" and self.batches_per_task is None:

@@ -12,6 +12,7 @@ from unienv_data.base import BatchSampler
 
 from .._direct import gather as _gather
 from .._sampling import state as _state
+from .._sampling.pools import check_persistent
 from .._sampling.sampler import SamplerBase, default_chunk
 from .._sampling.target import SamplerTarget
 from .._validate import MAX_BATCHES_PER_TASK, MAX_BUFFERS, check_bool, check_int
@@ -397,9 +398,8 @@ class RaySampler(SamplerBase):
         n_workers = check_int(n_workers, "n_workers")
         num_cpus_per_worker = check_cpus(num_cpus_per_worker)
         local_slots = check_bool(local_slots, "local_slots")
-        if persistent_workers is not None and type(persistent_workers) is not bool:
-            raise TypeError(f"persistent_workers must be None, True or False, got "
-                            f"{persistent_workers!r}")
+        # (checked before the actors start; the property checks it again when it is set)
+        check_persistent(persistent_workers)
         self._ray_token = _connect(address, math.ceil(n_workers * num_cpus_per_worker))
         self._manager_options = dict(
             factory=sampler_factory, in_order=in_order, copy=copy, timeout=timeout,
@@ -412,7 +412,6 @@ class RaySampler(SamplerBase):
                 sampler = RemoteSampler(manager.describe(), manager)
                 not_direct = _direct_refused(sampler.description["not_direct"],
                                              direct_gather)
-            self.persistent_workers = persistent_workers
             self.sampler_factory = sampler_factory
             self.num_cpus_per_worker = num_cpus_per_worker
             self.max_respawns = max_respawns
@@ -429,6 +428,7 @@ class RaySampler(SamplerBase):
                              timeout=timeout, respawn=respawn,
                              batches_per_task=batches_per_task,
                              not_direct=not_direct, manager=manager)
+            self.persistent_workers = persistent_workers
             if isinstance(sampler, RemoteSampler):
                 sampler.lock = self.lock
             if not_direct is not None and None in self._asked:   # (weakly: no cycle)
