@@ -28,7 +28,8 @@ extensions = [
     ),
     Extension(
         "unienv_mp._direct.rows",
-        sources=["unienv_mp/_direct/rows.pyx", "csrc/umr_rows.c", "csrc/umr_window.c"],
+        sources=["unienv_mp/_direct/rows.pyx", "csrc/umr_rows.c", "csrc/umr_window.c",
+                 "csrc/umr_pread.c"],
         include_dirs=["csrc"],
         extra_compile_args=CFLAGS,
     ),

@@ -18,6 +18,10 @@ class MethodsMadeByFactories(griffe.Extension):
         try:
             runtime = griffe.dynamic_import(cls.path)
         except ImportError:
+            # (a class that cannot be imported here: RaySampler without Ray, which the docs
+            # extra does not install; its overrides take the docstrings of the methods
+            # they override, read from the source)
+            _inherit_docstrings(cls)
             return
         for name, member in list(cls.members.items()):
             if member.is_alias or name.startswith("_"):
@@ -56,3 +60,21 @@ def _is_descriptor(value):
             and not isinstance(value, (property, staticmethod, classmethod))
             and type(value).__module__.startswith("unienv_mp")
             and bool(type(value).__doc__ != value.__doc__ and value.__doc__))
+
+
+def _inherit_docstrings(cls):
+    """Give each method of ``cls`` without a docstring that of the method it overrides in
+    one of its bases, as read from the source."""
+    try:
+        bases = cls.mro()
+    except Exception:   # (a base that cannot be resolved)
+        return
+    for name, member in list(cls.members.items()):
+        if member.is_alias or name.startswith("_") or not member.is_function \
+                or member.docstring:
+            continue
+        for base in bases:
+            inherited = base.members.get(name)
+            if inherited is not None and not inherited.is_alias and inherited.docstring:
+                member.docstring = griffe.Docstring(inherited.docstring.value, parent=member)
+                break

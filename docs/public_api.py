@@ -4,6 +4,7 @@ name is documented (its shortest public path: ``unienv_mp.MultiprocessingSampler
 pages and by docs/check_site.py to check a built site; imports nothing of mkdocs."""
 import importlib
 import inspect
+import os
 import typing
 
 #: The public modules, in the order of the navigation (tests/test_layout.py holds the same
@@ -15,10 +16,16 @@ MODULES = ("unienv_mp", "unienv_mp.sampler", "unienv_mp.windows", "unienv_mp.man
 
 def public_names():
     """{module: [(name, is_class, documented_at)]}, where ``documented_at`` is the shortest
-    public path of the object (the first module of MODULES that exports it)."""
+    public path of the object (the first module of MODULES that exports it).  A module that
+    cannot be imported here (``unienv_mp.ray`` without Ray: the ``docs`` extra does not
+    install it) is read from its source instead (`_static_names`)."""
     home, out = {}, {}
     for module_name in MODULES:
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            out[module_name] = _static_names(module_name, home)
+            continue
         rows = []
         for name in module.__all__:
             value = getattr(module, name)
@@ -31,6 +38,24 @@ def public_names():
             rows.append((name, inspect.isclass(value), home[key]))
         out[module_name] = rows
     return out
+
+
+def _static_names(module_name, home):
+    """The rows of ``module_name`` read from its source with griffe (which mkdocstrings
+    reads the docs with), without importing it; each name by the path it resolves to."""
+    import griffe
+    module = griffe.load(module_name, search_paths=[_ROOT], resolve_aliases=True,
+                         resolve_external=False)
+    rows = []
+    for name in module.exports or ():
+        member = module[str(name)]
+        target = member.final_target if member.is_alias else member
+        home.setdefault(target.path, f"{module_name}.{name}")
+        rows.append((str(name), target.is_class, home[target.path]))
+    return rows
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def page_of(path):

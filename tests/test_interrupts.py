@@ -991,6 +991,9 @@ NOT_INTERRUPTED = {
                                         "workers)",
     os.path.join("_direct", "storages.py"): "plans storages and fills their slots: in the "
                                             "workers, and once at construction",
+    os.path.join("_direct", "files.py"): "plans file-backed storages and reads their rows "
+                                         "into slots: in the workers, and once at "
+                                         "construction",
     os.path.join("_process", "__init__.py"): "a docstring",
     os.path.join("_sampling", "__init__.py"): "a docstring",
     os.path.join("_transport", "__init__.py"): "a docstring",
@@ -1015,6 +1018,8 @@ NOT_INTERRUPTED = {
                                             "tickets after any interruption (tested in "
                                             "sampler.py's code)",
     os.path.join("_sampling", "fingerprint.py"): "reads the data and returns a value: nothing kept across a call",
+    os.path.join("_sampling", "files.py"): "stats files and returns values (a file open "
+                                           "for writing flushed: flushed again next time)",
     os.path.join("_sampling", "pages.py"): "reads the page table and a holder's bytes and "
                                            "returns a value; what it keeps (written) is "
                                            "one assignment",

@@ -120,10 +120,16 @@ def test_fingerprint_holds_no_tensor_alive_and_a_dead_one_is_not_the_same():
 def test_fingerprint_cannot_be_told_for_other_samplers_and_storages(tmp_path):
     rb = replay_buffer(30)
     assert _fingerprint.take(_data.SlowSampler(rb, 8, seed=0)) is None   # a subclass
-    assert _fingerprint.take(StepSampler(replay_buffer(30, memmap_dir=str(tmp_path)), 8)) \
-        is None                                                           # memory-mapped
+    # memory-mapped: known by the files it maps (tests/test_persistent_files.py)
+    fp = _fingerprint.take(StepSampler(replay_buffer(30, memmap_dir=str(tmp_path)), 8))
+    assert fp is not None and len(fp.maps) == 3
+    # numpy arrays have no versions: by value up to 1 MiB (a space's bounds), not beyond
     rb.storage.storage_map["image"].data = rb.storage.storage_map["image"].data.numpy()
-    assert _fingerprint.take(StepSampler(rb, 8)) is None                  # numpy: no versions
+    assert _fingerprint.take(StepSampler(rb, 8)) is not None
+    big = replay_buffer(30, img=(3, 128, 128))
+    big.storage.storage_map["image"].data = big.storage.storage_map["image"].data.numpy()
+    fp, why = _fingerprint.check(StepSampler(big, 8))
+    assert fp is None and "numpy array of 1474560 bytes" in why
 
 
 # -- kept workers: the same batches, bit for bit ---------------------------------------------

@@ -502,8 +502,10 @@ def test_a_state_of_another_configuration_is_refused():
             batches_per_task=2)
     refused(_data.SlowSampler(rb, 5, seed=1), "sampler is")
     with MultiprocessingSampler(StepSampler(rb, 5), n_workers=1, ctx="fork") as other:
-        with pytest.raises(ValueError, match="not a state_dict"):
+        with pytest.raises(ValueError, match="not a state_dict") as refusal:
             other.load_state_dict({"streams": {}})
+        # (a plain ValueError, as the docs say: no private class in the traceback)
+        assert type(refusal.value) is ValueError
         with pytest.raises(ValueError, match="version"):
             other.load_state_dict({**state, "version": 99})
         other.load_state_dict(state)     # and the matching one loads

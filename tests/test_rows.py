@@ -1,9 +1,11 @@
 """gather_rows: the row copy of the direct gather (csrc/umr_rows.c)."""
+import os
+
 import numpy as np
 import pytest
 
 from unienv_mp import Segment
-from unienv_mp._direct.rows import gather_rows
+from unienv_mp._direct.rows import gather_rows, pread_rows
 
 
 @pytest.mark.parametrize("row_bytes", [1, 12, 1000, 1024, 1040, 4096, 49152, 49160])
@@ -60,3 +62,83 @@ def test_bad_arguments():
     with pytest.raises(ValueError):
         gather_rows(table, 16, rows.astype(np.int32), bytearray(64))  # not int64
     gather_rows(table, 16, np.zeros(0, dtype=np.int64), bytearray(0))  # nothing to do
+
+
+# -- pread_rows: rows of a file read straight into their places (csrc/umr_pread.c) ----------
+
+def _file_of(tmp_path, table, head=100):
+    path = tmp_path / "rows.bin"
+    path.write_bytes(b"h" * head + table.tobytes())
+    return os.open(path, os.O_RDONLY)
+
+
+@pytest.mark.parametrize("row_bytes,gap", [(28, 0), (28, 16384), (49152, 16384),
+                                           (4096, 4096), (3, 1)])
+def test_pread_rows_give_take_in_batch_order(tmp_path, row_bytes, gap):
+    """Rows read sorted and coalesced (with and without reading the bytes between them)
+    land in batch order, duplicates and the first and last rows included."""
+    rng = np.random.default_rng(row_bytes + gap)
+    table = rng.integers(0, 256, (300, row_bytes), dtype=np.uint8)
+    rows = rng.integers(0, 300, 257).astype(np.int64)
+    rows[:4] = [0, 299, 0, 5]
+    fd = _file_of(tmp_path, table)
+    try:
+        out = bytearray(64 + 257 * row_bytes + 7)
+        pread_rows(fd, 100, row_bytes, 300, rows, out, 64, gap)
+    finally:
+        os.close(fd)
+    expect = np.take(table, rows, axis=0).tobytes()
+    assert bytes(out[64:64 + len(expect)]) == expect
+    assert out[:64] == bytearray(64) and out[64 + len(expect):] == bytearray(7)
+
+
+def test_pread_rows_of_more_than_one_call(tmp_path):
+    """More coalesced rows than one preadv takes (1024 iovecs) are read in several."""
+    table = np.arange(5000 * 2, dtype=np.uint16).reshape(5000, 2).view(np.uint8)
+    rows = np.arange(0, 5000, 2, dtype=np.int64)[::-1].copy()
+    fd = _file_of(tmp_path, table)
+    try:
+        out = np.empty((len(rows), 4), np.uint8)
+        pread_rows(fd, 100, 4, 5000, rows, out, 0, 8)
+    finally:
+        os.close(fd)
+    assert np.array_equal(out, table[rows])
+
+
+def test_pread_rows_past_the_end_of_the_file_read_zeros(tmp_path):
+    """A table that runs past the end of the file (allocated, never written) reads as zeros
+    there, as HDF5's sec2 driver reads it."""
+    table = np.full((10, 8), 7, np.uint8)
+    fd = _file_of(tmp_path, table)
+    try:
+        rows = np.array([12, 3, 9, 10, 15], np.int64)
+        out = np.full((5, 8), 255, np.uint8)
+        pread_rows(fd, 100, 8, 16, rows, out)
+    finally:
+        os.close(fd)
+    assert np.array_equal(out, np.array([[0] * 8, [7] * 8, [7] * 8, [0] * 8, [0] * 8],
+                                        np.uint8))
+
+
+def test_pread_rows_refuse_bad_rows_and_report_failed_reads(tmp_path):
+    table = np.ones((5, 16), np.uint8)
+    fd = _file_of(tmp_path, table)
+    out = np.zeros((2, 16), np.uint8)
+    try:
+        for bad in (5, -1):
+            with pytest.raises(IndexError, match=f"row {bad} is out of bounds for a table "
+                                                 f"of 5"):
+                pread_rows(fd, 100, 16, 5, np.array([1, bad], np.int64), out)
+            assert not out.any()
+        with pytest.raises(ValueError, match="do not fit"):
+            pread_rows(fd, 100, 16, 5, np.array([1, 2, 3], np.int64), out)
+        with pytest.raises(ValueError, match="row_bytes must be > 0"):
+            pread_rows(fd, 100, 0, 5, np.array([1], np.int64), out)
+    finally:
+        os.close(fd)
+    fd = os.open(tmp_path, os.O_RDONLY)   # (a directory: every read fails, EISDIR)
+    try:
+        with pytest.raises(IsADirectoryError, match="reading rows of a file"):
+            pread_rows(fd, 100, 16, 5, np.array([1], np.int64), out)
+    finally:
+        os.close(fd)

@@ -79,15 +79,77 @@ accepted only after more than ``max_respawns`` faults in that sampler's life, an
 no stream; a ``WorkerStalledError``, likewise and only with a ``stall_timeout``, skips the
 rest of the chunk (docs: "Stalled workers").
 
-Appends to a buffer NOT shared between processes are left out of the machine: which copy
-of the data the ``sample*`` workers hold depends on when their pool started, which the
-model does not follow.  :func:`test_a_worker_replaced_after_an_append_to_unshared_data_keeps_the_stream`
-checks that a replacement holds the copy the others hold.
+This machine leaves out appends to a buffer NOT shared between processes, and every other
+change of the data but appends to a shared one: which copy of the data a pool's workers
+hold is the second machine's business.
 
-The default run is bounded (about a minute or two on 2 cores).  ``-m soak`` runs
-:func:`test_model_soak`, which keeps running new examples for
-``UNIENV_MP_MODEL_SECONDS`` (default 60) and prints the operations and faults survived
-(also written as JSON to ``UNIENV_MP_MODEL_REPORT`` if that names a file).
+The second machine: data that changes under the pools
+-----------------------------------------------------
+:class:`DataModel` drives a sampler over a ReplayBuffer that the test changes between
+calls, and faults of the processes behind the pools, and holds the package to the rule of
+the epochs guide ("One copy per pool"): every worker of a pool serves batches from one
+copy of the data, the copy taken when the pool's first worker started, and an epoch runs
+on an existing pool only while that copy is the data as it is now.  Every key of every row
+tells its step (:func:`step_rows`: ``state[:, 0]``, ``action[:, 0]`` and the image's first
+two channels), and the generation of the tensor it was written into, so a torn row (keys
+from different steps) is told by its contents, before the bit-for-bit comparison.
+
+The rules: ``sample*`` calls; epoch iterators started, advanced, closed; rows appended (to
+a shared buffer or not; never wrapping around); a storage tensor of a
+``multiprocessing=True`` buffer replaced by another one in shared memory, every row one
+generation on (``st.data = next_generation(st.data).share_memory_()``); one storage tensor
+of a buffer not shared moved to shared memory (``share_memory_()``: "sharing part of a
+buffer"); a worker SIGKILLed; a worker of the ``sample*`` pool SIGKILLed while it has not
+begun taking tasks (under spawn and forkserver: still importing; the workers left to start
+later are started first, or not), then calls until one waits on the pool; the snapshot
+process of a pool (fork) SIGKILLed, or SIGSTOPped until a later rule continues it; every
+worker of the ``sample*`` pool started and up (as after a while of training);
+``close()`` and a new sampler.  Each example draws whether the buffer is shared, its
+length, the batch size, ``batches_per_task``, ``persistent_workers`` (None or False), the
+sampler's options and the start method: fork in :func:`test_data_model_fork`, spawn or
+forkserver in :func:`test_data_model_spawn_and_forkserver`.
+
+Its model is UniEnv in this process, over copies of the data that the model takes itself
+(:class:`PoolCopy`), with no code of the package:
+
+* an epoch is the permutation of the stream model above, over the buffer as it was when
+  the epoch began (its first ``next()``): every batch is UniEnv's ``get_at`` (or
+  ``get_at_with_metadata``) of its rows over a copy of the buffer taken then, whichever
+  workers the package ran it on, and whatever changed or died since;
+* the ``sample*`` streams are those of the stream model, drawn over the copy of the pool
+  that serves them: the buffer as it was when the pool started (the first ``sample*``
+  call, or the epoch that started it), but for what is shared between processes, which
+  the workers read as it is now: a storage tensor in shared memory, and the count of a
+  buffer made with ``multiprocessing=True`` (any length since);
+* where the data moved away from what a pool's workers can serve whole rows of (the
+  epochs guide, "One copy per pool": a storage tensor of a ``multiprocessing=True``
+  buffer replaced; a buffer with some storage tensors ``share_memory_()``'d written),
+  the next ``sample*`` call, of any method, starts a new pool over the data as it is
+  then: from there on every method's batches come from it (none made ahead by the old
+  pool comes out), each stream going on at its position; one ``RuntimeWarning`` in the
+  sampler's life says "moved away", and none where nothing moved.  (A buffer not made
+  with ``multiprocessing=True`` whose every storage tensor is in shared memory, written:
+  its rows stay whole either way, and the package counts it as partly shared, since the
+  bounds of its spaces are not; the model allows a new pool there or none);
+* any other new ``sample*`` pool in the middle of a sampler's life is allowed only where
+  every worker of the old one may be gone for good (fork, its snapshot process killed or
+  stopped, a worker killed, the data changed since its copy) and a ``RuntimeWarning``
+  says so; every method's batches go on from the new pool, over the data as it is now,
+  but those the old pool had made, which may still come first;
+* a ``WorkerDiedError`` ends an epoch only where its workers' copy may be lost likewise
+  (or after more than ``max_respawns`` kills: "giving up"), and a ``sample*`` call only
+  after more than ``max_respawns`` kills;
+* a worker killed while it started is no longer among the pool's workers, nor left a
+  zombie, once it has ended (every thread of it) and then a call waited on the pool
+  (calls are made until one does; where none does in 64 calls, nothing is asserted),
+  and the streams go on unchanged;
+* after ``close()`` no worker or snapshot process of the sampler runs, and no descriptor
+  of a unienv_mp segment is open here.
+
+The default run is bounded (about two to three minutes on 2 cores, for the whole file).
+``-m soak`` runs :func:`test_model_soak`, which keeps running new examples of both
+machines for ``UNIENV_MP_MODEL_SECONDS`` (default 60) and prints the operations and faults
+survived (also written as JSON to ``UNIENV_MP_MODEL_REPORT`` if that names a file).
 """
 import collections
 import gc
@@ -938,6 +1000,739 @@ class SamplerModelOtherStarts(SamplerModel):
     CTXS = ("spawn", "forkserver")
 
 
+# -- the second machine: data that changes under the pools -------------------------------------
+
+ROW_KEYS = ("action", "image", "state")
+#: ``batches_per_task`` the second machine draws from.
+DATA_BATCHES_PER_TASK = (None, 1, 2, 3)
+
+
+def step_rows(start, count, gens):
+    """Rows ``start`` to ``start + count - 1`` whose every key tells the row's step ``i``
+    and the generation ``gens[key]`` of the tensor it was written into: ``state[:, 0]`` =
+    ``i`` (what ``indices_of`` reads), ``state[:, 1]`` = g; ``action[:, 0]`` = ``i / 1024``,
+    ``action[:, 1]`` = ``g / 1024``; ``image[0]`` = ``i % 251``, ``image[1]`` = ``i // 251``,
+    ``image[2]`` = ``g % 251``."""
+    i = torch.arange(start, start + count)
+    state = torch.zeros(count, 10)
+    state[:, 0] = i.float()
+    state[:, 1] = gens["state"]
+    state[:, 2:] = (i % 7).float().view(-1, 1) / 8
+    action = torch.full((count, 7), -0.5)
+    action[:, 0] = i.float() / 1024
+    action[:, 1] = gens["action"] / 1024
+    image = torch.empty(count, *IMG, dtype=torch.uint8)
+    image[:, 0] = (i % 251).to(torch.uint8).view(-1, 1, 1)
+    image[:, 1] = (i // 251).to(torch.uint8).view(-1, 1, 1)
+    image[:, 2] = gens["image"] % 251
+    return {"state": state, "action": action, "image": image}
+
+
+def next_generation(key, t):
+    """A copy of storage tensor ``t`` of ``key`` with every row one generation on (the
+    step each row tells is kept)."""
+    new = t.clone()
+    if key == "state":
+        new[:, 1] += 1
+    elif key == "action":
+        new[:, 1] += 1 / 1024
+    else:
+        new[:, 2] = ((new[:, 2].to(torch.int16) + 1) % 251).to(torch.uint8)
+    return new
+
+
+def steps_told(batch):
+    """``{key: [the step each row's key tells]}`` of a batch: a dict, a (dict, metadata)
+    pair or a flat batch (the keys flattened in sorted order: action, image, state)."""
+    if isinstance(batch, tuple):
+        batch = batch[0]
+    if not isinstance(batch, dict):
+        a, b = 7, 7 + int(np.prod(IMG))
+        batch = {"action": batch[:, :a], "image": batch[:, a:b].reshape(-1, *IMG),
+                 "state": batch[:, b:]}
+    image = batch["image"].to(torch.float64)
+    told = {"state": batch["state"][:, 0].to(torch.float64),
+            "action": batch["action"][:, 0].to(torch.float64) * 1024,
+            "image": image[:, 0, 0, 0] + 251 * image[:, 1, 0, 0]}
+    return {k: v.round().long().tolist() for k, v in told.items()}
+
+
+def torn_rows(batch):
+    """The rows of ``batch`` whose keys tell different steps, as ``(row, {key: step})``."""
+    told = steps_told(batch)
+    out = []
+    for r, steps in enumerate(zip(*(told[k] for k in ROW_KEYS))):
+        if len(set(steps)) > 1:
+            out.append((r, dict(zip(ROW_KEYS, steps))))
+    return out
+
+
+class PoolCopy:
+    """The model of the data that a pool's workers hold: the buffer as it was when the pool
+    started, but for what is shared between processes, which they read as it is now: a
+    storage tensor in shared memory, and the count of a buffer made with
+    ``multiprocessing=True`` (any length it had since: ``lengths``).  ``whole``: all of it
+    as it is now (the data an epoch covers).  ``version``: the changes made to the data
+    before it was taken; ``writes``: the writes (appends) made before it was taken.
+    `rows` answers as UniEnv does, in this process, over a ReplayBuffer of those tensors.
+
+    `moved` says when the data moved away from what such workers can serve whole rows of
+    (the epochs guide: "One copy per pool", its last point): then the next ``sample*``
+    call starts a new pool over the data as it is then."""
+
+    def __init__(self, rb, capacity, version, writes, whole=False):
+        self.version = version
+        self.writes = writes
+        self.multiprocessing = bool(rb.is_multiprocessing_safe)
+        self.live_count = self.multiprocessing and not whole
+        self.lengths = {len(rb)}
+        self.tensors = {}
+        self.live = set()
+        for key in ROW_KEYS:
+            t = rb.storage.storage_map[key].data
+            if t.is_shared() and not whole:
+                self.tensors[key] = t
+                self.live.add(key)
+            else:
+                self.tensors[key] = t.clone()
+        self.buffer = replay_buffer(0, capacity=capacity, img=IMG)
+        for key, t in self.tensors.items():
+            self.buffer.storage.storage_map[key].data = t
+        self.buffer.count = len(rb)
+
+    def grew(self, length):
+        """The buffer has ``length`` rows now (seen by the workers if the count is live)."""
+        if self.live_count:
+            self.lengths.add(length)
+
+    def moved(self, rb, writes):
+        """Whether the data moved away from this copy, as the ``sample*`` calls look
+        (docs: a tensor in shared memory of a ``multiprocessing=True`` buffer replaced,
+        or a buffer only partly in shared memory written through torch): "must" (the
+        next ``sample*`` call starts a new pool), "may" (a buffer none of whose storage
+        tensors the workers read from their copy, written: its rows stay whole either
+        way; a new pool is allowed, see below), or None.
+
+        (The package counts the bounds of the buffer's spaces, which are never in shared
+        memory, among the tensors that are not: to it a buffer whose every storage tensor
+        was ``share_memory_()``'d is still partly shared, and it starts a new pool after
+        a write.  The docs do not say which; the model allows both.)"""
+        if self.multiprocessing:
+            replaced = any(self.tensors[k] is not rb.storage.storage_map[k].data
+                           for k in self.live)
+            return "must" if replaced else None
+        if not self.live or writes == self.writes:
+            return None
+        return "must" if len(self.live) < len(ROW_KEYS) else "may"
+
+    def rows(self, how, idx):
+        self.buffer.count = max(self.lengths)
+        return _expected_rows(self.buffer, how, idx)
+
+
+# The private parts of the package the second machine reaches into (the rest is the API):
+# which manager serves the sample* methods, a manager's lanes and the snapshot process.
+
+def _sample_manager(s):
+    """The manager of the ``sample*`` workers of ``s`` (None before its first call)."""
+    manager = s._pools.sample
+    return None if manager is None or manager.closed else manager
+
+
+def _lanes(manager):
+    return list(manager._pool.lanes)
+
+
+def _starting_pids(manager):
+    """The pids of the workers of ``manager`` whose process runs and has not begun taking
+    tasks yet (under spawn: still importing)."""
+    out = []
+    for lane in _lanes(manager):
+        w = lane.worker
+        proc = w.proc
+        if proc is not None and proc.pid is not None and process_running(proc.pid) \
+                and not w.started_ns:
+            out.append(proc.pid)
+    return out
+
+
+def _began(manager, pid):
+    """True if the worker of ``manager`` whose process is ``pid`` began taking tasks."""
+    for lane in _lanes(manager):
+        proc = lane.worker.proc
+        if proc is not None and proc.pid == pid:
+            return bool(lane.worker.started_ns)
+    return False
+
+
+def _lane_of(manager, pid):
+    """What the pool of ``manager`` knows of the worker whose process is ``pid`` (for
+    messages)."""
+    from unienv_mp import _os as os_
+    pool = manager._pool
+    for lane in _lanes(manager):
+        proc = lane.worker.proc
+        if proc is not None and proc.pid == pid:
+            return (f"began: {bool(lane.worker.started_ns)}, seen starting: "
+                    f"{lane in getattr(pool, 'starting', ())}, exited: "
+                    f"{os_.has_exited(proc)}, snapshot stopped: "
+                    f"{[_stopped(p) for p in _snapshot_pids_of(manager)]}")
+    return "not a worker"
+
+
+def _all_began(manager):
+    for lane in _lanes(manager):
+        w = lane.worker
+        proc = w.proc
+        if (proc is not None and proc.pid is not None and process_running(proc.pid)
+                and not w.started_ns):
+            return False
+    return True
+
+
+def _snapshot_pids_of(manager):
+    """The snapshot process (fork) of ``manager``, in a list, if it runs."""
+    launch = manager._pool.launch
+    snapshot = None if launch is None else launch._snapshot
+    proc = None if snapshot is None else snapshot.proc
+    if proc is not None and proc.pid is not None and process_running(proc.pid):
+        return [proc.pid]
+    return []
+
+
+def _snapshot_pids(s):
+    """The running snapshot processes (fork) of the live managers of ``s``."""
+    return [pid for manager in list(s._pools.live()) for pid in _snapshot_pids_of(manager)]
+
+
+def _waits(manager):
+    """How long callers have waited on ``manager`` (grows with every wait)."""
+    stats = manager.stats()
+    return (stats.wait_seconds, stats.startup_seconds)
+
+
+def _ended(pid):
+    """True if process ``pid`` has ended, every thread of it: gone, or a zombie with no
+    other thread left.  (After a SIGKILL the first thread is a zombie at once, while the
+    others may still be exiting, the last one freeing the memory: a pidfd, which the
+    package watches, tells the end only once they are all gone.)"""
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state == "Z" and threads == [str(pid)]
+
+
+def _our_zombie(pid):
+    """True if ``pid`` is a child of this process that ended and was not reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return False
+    return fields[0] == "Z" and int(fields[1]) == os.getpid()
+
+
+def _stopped(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in "tT"
+    except FileNotFoundError:
+        return True
+
+
+class DataModel(RuleBasedStateMachine):
+    """One sampler (replaced now and then) over a ReplayBuffer that changes under it, and
+    faults of the processes behind its pools, against the model of the copy each pool
+    holds (see the module docstring).  Subclasses set ``CTXS``."""
+
+    CTXS = ("fork",)
+
+    def __init__(self):
+        super().__init__()
+        self.s = None
+        self.iters = []          # [iterator, getter, EpochModel or None (not begun)]
+        self.stopped = set()     # snapshot processes SIGSTOPped and not continued yet
+        self.pids = set()        # every worker and snapshot pid seen of the current sampler
+        self.counts = collections.Counter()
+        self.fds_before = own_segment_fds()
+        self.caught = warnings.catch_warnings(record=True)
+        self.warned = self.caught.__enter__()
+        warnings.simplefilter("always", RuntimeWarning)
+
+    @initialize(shared=st.booleans(), n=st.sampled_from([29, 48]),
+                batch_size=st.sampled_from([5, 8]),
+                batches_per_task=st.sampled_from(DATA_BATCHES_PER_TASK),
+                persistent=st.sampled_from([None, False]), options=_options(),
+                data=st.data())
+    def init(self, shared, n, batch_size, batches_per_task, persistent, options, data):
+        self.ctx = data.draw(st.sampled_from(self.CTXS), label="ctx")
+        self.shared = shared
+        self.capacity = n + 72   # (appends never wrap around)
+        self.gens = dict.fromkeys(ROW_KEYS, 0)
+        self.rb = replay_buffer(0, capacity=self.capacity, multiprocessing=shared, img=IMG)
+        self.rb.extend(step_rows(0, n, self.gens))
+        self.n = n
+        self.changes = 0         # changes made to the data so far
+        self.writes = 0          # of which writes to its tensors (appends)
+        self.batch_size = batch_size
+        self.bpt = batches_per_task
+        self.persistent = persistent
+        self._fresh(options)
+
+    def _fresh(self, options):
+        """A new sampler seeded with ``options["seed"]``, and a fresh model of it."""
+        self.counts["samplers"] += 1
+        self.s = MultiprocessingSampler(
+            StepSampler(self.rb, self.batch_size, seed=options["seed"]),
+            n_workers=options["n_workers"], n_buffers=options["n_buffers"], ctx=self.ctx,
+            copy=options["copy"], direct_gather=options["direct_gather"],
+            batches_per_task=self.bpt, persistent_workers=self.persistent, timeout=TIMEOUT)
+        base = model_base(options["seed"])
+        self.streams = {m: StreamModel(base, m, self.bpt, self.batch_size) for m in METHODS}
+        self.pos = dict.fromkeys(METHODS, 0)
+        self.rng = torch.Generator().manual_seed(options["seed"])
+        self.pools = []      # [(manager, PoolCopy)] of the sample* workers, oldest first
+        self.oldest = dict.fromkeys(METHODS, 0)   # the oldest a method's batch may be from
+        self.kills = 0
+        self.snapshot_faults = 0
+        self.pids = set()
+        self.warned_from = len(self.warned)   # (the warnings of this sampler's life)
+        self.lost_by = None   # the method whose call found the sample* workers' copy lost
+
+    def _note_pids(self):
+        self.pids.update(_worker_pids(self.s))
+        self.pids.update(_snapshot_pids(self.s))
+
+    def _note_sample_workers(self):
+        """The copy the ``sample*`` workers hold where an epoch started them (an epoch
+        over a buffer made with multiprocessing=True may run on them): the data as it was
+        when the rule began (no rule that calls the sampler changes the data)."""
+        manager = _sample_manager(self.s)
+        if manager is not None and all(m is not manager for m, _ in self.pools):
+            self.pools.append((manager, self._copy()))
+            self.counts["sample_workers_started_by_an_epoch"] += 1
+
+    def _copy(self, whole=False):
+        return PoolCopy(self.rb, self.capacity, self.changes, self.writes, whole)
+
+    def _copy_of(self, manager):
+        """The model's copy of the data that ``manager``'s workers hold."""
+        for m, copy in reversed(self.pools):
+            if m is manager:
+                return copy
+        raise AssertionError(f"the model has no copy for the sample* workers {manager}")
+
+    def _copy_may_be_lost(self, copy):
+        """Whether the workers holding ``copy`` may all be gone for good (the package may
+        raise `CopyLost` for them): under fork, a snapshot process killed or stopped, a
+        worker killed, and the data changed since the copy was taken."""
+        return (self.ctx == "fork" and self.snapshot_faults > 0 and self.kills > 0
+                and self.changes > copy.version)
+
+    # -- checking batches ----------------------------------------------------------------
+
+    def _assert_whole_rows(self, what, batch):
+        torn = torn_rows(batch)
+        assert not torn, (f"{what} handed out {len(torn)} torn row(s) (keys from different "
+                          f"steps), e.g. {torn[:3]}")
+
+    def _sample_once(self, method):
+        """One call of ``method``, checked; the batch (None if it raised)."""
+        s = self.s
+        if self.lost_by not in (None, method):
+            self.counts["calls_of_other_methods_after_a_lost_pool"] += 1
+        before = _sample_manager(s)
+        if before is None:
+            copy, moved = self._copy(), None   # (what a pool made now copies)
+        else:
+            copy, moved = None, self._copy_of(before).moved(self.rb, self.writes)
+        mark = len(self.warned)
+        try:
+            batch = getattr(s, method)()
+        except WorkerDiedError as e:
+            self._sample_workers_after(method, before, copy, moved, mark)
+            self._died(e, None)
+            return None
+        went_on = self._sample_workers_after(method, before, copy, moved, mark)
+        # (the batch first: where the call went on with workers the data moved away from,
+        # what they handed out, torn or stale rows, tells more than that they did)
+        self._check_stream_batch(method, batch)
+        assert not went_on, (
+            "the data moved away from what the sample* workers read in shared memory (a "
+            "shared tensor replaced, or data partly in shared memory written), and the "
+            "call went on with them")
+        self._note_pids()
+        return batch
+
+    def _said(self, words, since):
+        return [str(w.message) for w in self.warned[since:] if words in str(w.message)]
+
+    def _sample_workers_after(self, method, before, copy, moved, mark):
+        """Note the ``sample*`` workers after a call of ``method`` that began with
+        ``before`` (None: none; ``copy``: the data then; ``moved``: whether the data
+        moved away from ``before``'s copy, see `PoolCopy.moved`); ``mark``: the warnings
+        before the call.  True if the data moved away from ``before``'s workers and the
+        call went on with them."""
+        after = _sample_manager(self.s)
+        replaced = after is not None and before is not None and after is not before
+        if moved and replaced:
+            self._sample_pool_moved(after, mark)
+            return False
+        assert not self._said("moved away", mark), (
+            f"a warning that the data moved away, where it did not: "
+            f"{self._said('moved away', mark)}")
+        if after is None or after is before:
+            return moved == "must"
+        if before is None:
+            self.pools.append((after, copy))
+        else:
+            self._sample_pool_replaced(before, after, mark)
+            self.lost_by = method
+        return False
+
+    def _sample_pool_moved(self, after, mark):
+        """The ``sample*`` workers were replaced by new ones over the data as it is now,
+        the data having moved away from them: no batch they made comes out any more, and
+        one warning per sampler says so."""
+        said = self._said("moved away", self.warned_from)
+        assert len(said) == 1, (
+            f"{len(said)} warnings that the data moved away in this sampler's life, not "
+            f"one: {said}")
+        self.pools.append((after, self._copy()))
+        self.oldest = dict.fromkeys(METHODS, len(self.pools) - 1)
+        self.lost_by = None
+        self.counts["sample_pools_moved"] += 1
+
+    def _sample_pool_replaced(self, before, after, mark):
+        """The ``sample*`` workers were replaced by new ones in the call just made: only
+        where none was left that could start from their copy, and with a warning.  Every
+        method's batches go on from them (but those already made, which may come first)."""
+        said = self._said("go on from new workers", mark)
+        assert said, "the sample* workers were replaced, with no warning"
+        assert self._copy_may_be_lost(self._copy_of(before)), (
+            f"the sample* workers were replaced where their copy could not be lost: {said}")
+        self.pools.append((after, self._copy()))
+        self.counts["sample_pools_lost"] += 1
+
+    def _check_stream_batch(self, method, batch):
+        """Batch ``j`` of ``method``'s stream is the model's, drawn over a length of the
+        copy of a pool that served the stream, and holds that copy's rows, whole."""
+        idx = _indices(method, batch)
+        if method != "sample_index":
+            self._assert_whole_rows(f"{method}()", batch)
+        j = self.pos[method]
+        model = self.streams[method]
+        fits, stale = [], []
+        for i in range(self.oldest[method], len(self.pools)):
+            copy = self.pools[i][1]
+            if not any(model.batch(j, length) == idx for length in sorted(copy.lengths)):
+                continue
+            expected = copy.rows(method, idx)
+            (fits if expected is None or _same(batch, expected) else stale).append(i)
+        if not fits:
+            copies = self.pools[self.oldest[method]:]
+            assert not stale, (f"{method}() batch {j} of rows {idx}: not the rows the "
+                               f"sample* workers' copy of the data holds")
+            raise AssertionError(
+                f"{method}() batch {j} holds rows {idx}; the model draws "
+                f"{[(n, model.batch(j, n)) for _, c in copies for n in sorted(c.lengths)]}"
+                f" (length, rows) over the copies the sample* workers hold")
+        self.oldest[method] = fits[0]
+        self.pos[method] = j + 1
+        self.counts["batches"] += 1
+
+    def _died(self, e, ep):
+        """A ``WorkerDiedError`` ``e`` ended a call (``ep``: the epoch it ended, or None for
+        a ``sample*`` call): allowed after more than ``max_respawns`` kills (giving up),
+        and for an epoch whose workers' copy may be lost."""
+        if self.kills > MAX_RESPAWNS and ("giving up" in str(e) or "could not" in str(e)):
+            self.counts["died_give_ups"] += 1
+            return
+        assert ep is not None and self._copy_may_be_lost(ep.copy), (
+            f"WorkerDiedError after {self.kills} kill(s) and {self.snapshot_faults} "
+            f"snapshot fault(s): {e}")
+        self.counts["epochs_lost_with_their_copy"] += 1
+
+    def _begin_epoch(self, getter):
+        """The model's epoch that an iterator of ``getter`` begins now: a permutation of
+        the data as it is now, drawn with the wrapped sampler's RNG."""
+        order = torch.randperm(self.n, generator=self.rng).tolist()
+        ep = EpochModel(getter, [(order, None)], self.batch_size)
+        ep.copy = self._copy(whole=True)
+        return ep
+
+    def _next(self, entry):
+        """One ``next()`` of the iterator of ``entry``, checked against UniEnv over the
+        buffer as it was when the epoch began; None once the epoch is over."""
+        it, getter, ep = entry
+        try:
+            batch = next(it)
+        except StopIteration:
+            if ep is None:   # (an epoch of no batch: impossible here, the data is not empty)
+                raise AssertionError("an epoch ended before its first batch") from None
+            assert ep.pos == ep.n_batches(), f"{ep} stopped early"
+            self.counts["epochs_finished"] += 1
+            return None
+        except WorkerDiedError as e:
+            if ep is None:
+                ep = entry[2] = self._begin_epoch(getter)
+            self._died(e, ep)
+            return None
+        if ep is None:
+            ep = entry[2] = self._begin_epoch(getter)
+        idx = indices_of(batch, img=IMG)
+        want = ep.order[ep.pos * self.batch_size:(ep.pos + 1) * self.batch_size]
+        assert ep.pos < ep.n_batches(), f"{ep} handed out one batch too many: {idx}"
+        assert idx == want, f"{ep}: batch {ep.pos} holds rows {idx}, the model says {want}"
+        self._assert_whole_rows(f"{ep}, batch {ep.pos},", batch)
+        assert _same(batch, ep.copy.rows(getter, idx)), (
+            f"{ep}: batch {ep.pos} of rows {idx} is not the data as it was when the epoch "
+            f"began (epoch_workers={self.s.epoch_workers!r}: "
+            f"{self.s.epoch_workers_reason})")
+        ep.pos += 1
+        self.counts["epoch_batches"] += 1
+        return batch
+
+    # -- rules: sampling -----------------------------------------------------------------
+
+    @rule(method=st.sampled_from(METHODS), n=st.integers(1, 8))
+    def sample(self, method, n):
+        for _ in range(n):
+            self._sample_once(method)
+        self.counts["ops"] += 1
+
+    @rule(name=st.sampled_from(sorted(GETTERS)))
+    def start_epoch(self, name):
+        if len(self.iters) >= 2:
+            return
+        self.iters.append([getattr(self.s, name)(), GETTERS[name], None])
+        self.counts["ops"] += 1
+
+    @rule(which=st.integers(0, 1), k=st.integers(1, 8),
+          name=st.sampled_from(sorted(GETTERS)))
+    def advance_epoch(self, which, k, name):
+        """``k`` batches of an epoch iterator (of a new one of ``name`` if there is none)."""
+        if not self.iters:
+            self.start_epoch(name)
+        if not self.iters:
+            return
+        entry = self.iters[which % len(self.iters)]
+        for _ in range(k):
+            if self._next(entry) is None:
+                self.iters.remove(entry)
+                break
+        self._note_sample_workers()
+        self._note_pids()
+        self.counts["ops"] += 1
+
+    @rule(which=st.integers(0, 1))
+    def abandon_epoch(self, which):
+        if not self.iters:
+            return
+        self.iters.pop(which % len(self.iters))[0].close()
+        self.counts["ops"] += 1
+
+    @rule(method=st.sampled_from(METHODS), n=st.integers(0, 8))
+    def workers_up(self, method, n):
+        """Every worker of the ``sample*`` pool (started by a call of ``method`` if there
+        is none) started and taking tasks, as after a while of training (the workers left
+        to start later are started now); then ``n`` calls of ``method``."""
+        if _sample_manager(self.s) is None:
+            self._sample_once(method)
+        manager = _sample_manager(self.s)
+        if manager is None:
+            return
+        manager.start_all()
+        wait_until(lambda: _all_began(manager), timeout=60)
+        self._note_pids()
+        self.counts["workers_up"] += 1
+        for _ in range(n):
+            self._sample_once(method)
+
+    # -- rules: the data changes ---------------------------------------------------------
+
+    @rule(m=st.integers(1, 24))
+    def append(self, m):
+        """Rows appended (to a shared buffer, or not): the workers that do not share the
+        count keep drawing over the length their copy has."""
+        if self.n >= self.capacity:
+            return
+        m = min(m, self.capacity - self.n)
+        self.rb.extend(step_rows(self.n, m, self.gens))
+        self.n += m
+        self.changes += 1
+        self.writes += 1
+        for _, copy in self.pools:
+            copy.grew(self.n)
+        self.counts["appends"] += 1
+
+    @precondition(lambda self: self.shared)
+    @rule(key=st.sampled_from(ROW_KEYS))
+    def replace_shared_tensor(self, key):
+        """A storage tensor of the multiprocessing=True buffer replaced by another one in
+        shared memory, with other contents (every row one generation on)."""
+        storage = self.rb.storage.storage_map[key]
+        storage.data = next_generation(key, storage.data).share_memory_()
+        self.gens[key] += 1
+        self.changes += 1
+        self.counts["shared_tensors_replaced"] += 1
+
+    @precondition(lambda self: not self.shared)
+    @rule(key=st.sampled_from(ROW_KEYS))
+    def share_part(self, key):
+        """One storage tensor of the buffer (not multiprocessing=True) moved to shared
+        memory: the workers of pools started from now on read it as it is."""
+        t = self.rb.storage.storage_map[key].data
+        if t.is_shared():
+            return
+        t.share_memory_()
+        self.changes += 1
+        self.counts["tensors_shared"] += 1
+
+    # -- rules: faults -------------------------------------------------------------------
+
+    @rule(which=st.integers(0, 20))
+    def kill_worker(self, which):
+        pids = _worker_pids(self.s)
+        if not pids:
+            return
+        pid = pids[which % len(pids)]
+        self.pids.add(pid)
+        if _send(pid, signal.SIGKILL):
+            self.kills += 1
+            self.counts["kills"] += 1
+
+    @rule(which=st.integers(0, 20), method=st.sampled_from(METHODS), start=st.booleans())
+    def kill_starting_worker(self, which, method, start):
+        """SIGKILL a worker of the ``sample*`` pool that has not begun taking tasks (under
+        spawn: still importing; ``start``: the workers left to start later are started
+        first), then call ``method`` until a call waits on the pool: that wait notices the
+        death (docs: "A worker killed while it is still starting is noticed at the next
+        wait and replaced"), and the stream goes on unchanged.  (A call of ``method``
+        starts the pool first if there is none, or a new one if the data moved away from
+        it: see `PoolCopy.moved`.)"""
+        manager = _sample_manager(self.s)
+        if manager is None or self._copy_of(manager).moved(self.rb, self.writes):
+            self._sample_once(method)
+        manager = _sample_manager(self.s)
+        if manager is None:
+            return
+        if start:
+            manager.start_all()
+        pids = _starting_pids(manager)
+        if not pids:
+            return
+        pid = pids[which % len(pids)]
+        self.pids.add(pid)
+        # stopped first, so that it cannot begin taking tasks between the look and the kill
+        if not _send(pid, signal.SIGSTOP):
+            return
+        wait_until(lambda: _stopped(pid), timeout=10)
+        if _began(manager, pid):
+            _send(pid, signal.SIGCONT)
+            self.counts["starting_workers_missed"] += 1
+            return
+        _send(pid, signal.SIGKILL)
+        assert wait_until(lambda: _ended(pid), timeout=30), pid
+        self.kills += 1
+        self.counts["starting_workers_killed"] += 1
+        waits = _waits(manager)
+        for _ in range(64):
+            self._sample_once(method)
+            if _sample_manager(self.s) is not manager or _waits(manager) != waits:
+                break
+        if _sample_manager(self.s) is not manager or _waits(manager) == waits:
+            return   # (no call waited on the pool)
+        workers = [p.pid for p in manager.workers if p is not None]
+        assert pid not in workers, (
+            f"worker {pid}, SIGKILLed while it started, is still one of the pool's "
+            f"{workers} after a wait: its death was not noticed ({_lane_of(manager, pid)})")
+        # (under fork a worker forked by the snapshot process is that process's to reap)
+        assert wait_until(lambda: not _our_zombie(pid), timeout=5), (
+            f"worker {pid} is left a zombie")
+        self.counts["starting_workers_replaced"] += 1
+
+    @precondition(lambda self: self.ctx == "fork")
+    @rule(which=st.integers(0, 5), how=st.sampled_from(["kill", "stop"]))
+    def snapshot_fault(self, which, how):
+        """SIGKILL or SIGSTOP (until a later rule) the snapshot process of a pool (fork):
+        a worker started from then on cannot start from it."""
+        pids = [p for p in _snapshot_pids(self.s) if p not in self.stopped]
+        if not pids:
+            return
+        pid = pids[which % len(pids)]
+        self.pids.add(pid)
+        if _send(pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP):
+            if how == "stop":
+                self.stopped.add(pid)
+            self.snapshot_faults += 1
+            self.counts[f"snapshot_{how}s"] += 1
+
+    @precondition(lambda self: self.ctx == "fork")
+    @rule()
+    def continue_snapshots(self):
+        self._continue_stopped()
+
+    def _continue_stopped(self):
+        for pid in self.stopped:
+            _send(pid, signal.SIGCONT)
+        self.stopped.clear()
+
+    # -- rules: a new sampler --------------------------------------------------------------
+
+    def _close_and_check(self):
+        """Close the sampler: no worker or snapshot process of it keeps running."""
+        for entry in self.iters:
+            entry[0].close()
+        self.iters = []
+        self._note_pids()
+        pids = set(self.pids)
+        self.s.close()
+        assert wait_until(lambda: not [p for p in pids if process_running(p)], timeout=10), (
+            f"processes left running after close(): "
+            f"{[p for p in pids if process_running(p)]}")
+        self.counts["closes"] += 1
+
+    @rule(options=_options(), now=st.sampled_from([False, False, False, True]))
+    def close(self, options, now):
+        """close(), then a new sampler over the buffer as it is now (one time in four: the
+        longer a sampler lives, the more can happen to it)."""
+        if not now:
+            return
+        self._continue_stopped()
+        self._close_and_check()
+        assert wait_until(lambda: not (own_segment_fds() - self.fds_before), timeout=5), (
+            f"descriptors left open: {own_segment_fds() - self.fds_before}")
+        self._fresh(options)
+        self.counts["ops"] += 1
+
+    def teardown(self):
+        try:
+            self._continue_stopped()
+            if self.s is not None:
+                self._close_and_check()
+                gc.collect()
+                assert wait_until(lambda: not (own_segment_fds() - self.fds_before),
+                                  timeout=5), (
+                    f"descriptors left open: {own_segment_fds() - self.fds_before}")
+        finally:
+            self._continue_stopped()
+            self.caught.__exit__(None, None, None)
+            self.counts["examples"] += 1
+            COUNTS.update({f"data: {k}": v for k, v in self.counts.items()})
+
+
+class DataModelFork(DataModel):
+    CTXS = ("fork",)
+
+
+class DataModelOtherStarts(DataModel):
+    CTXS = ("spawn", "forkserver")
+
+
 _HEALTH = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]
 
 
@@ -954,25 +1749,39 @@ def test_model_spawn_and_forkserver():
     run_state_machine_as_test(SamplerModelOtherStarts, settings=_settings(4, 20))
 
 
+def test_data_model_fork():
+    run_state_machine_as_test(DataModelFork, settings=_settings(12, 30))
+
+
+def test_data_model_spawn_and_forkserver():
+    run_state_machine_as_test(DataModelOtherStarts, settings=_settings(3, 15))
+
+
 @pytest.mark.soak
 def test_model_soak():
-    """New examples until ``UNIENV_MP_MODEL_SECONDS`` (default 60) are up, under fork,
-    and one round in eight under spawn or forkserver; prints the operations and faults
-    survived (and writes them, as JSON, to ``UNIENV_MP_MODEL_REPORT`` if it is set)."""
+    """New examples until ``UNIENV_MP_MODEL_SECONDS`` (default 60) are up, of both
+    machines, under fork, and one round in eight under spawn or forkserver; prints the
+    operations and faults survived (and writes them, as JSON, to
+    ``UNIENV_MP_MODEL_REPORT`` if it is set)."""
     seconds = float(os.environ.get("UNIENV_MP_MODEL_SECONDS", "60"))
     before = COUNTS.copy()
     start = time.monotonic()
     rounds = 0
     while time.monotonic() - start < seconds:
-        if rounds % 8 == 7:
-            run_state_machine_as_test(SamplerModelOtherStarts, settings=_settings(2, 25))
+        data = rounds % 2 == 1
+        if rounds % 8 >= 6:
+            run_state_machine_as_test(DataModelOtherStarts if data else SamplerModelOtherStarts,
+                                      settings=_settings(2, 25))
+        elif data:
+            run_state_machine_as_test(DataModelFork, settings=_settings(10, 40))
         else:
             run_state_machine_as_test(SamplerModelFork, settings=_settings(5, 50))
         rounds += 1
     counts = COUNTS - before
+    faults = ("kills", "stops", "interrupts", "data: kills", "data: snapshot_kills",
+              "data: snapshot_stops")
     report = {"seconds": round(time.monotonic() - start, 1), "rounds": rounds,
-              "faults": counts["kills"] + counts["stops"] + counts["interrupts"],
-              **dict(sorted(counts.items()))}
+              "faults": sum(counts[k] for k in faults), **dict(sorted(counts.items()))}
     print("\nmodel soak:", json.dumps(report, indent=1))
     path = os.environ.get("UNIENV_MP_MODEL_REPORT")
     if path:

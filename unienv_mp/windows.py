@@ -45,7 +45,11 @@ class WindowedBatch(BatchBase):
     It is a UniEnv batch (read-only), so UniEnv's ``StepSampler``, its epochs, and
     [`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler] take it as they take
     UniEnv's own views; the latter's workers gather it straight into shared memory where
-    its data is an in-memory ReplayBuffer (see the guide "Direct gather and the views").
+    its data is a ReplayBuffer of tensors, in memory or memory-mapped (see the guide
+    "Frame stacks, action chunks: direct gather").  Over files it needs torch arrays:
+    ``WindowedBatch(ToBackendOrDeviceBatch(rb, backend=PyTorchComputeBackend,
+    device="cpu"), ...)`` over an HDF5 buffer ``rb``, say, which the workers sample the
+    generic way (see the guide "Data on disk").
 
     Example:
         ``WindowedBatch(rb, {"obs/image": [-1, 0], "obs/state": [-1, 0],
@@ -100,7 +104,9 @@ class WindowedBatch(BatchBase):
                             f"{type(batch).__name__}")
         if batch.backend is not PyTorchComputeBackend:
             raise TypeError(f"a WindowedBatch needs a batch of torch arrays, not of "
-                            f"{getattr(batch.backend, '__name__', batch.backend)}")
+                            f"{getattr(batch.backend, '__name__', batch.backend)}: wrap it "
+                            f"in UniEnv's ToBackendOrDeviceBatch(batch, "
+                            f"backend=PyTorchComputeBackend, device='cpu')")
         space = batch.single_space
         if not isinstance(space, DictSpace):
             raise TypeError(f"a WindowedBatch windows the keys of dict elements; this "

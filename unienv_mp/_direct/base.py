@@ -4,6 +4,8 @@ the byte tables of the row kernel, and the slot writer that fills a planned layo
 (`PlannedBatch`).  Imports nothing of the planners."""
 import sys
 
+import numpy as np
+
 from .._transport import codec as _codec
 from .._transport.protocol import SlotWriter
 from . import unienv as _unienv
@@ -48,8 +50,11 @@ def qualname(obj):
     return f"{t.__module__}.{t.__qualname__}"
 
 def is_index_tensor(arg):
-    """A non-empty 1-D int64 tensor: the indices an epoch sends (anything else, the
-    generic getter handles as UniEnv does)."""
+    """A non-empty 1-D int64 tensor, or numpy array over a buffer of the numpy backend
+    (HDF5, parquet, image and video storages): the indices an epoch sends (anything else,
+    the generic getter handles as UniEnv does)."""
+    if type(arg) is np.ndarray:
+        return arg.ndim == 1 and arg.dtype == np.int64 and arg.shape[0] > 0
     torch = sys.modules.get("torch")
     return (torch is not None and type(arg) is torch.Tensor and arg.dim() == 1
             and arg.dtype == torch.int64 and arg.shape[0] > 0)
@@ -74,6 +79,8 @@ def sampled_rows(buffer, idx):
     count, offset = ring
     if offset == 0:
         return idx
+    if type(idx) is np.ndarray:   # (a buffer of the numpy backend)
+        return np.remainder(idx + offset, count)
     return (idx + offset).remainder_(count)
 
 def byte_rows(src):

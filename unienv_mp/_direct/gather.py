@@ -15,11 +15,13 @@ memory, the worker does what UniEnv's generic path does, minus the allocations:
 
 Which configurations qualify (`check`): a ``StepSampler`` (or a subclass that overrides none
 of the sampling methods) on the CPU over a ``ReplayBuffer`` (likewise) whose storage is a
-``PytorchTensorStorage`` (in memory, memory-mapped or shared), a ``DictStorage`` of
-qualifying storages (nested too), or a ``FlattenedStorage`` over a ``PytorchTensorStorage``.
-Everything else -- transformations, image, video, HDF5 and parquet storages, custom samplers
--- takes the generic path, where the worker calls the wrapped sampler and the codec copies
-its result into the slot.
+``PytorchTensorStorage`` (in memory, memory-mapped or shared), one of UniEnv's file-backed
+storages (``HDF5Storage``, ``ImageStorage``, ``NPZStorage``, ``VideoStorage``,
+``ParquetStorage`` of numeric arrays: `unienv_mp._direct.files` says how each is read), a
+``DictStorage`` of qualifying storages (nested too), or a ``FlattenedStorage`` over a
+``PytorchTensorStorage``.  Everything else -- transformations, file-backed storages under a
+view, text, custom samplers -- takes the generic path, where the worker calls the wrapped
+sampler and the codec copies its result into the slot.
 
 The contract is exactness: for the same seed, both paths give the same batches bit for bit,
 with the same structure, key order, dtypes, shapes and array types.  The plan is therefore
@@ -115,14 +117,17 @@ class Planner:
     ``view`` is the plan of the view, and the storage planner ``storages`` plans the
     storages under it."""
 
-    def __init__(self, sampler, on_device=False):
+    def __init__(self, sampler, on_device=False, bind=False):
         import torch
         from unienv_data.replay_buffer.replay_buffer import ReplayBuffer
         from unienv_data.samplers.step_sampler import StepSampler
 
         # (on_device True: the sources may live on a GPU, for a gather in the calling
-        # process; see unienv_mp._device.resident.  The workers take CPU rows only.)
-        self.storages = _storages.StoragePlanner(on_device)
+        # process; see unienv_mp._device.resident.  The workers take CPU rows only, and
+        # read file-backed storages (unienv_mp._direct.files) of a flat buffer: bind True,
+        # in a worker, opens their files.)
+        self.storages = _storages.StoragePlanner(
+            on_device, files=None if on_device else ("bind" if bind else "plan"))
         self.storages.require(sampler, StepSampler, SAMPLER_METHODS, "the wrapped sampler")
         device = getattr(sampler, "_device", None)
         if device is not None and torch.device(device).type != "cpu":
@@ -134,6 +139,9 @@ class Planner:
             self.storages.require(data, ReplayBuffer, BUFFER_METHODS, "the sampler's data")
             self.buffer = data
         else:
+            self.storages.files = None   # (not under a view)
+            self.storages.files_refused = ("under a view (a frame stack, a window): the "
+                                           "generic path reads them")
             self.view = _views.plan(data, self.storages)
 
     def structure(self, getter):
@@ -154,7 +162,7 @@ class Gatherer:
     """
 
     def __init__(self, sampler):
-        self._planner = Planner(sampler)
+        self._planner = Planner(sampler, bind=True)
         self.sampler = sampler
         self.buffer = self._planner.buffer
         self._view = None

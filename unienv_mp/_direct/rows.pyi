@@ -1,17 +1,18 @@
 """Row gathering for the direct gather (`unienv_mp._direct.gather`): the rows a batch samples,
 copied from a table of rows into a slot, with the GIL released and streaming stores for
-large rows (see ``csrc/umr_rows.c`` for why); the row table of a stacked view's batch,
-its window, valid mask and fill (`unienv_mp._direct.views`, ``csrc/umr_window.c``); and
-the windows view's episode spans and per-key rows (``unienv_mp.windows``)."""
+large rows (see ``csrc/umr_rows.c`` for why), or read from a file straight into the slot
+(``csrc/umr_pread.c``); the row table of a stacked view's batch, its window, valid mask
+and fill (`unienv_mp._direct.views`, ``csrc/umr_window.c``); and the windows view's
+episode spans and per-key rows (``unienv_mp.windows``)."""
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 from _typeshed import ReadableBuffer, WriteableBuffer
 
-__all__ = ["gather_rows", "scatter_rows", "window", "window_mask", "window_fill",
-           "window_rows", "episode_span", "span_rows", "EPISODE_ID", "EPISODE_END",
-           "KEY_TYPES", "SPAN_LIMIT"]
+__all__ = ["gather_rows", "scatter_rows", "pread_rows", "PREAD_GAP", "window", "window_mask",
+           "window_fill", "window_rows", "episode_span", "span_rows", "EPISODE_ID",
+           "EPISODE_END", "KEY_TYPES", "SPAN_LIMIT"]
 
 # (numpy arrays are buffers for type checkers only from Python 3.12: hence the unions)
 def gather_rows(table: npt.NDArray[Any] | ReadableBuffer, row_bytes: int,
@@ -31,6 +32,23 @@ def scatter_rows(table: npt.NDArray[Any] | ReadableBuffer, row_bytes: int,
     ``out``, for every ``i``.  Raises ``IndexError`` (having written nothing) if a row is
     not in the table or a position not in ``[0, n_out)``, ``ValueError`` if ``out`` is too
     short or the two index arrays differ in length."""
+
+#: `pread_rows`'s default: rows at most this many bytes apart in the file are read in one
+#: call, the bytes between them read and dropped (a read call costs about as much as
+#: copying a few KiB from the page cache).
+PREAD_GAP: int
+
+def pread_rows(fd: int, base: int, row_bytes: int, n_rows: int,
+               rows: npt.NDArray[np.int64] | ReadableBuffer,
+               out: npt.NDArray[Any] | WriteableBuffer, offset: int = 0,
+               gap_bytes: int = ...) -> None:
+    """Read row ``rows[i]`` of a table of ``n_rows`` rows of ``row_bytes`` that starts at
+    byte ``base`` of the open file ``fd`` into bytes ``[offset + i * row_bytes, offset +
+    (i + 1) * row_bytes)`` of the writable buffer ``out``, for every ``i``: sorted by row,
+    rows at most ``gap_bytes`` apart read in one call, a row asked for twice read once.
+    Bytes past the end of the file read as zeros.  Raises ``IndexError`` (having read
+    nothing) if a row is not in the table, ``ValueError`` if ``out`` is too short, and
+    ``OSError`` if a read fails."""
 
 #: `window_mask`'s kinds: UniEnv's episode-id and episode-end mask helpers.
 EPISODE_ID: int

@@ -1,16 +1,20 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 """Row gathering for the direct gather (`unienv_mp._direct.gather`): the rows a batch samples,
 copied from a table of rows into a slot, with the GIL released and streaming stores for
-large rows (see ``csrc/umr_rows.c`` for why); the row table of a stacked view's batch,
-its window, valid mask and fill (`unienv_mp._direct.views`, ``csrc/umr_window.c``); and
-the windows view's episode spans and per-key rows (``unienv_mp.windows``)."""
-from libc.stdint cimport int64_t, uint64_t, uint8_t
+large rows (see ``csrc/umr_rows.c`` for why), or read from a file straight into the slot
+(``csrc/umr_pread.c``); the row table of a stacked view's batch, its window, valid mask
+and fill (`unienv_mp._direct.views`, ``csrc/umr_window.c``); and the windows view's
+episode spans and per-key rows (``unienv_mp.windows``)."""
+from libc.stdint cimport int64_t, uint64_t, uint8_t, INT64_MIN, INT64_MAX
+from libc.stdlib cimport malloc, free
+import os
+
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE,
                              PyBUF_WRITABLE)
 
-__all__ = ["gather_rows", "scatter_rows", "window", "window_mask", "window_fill",
-           "window_rows", "episode_span", "span_rows", "EPISODE_ID", "EPISODE_END",
-           "KEY_TYPES", "SPAN_LIMIT"]
+__all__ = ["gather_rows", "scatter_rows", "pread_rows", "PREAD_GAP", "window", "window_mask",
+           "window_fill", "window_rows", "episode_span", "span_rows", "EPISODE_ID",
+           "EPISODE_END", "KEY_TYPES", "SPAN_LIMIT"]
 
 cdef extern from "umr_rows.h" nogil:
     int64_t umr_gather_rows(const unsigned char *src, uint64_t n_src, uint64_t row_bytes,
@@ -18,6 +22,14 @@ cdef extern from "umr_rows.h" nogil:
     int64_t umr_scatter_rows(const unsigned char *src, uint64_t n_src, uint64_t row_bytes,
                              const int64_t *rows, const int64_t *pos, uint64_t n,
                              unsigned char *dst, uint64_t n_dst)
+
+cdef extern from "umr_pread.h" nogil:
+    ctypedef struct umr_row_pos:
+        int64_t row
+        int64_t pos
+    int64_t umr_pread_rows(int fd, uint64_t base, uint64_t row_bytes, uint64_t n_rows,
+                           const int64_t *rows, uint64_t n, unsigned char *dst,
+                           umr_row_pos *pairs, unsigned char *gap, uint64_t gap_bytes)
 
 cdef extern from "umr_window.h" nogil:
     void umr_window(const int64_t *idx, uint64_t m, const int64_t *off, uint64_t t,
@@ -135,6 +147,63 @@ def scatter_rows(table, Py_ssize_t row_bytes, const int64_t[::1] rows,
             PyBuffer_Release(&dst)
     finally:
         PyBuffer_Release(&src)
+
+
+#: `pread_rows`'s default: rows at most this many bytes apart in the file are read in one
+#: call, the bytes between them read and dropped (a read call costs about as much as
+#: copying a few KiB from the page cache).
+PREAD_GAP = 16384
+
+
+def pread_rows(int fd, Py_ssize_t base, Py_ssize_t row_bytes, Py_ssize_t n_rows,
+               const int64_t[::1] rows, out, Py_ssize_t offset=0,
+               Py_ssize_t gap_bytes=PREAD_GAP):
+    """Read row ``rows[i]`` of a table of ``n_rows`` rows of ``row_bytes`` that starts at
+    byte ``base`` of the open file ``fd`` into bytes ``[offset + i * row_bytes, offset +
+    (i + 1) * row_bytes)`` of the writable buffer ``out``, for every ``i``: sorted by row,
+    rows at most ``gap_bytes`` apart read in one call, a row asked for twice read once.
+    Bytes past the end of the file read as zeros.  Raises ``IndexError`` (having read
+    nothing) if a row is not in the table, ``ValueError`` if ``out`` is too short, and
+    ``OSError`` if a read fails."""
+    cdef Py_buffer dst
+    cdef uint64_t n = rows.shape[0]
+    cdef int64_t res
+    cdef const int64_t *r = &rows[0] if n else NULL
+    cdef umr_row_pos *pairs = NULL
+    cdef unsigned char *gap = NULL
+    if row_bytes <= 0 or base < 0 or n_rows < 0 or offset < 0 or gap_bytes < 0:
+        raise ValueError(f"row_bytes must be > 0 and base, n_rows, offset and gap_bytes "
+                         f">= 0, got {row_bytes}, {base}, {n_rows}, {offset}, {gap_bytes}")
+    if n_rows and <uint64_t>n_rows > <uint64_t>(INT64_MAX - base) // <uint64_t>row_bytes:
+        raise ValueError(f"{n_rows} rows of {row_bytes} bytes from byte {base} do not fit "
+                         f"in a file")
+    if fd < 0:
+        raise ValueError(f"not a file descriptor: {fd}")
+    PyObject_GetBuffer(out, &dst, PyBUF_WRITABLE)
+    try:
+        if dst.len < offset or n > <uint64_t>(dst.len - offset) // <uint64_t>row_bytes:
+            raise ValueError(f"{n} rows of {row_bytes} bytes at offset {offset} do not "
+                             f"fit in {dst.len} bytes")
+        if n == 0:
+            return
+        pairs = <umr_row_pos *>malloc(n * sizeof(umr_row_pos))
+        gap = <unsigned char *>malloc(gap_bytes if gap_bytes else 1)
+        if pairs == NULL or gap == NULL:
+            raise MemoryError()
+        with nogil:
+            res = umr_pread_rows(fd, base, row_bytes, n_rows, r, n,
+                                 <unsigned char *>dst.buf + offset, pairs, gap, gap_bytes)
+        if res == 0:
+            return
+        if res > INT64_MIN + 65536 and res < 0 and -1 - res < <int64_t>n:
+            raise IndexError(f"row {rows[-1 - res]} is out of bounds for a table of "
+                             f"{n_rows} rows")
+        err = <int>(res - INT64_MIN)
+        raise OSError(err, f"reading rows of a file: {os.strerror(err)}")
+    finally:
+        free(pairs)
+        free(gap)
+        PyBuffer_Release(&dst)
 
 
 def window(const int64_t[::1] idx, const int64_t[::1] offsets, int64_t n, int64_t[::1] out):

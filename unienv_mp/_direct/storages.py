@@ -1,11 +1,13 @@
 """The plan of a ReplayBuffer's storages (`StoragePlanner`: which tensor each leaf of a
-batch comes from, a tree of `Leaf`), and the slot layout of flat rows (`FlatLayout`).  The
-view planners (`.views`) build on the storage planner they are handed."""
+batch comes from, or which reader of a file-backed storage fills it (`.files`), a tree of
+`Leaf`), and the slot layout of flat rows (`FlatLayout`).  The view planners (`.views`)
+build on the storage planner they are handed."""
 import sys
 
 import numpy as np
 
 from .._transport import codec as _codec
+from . import files as _files
 from . import rows as _rows
 from . import unienv as _unienv
 from .base import NotDirect, byte_rows, overridden, qualname
@@ -17,15 +19,17 @@ class Leaf:
     """One array of the batch: ``(B, *tail)`` of ``dtype``, made of ``parts``: column
     ranges ``[a, b)`` of the output viewed as ``(B, -1)``, each filled with the rows of a
     2-D source ``(N, b - a)`` (or, for a single part, rows of an N-D source of the output's
-    own shape)."""
-    __slots__ = ("tail", "dtype", "parts", "direct", "columns")
+    own shape); or, for a file-backed storage, filled by ``reader`` (a
+    `unienv_mp._direct.files.Reader`), a numpy array of the numpy ``dtype``."""
+    __slots__ = ("tail", "dtype", "parts", "direct", "columns", "reader")
 
-    def __init__(self, tail, dtype, parts, columns=None):
+    def __init__(self, tail, dtype, parts, columns=None, reader=None):
         self.tail = tuple(int(d) for d in tail)
         self.dtype = dtype
         self.parts = parts
         # (flat rows, a, b) for a leaf cut from columns [a, b) of a FlattenedStorage's rows
         self.columns = columns
+        self.reader = reader
         # one source of the output's own row shape and dtype: index_select straight into
         # the output
         self.direct = (len(parts) == 1 and tuple(parts[0][0].shape[1:]) == self.tail
@@ -33,8 +37,17 @@ class Leaf:
 
     def element_nbytes(self):
         """Bytes per batch row."""
-        return (int(np.prod(self.tail, dtype=np.int64))
-                * sys.modules["torch"].empty((), dtype=self.dtype).element_size())
+        return int(np.prod(self.tail, dtype=np.int64)) * _itemsize(self.dtype)
+
+
+def _itemsize(dtype):
+    if isinstance(dtype, np.dtype):
+        return dtype.itemsize
+    return sys.modules["torch"].empty((), dtype=dtype).element_size()
+
+
+def _file_leaf(tail, dtype, reader):
+    return Leaf(tail, dtype, [], reader=reader)
 
 
 class StoragePlanner:
@@ -42,12 +55,18 @@ class StoragePlanner:
     flat rows of the buffer (`structure`), or for the view planners, which are handed this
     planner (`unienv_mp._direct.views`), a storage's rows (`rows`)."""
 
-    def __init__(self, on_device=False):
+    def __init__(self, on_device=False, files=None):
         import torch
         self.torch = torch
         # (True: the sources may live on a GPU, for a gather in the calling process; see
         # unienv_mp._device.resident.  The workers take CPU rows only.)
         self.on_device = on_device
+        # file-backed storages (`.files`): None, not planned (under a view, on a device);
+        # "plan", planned from their spaces (the training process); "bind", their files
+        # opened and checked too (a worker)
+        self.files = files
+        # where ``files`` is None: why, as the refusal of a file-backed storage says it
+        self.files_refused = "for batches gathered on a device" if on_device else None
 
     # -- what storage.get(rows) returns: a tree of Leaf ------------------------------------
 
@@ -72,6 +91,16 @@ class StoragePlanner:
             self._no_override(storage, FlattenedStorage, ("get", "get_flattened"))
             flat = self.flat_rows(storage)
             return self._unflatten(storage.single_instance_space, flat.parts[0][0], [0])
+        if self.files is not None:
+            tree = _files.plan(storage, _file_leaf, self.files == "bind")
+            if tree is not None:
+                return tree
+        else:
+            name = _files.file_storage(storage)
+            if name is not None:
+                raise NotDirect(f"its storage {name} reads files: the workers read "
+                                f"them straight into the slot for a ReplayBuffer sampled "
+                                f"as it is, not {self.files_refused or 'here'}")
         raise NotDirect(f"storage {qualname(storage)} is not one that keeps its rows in "
                         f"one in-memory tensor (PytorchTensorStorage, DictStorage or "
                         f"FlattenedStorage of those)")
@@ -135,11 +164,14 @@ class StoragePlanner:
         """Mirror of UniEnv's ``unflatten_data(space, rows, start_dim=1)``: the columns of
         the flat rows each leaf is cut from (``col``: the next column, a 1-list)."""
         from unienv_interface.space import BinarySpace, BoxSpace, DictSpace, TupleSpace
-        if type(space) is BoxSpace:
+        if type(space) is BoxSpace or type(space) is BinarySpace:
             n = int(np.prod(space.shape, dtype=np.int64))
             a = col[0]
             col[0] += n
             dtype = space.dtype
+            if dtype is None and type(space) is BinarySpace:
+                # (unflatten_data casts to the backend's default boolean dtype)
+                dtype = space.backend.default_boolean_dtype
             if not isinstance(dtype, self.torch.dtype):
                 raise NotDirect(f"a space whose dtype {dtype!r} is not a torch dtype")
             return Leaf(space.shape, dtype, [(flat[:, a:a + n], 0, n)], (flat, a, a + n))
@@ -148,8 +180,6 @@ class StoragePlanner:
                     for k, sub in _unienv.dict_items(space)}
         if type(space) is TupleSpace:
             return tuple(self._unflatten(sub, flat, col) for sub in space.spaces)
-        if isinstance(space, BinarySpace):
-            raise NotDirect("BinarySpace leaves (cast on flattening)")
         raise NotDirect(f"flattened {type(space).__name__} leaves")
 
     def _flatten(self, space, tree, parts, col):
@@ -160,6 +190,8 @@ class StoragePlanner:
             # (a batched space: its first dimension is the batch's)
             if not isinstance(tree, Leaf) or tree.tail != tuple(space.shape[1:]):
                 raise NotDirect("a leaf whose shape differs from its space")
+            if tree.reader is not None:
+                raise NotDirect("flattening the rows of a file-backed storage")
             if len(tree.parts) != 1 or not tree.direct:
                 raise NotDirect("flattening a leaf that is itself cut from flat rows")
             src = self._as_2d(tree.parts[0][0])
@@ -236,8 +268,12 @@ class FlatLayout:
         def template(node):
             if isinstance(node, Leaf):
                 # zero-stride stand-in with the leaf's shape and dtype: the codec reads
-                # shapes and dtypes from it, never its data
-                t = torch.empty((), dtype=node.dtype).expand((n, *node.tail))
+                # shapes and dtypes from it, never its data (a numpy array for a leaf
+                # of a file-backed storage, which returns numpy arrays)
+                if node.reader is not None:
+                    t = np.broadcast_to(np.empty((), dtype=node.dtype), (n, *node.tail))
+                else:
+                    t = torch.empty((), dtype=node.dtype).expand((n, *node.tail))
                 fills[id(t)] = (batch[0], node)
                 keep.append(t)
                 return t
@@ -278,6 +314,11 @@ class FlatLayout:
             if nbytes == 0 or table is not None:
                 out.append(None)
                 continue
+            if leaf.reader is not None:
+                count = nbytes // leaf.dtype.itemsize
+                out.append(np.frombuffer(buffer, dtype=leaf.dtype, count=count,
+                                         offset=off).reshape(self.n, *leaf.tail))
+                continue
             count = nbytes // torch.empty((), dtype=leaf.dtype).element_size()
             v = torch.frombuffer(buffer, dtype=leaf.dtype, count=count, offset=off)
             out.append(v.view(self.n, *leaf.tail) if leaf.direct else v.view(self.n, -1))
@@ -292,12 +333,15 @@ class FlatLayout:
         for i, (off, nbytes, leaf, table, row_bytes, b) in enumerate(self.leaves):
             if b != last:   # the next batch of a tuple: its own rows
                 rows, rows_np, gathered, last = batch_rows[b], None, None, b
-            if table is not None:
+            if table is not None or leaf.reader is not None:
                 if rows_np is None:
-                    if rows.dtype != torch.int64 or not rows.is_contiguous():
-                        rows = rows.to(torch.int64).contiguous()
-                    rows_np = rows.numpy()
-                _rows.gather_rows(table, row_bytes, rows_np, buffer, off)
+                    rows_np = _rows_np(rows, torch)
+                if table is not None:
+                    _rows.gather_rows(table, row_bytes, rows_np, buffer, off)
+                elif nbytes:
+                    if gathered is None:
+                        gathered = {}
+                    leaf.reader.fill(rows_np, buffer, off, views[i + 1], gathered)
                 continue
             out = views[i + 1]
             if out is None:
@@ -333,3 +377,13 @@ class FlatLayout:
                 torch.index_select(src, 0, rows, out=tmp)
                 out[:, a:b].copy_(tmp)
 
+
+
+def _rows_np(rows, torch):
+    """Storage rows (a tensor, or a numpy array over a buffer of the numpy backend) as a
+    contiguous int64 numpy array."""
+    if type(rows) is np.ndarray:
+        return np.ascontiguousarray(rows, dtype=np.int64)
+    if rows.dtype != torch.int64 or not rows.is_contiguous():
+        rows = rows.to(torch.int64).contiguous()
+    return rows.numpy()

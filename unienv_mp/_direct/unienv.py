@@ -3,13 +3,18 @@
 The direct gather (`unienv_mp._direct.gather`, `unienv_mp._direct.views`) reproduces what
 UniEnv's batches compute, so it reads some of their internals: a ReplayBuffer's ring state,
 the batched spaces UniEnv caches, a stack's anchor position, the functions behind UniEnv's
-valid-mask helpers, the column-stack class.  They are private to UniEnv and may change in
+valid-mask helpers, the column-stack class, an HDF5 storage's datasets and the base class
+of UniEnv's storages of a file per row.  They are private to UniEnv and may change in
 any release (``pyproject.toml`` pins the one release this package is written for), so they
 are read here only, each through one small function, and nowhere else in the package.
 """
+import os
+
 __all__ = ["ring_state", "same_ring", "logical_to_physical", "batched_space", "instance_space",
            "dict_items", "stack_anchor", "stack_mask_key", "column_stack_class", "mask_helpers",
-           "cache_attributes", "SHARED_BUFFER_LIVE", "SHARED_BUFFER_LOCAL"]
+           "cache_attributes", "SHARED_BUFFER_LIVE", "SHARED_BUFFER_LOCAL", "storage_class",
+           "list_storage_class", "hdf5_leaves", "hdf5_fd", "read_sorted_unique_rows",
+           "map_io", "io_threads", "hdf5_file", "row_files", "episode_files", "parquet_files", "memmap_readonly"]
 
 
 def ring_state(rb):
@@ -104,7 +109,20 @@ def cache_attributes(cls):
     from unienv_data.batches.combined_batch import CombinedBatch
     if cls is CombinedBatch:
         return frozenset(("_executor", "_executor_pid", "_batch_space_cache"))
-    return frozenset()
+    return _FILE_CACHES.get(cls.__name__, frozenset())
+
+
+#: What UniEnv's file-backed storages only cache, or hold open, besides their files (whose
+#: identities the fingerprint records instead; `unienv_mp._sampling.files`): an HDF5
+#: storage's open handle and its datasets, a video storage's decoders and its index of
+#: files and keyframes (rebuilt from its list of files), a read-only parquet storage's
+#: memory-mapped tables.
+_FILE_CACHES = {
+    "HDF5Storage": frozenset(("root", "_leaves")),
+    "VideoStorage": frozenset(("_decoder_cache", "_keyframe_cache", "_cache_index_starts",
+                               "_cache_index_ranges")),
+    "ParquetStorage": frozenset(("_cached_piece_tables",)),
+}
 
 
 #: A ReplayBuffer made with ``multiprocessing=True``: the attributes that every process
@@ -114,3 +132,108 @@ SHARED_BUFFER_LIVE = frozenset(("_ring_state", "_lock"))
 #: the episodes' segments that ``extend`` updates).
 SHARED_BUFFER_LOCAL = frozenset(("_physical_segments", "_active_segment_start_physical",
                                  "_active_segment_length"))
+
+
+#: UniEnv's file-backed storages, by class name: the module each lives in (each needs its
+#: own library: h5py, Pillow, PyAV, pyarrow).
+_STORAGE_MODULES = {
+    "HDF5Storage": "unienv_data.storages.hdf5",
+    "ImageStorage": "unienv_data.storages.image_storage",
+    "NPZStorage": "unienv_data.storages.npz_storage",
+    "VideoStorage": "unienv_data.storages.video_storage",
+    "ParquetStorage": "unienv_data.storages.parquet",
+}
+
+
+def storage_class(name):
+    """UniEnv's file-backed storage class ``name`` (one of ``_STORAGE_MODULES``), or None
+    where its module is not imported: a storage of that class can only exist once it is,
+    so it is not imported here (which would import h5py, PyAV or pyarrow for nothing)."""
+    import sys
+    module = sys.modules.get(_STORAGE_MODULES[name])
+    return None if module is None else getattr(module, name, None)
+
+
+def list_storage_class():
+    """UniEnv's ``ListStorageBase`` (a storage of a file per row, read by
+    ``get_single``), or a class nothing is an instance of where its module is not
+    imported."""
+    import sys
+    module = sys.modules.get("unienv_data.storages._list_storage")
+    return getattr(module, "ListStorageBase", _Nothing)
+
+
+class _Nothing:
+    """(a class with no instances)"""
+
+
+def hdf5_leaves(storage):
+    """An ``HDF5Storage``'s ``(key path, space, h5py dataset)`` of every leaf, opening its
+    file where it is closed (``_get_leaves``)."""
+    return storage._get_leaves()
+
+
+def hdf5_fd(dataset):
+    """The file descriptor HDF5 reads ``dataset``'s file through (its sec2 driver's)."""
+    return int(dataset.file.id.get_vfd_handle())
+
+
+def read_sorted_unique_rows(dataset, index):
+    """UniEnv's reader of an HDF5 dataset's rows at sorted, distinct ``index`` (what
+    ``HDF5Storage.get`` reads them with)."""
+    from unienv_data.storages.hdf5 import read_sorted_unique_rows as read
+    return read(dataset, index)
+
+
+def hdf5_file(storage):
+    """An ``HDF5Storage``'s open handle (None where it opens its file when it first reads)
+    and the path of its file."""
+    return storage.root, storage._filename
+
+
+def row_files(storage):
+    """The files an ``ImageStorage`` or ``NPZStorage`` reads its rows from, one per row, as
+    its ``get_single`` names them."""
+    return [os.path.join(storage._cache_path, f"{i}.{storage.file_ext}")
+            for i in range(len(storage))]
+
+
+def episode_files(storage):
+    """The files a ``VideoStorage`` reads, one per episode; None while it has a segment
+    open (frames held in its writer)."""
+    if storage.has_open_segment:
+        return None
+    return [name for _, _, name in storage.get_start_end_filename_iter()]
+
+
+def parquet_files(storage):
+    """The piece files a read-only ``ParquetStorage`` reads, and its metadata; None for a
+    writable one, which keeps the pieces written through it in memory until it flushes
+    them."""
+    if not storage._read_only:
+        return None
+    return ([storage._piece_path(i) for i in range(storage._num_pieces)]
+            + [os.path.join(storage._storage_dir, "_metadata.json")])
+
+
+def memmap_readonly(tensor):
+    """Whether UniEnv's ``MemoryMappedTensor`` ``tensor`` maps its file privately (loaded
+    read-only: what this process writes into it stays in this process)."""
+    return bool(getattr(tensor, "_readonly", False))
+
+
+def map_io(fn, items):
+    """UniEnv's ``map_io``: ``fn`` over ``items`` on its process-wide pool of I/O threads,
+    as its storages of a file per row decode a batch."""
+    from unienv_data.storages._io_pool import map_io as run
+    return run(fn, items)
+
+
+def io_threads(n=None):
+    """The threads of UniEnv's pool of I/O threads (``IO_POOL_WORKERS``), set to ``n``
+    first if given (it takes effect for pools made after; at one, batches are read in the
+    calling thread)."""
+    from unienv_data.storages import _io_pool
+    if n is not None:
+        _io_pool.IO_POOL_WORKERS = n
+    return _io_pool.IO_POOL_WORKERS

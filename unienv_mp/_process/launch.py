@@ -14,7 +14,10 @@ once the snapshot process is gone, or under spawn where the work function must b
 again at each start) would copy the data as it is when it starts.  It starts only if the
 manager's ``same_copy()`` says that this is still what the first workers copied; otherwise
 `CopyGone` is raised, and the process does not start (see `WorkerPool` for what then
-becomes of a worker's tasks).
+becomes of a worker's tasks).  Where the data is read from files that a spawned process
+opens by name (``same_copy.every_start`` is True), the first start's pickle holds their
+names, not the files: every process after the first ones opens them as they are when it
+starts, so every such start asks ``same_copy()``.
 
 Both are released when the last worker handle has released its memory
 (`WorkerHandle.release_memory`), since no process of the manager starts after that.
@@ -124,6 +127,8 @@ class Launch:
             self._check_same("forked from the training process", also)
         elif not self.fork and self._parcel is not None and not self._parcel.reused:
             self._check_same("sent the work function pickled again", also)
+        elif getattr(self.same_copy, "every_start", False):
+            self._check_same("reading the files the data reads as they are now", also)
         proc = self._process(index, seg, seed, stack_w, snapshot, deadline)
         try:
             # (started with SIGINT blocked, the process never takes a Ctrl-C; one

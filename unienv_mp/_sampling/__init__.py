@@ -10,7 +10,8 @@ talks to.
 * `.checkpoints`: what ``state_dict`` holds, and a state checked for ``load_state_dict``;
   `.state` the format of a state.
 * `.streams`: where the caller is in each stream of batches (a pure state machine).
-* `.fingerprint`: whether the data is still what the workers hold a copy of.
+* `.fingerprint`: whether the data is still what the workers hold a copy of; `.files` the
+  identities of the files it reads.
 * `.target`: the work function the workers run, their seeds, epoch permutations.
 * `.delegates`: one-line properties and methods that pass on to a part (the wrapped
   sampler's properties).

@@ -40,8 +40,9 @@ def read_state(s, state, chunk_size):
     whole state."""
     try:
         return _read(s, state, chunk_size)
-    except _state.Refused:
-        raise
+    except _state.Refused as e:
+        # (a ValueError, as the docs say, not the private class that says why)
+        raise ValueError(str(e)) from None
     except Exception as e:
         raise ValueError(f"not a whole state_dict(): {type(e).__name__}: {e}") from e
 

@@ -20,6 +20,7 @@ starting now run on the pool).  ``persistent_workers`` decides how far each is a
 import warnings
 import weakref
 
+from . import files as _files
 from . import fingerprint as _fingerprint
 from .pages import PageWitness
 
@@ -46,6 +47,23 @@ def warn_untracked(how):
         f"fork, and only by sampling under spawn and forkserver: pass "
         f"persistent_workers=False if you write the data that way",
         RuntimeWarning, stacklevel=5)
+
+
+def _names(paths, show=3):
+    more = f" and {len(paths) - show} more" if len(paths) > show else ""
+    return ", ".join(paths[:show]) + more
+
+
+def _files_note(files, maps):
+    """What a reason adds for data read from ``files`` and memory-mapped ``maps``."""
+    note = ""
+    if files:
+        note += (f"; the files it reads ({_names(files)}) have the device, inode, size "
+                 f"and times they had then")
+    if maps:
+        note += (f"; the files it maps ({_names(maps)}) are the ones the workers map, "
+                 f"which they read as they are now, as this process does")
+    return note
 
 
 def _holders(ref):
@@ -76,6 +94,13 @@ class DataCopy:
         self.witness = None
         self.untracked = None   # how a write torch did not count was found, if one was
         self._manager = lambda: None
+
+    @property
+    def reads_files(self):
+        """True where the data is read from files (whose identities the fingerprint
+        holds), which no snapshot of the workers' copy holds."""
+        fp = self.fp
+        return isinstance(fp, _fingerprint.Fingerprint) and bool(fp.files or fp.maps)
 
     def started(self, manager):
         """The pool's first workers started (``manager``'s): under fork, the page table
@@ -117,6 +142,19 @@ class DataCopy:
             if now == self.fp:
                 return True, "persistent_workers=True"
             return False, "the data's length changed since the workers started"
+        ok, reason = self._current(now)
+        if ok and isinstance(self.fp, _fingerprint.Fingerprint):
+            reason += _files_note(self.fp.files, self.fp.maps)
+        return ok, reason
+
+    def _current(self, now):
+        racy = getattr(self.fp, "racy", None)
+        if racy is not None:
+            return False, (f"whether the data changed since the workers started cannot be "
+                           f"told: {racy} had changed less than "
+                           f"{_files.RACY_NS // 10**9} s before they started (a later "
+                           f"write within the file system's clock tick leaves its times "
+                           f"as they were)")
         if not _fingerprint.same(self.fp, now):
             return False, "the data changed since the workers started"
         if self.shared:
@@ -135,6 +173,10 @@ class DataCopy:
                 return True, unchanged
             return True, ("torch counts no change to the data since they started (the "
                           "page table cannot tell here of " + _UNCOUNTED + ")")
+        if getattr(self.fp, "tensors", None) == 0 and not self.shared:
+            # (no tensor: every array of the data was recorded by value, every file by its
+            # identity, so the fingerprint alone tells)
+            return True, unchanged
         manager = self._manager()
         spot = getattr(manager, "spot_check", None)
         matches = None if spot is None else spot(SPOT_BLOCKS)

@@ -24,20 +24,27 @@ The walk is exact only for classes whose ``get*_at`` methods read nothing but th
 attributes: UniEnv's ``StepSampler``, ``ReplayBuffer`` (with its in-process ring state),
 ``DictStorage``, ``FlattenedStorage`` and ``PytorchTensorStorage``, the views
 ``FrameStackedBatch``, ``SliceStackedBatch`` (and the column stacks its ``get_column``
-makes), ``CombinedBatch``, ``SubItemBatch`` and ``SubIndexedBatch`` (exactly those
-classes, not subclasses), UniEnv's spaces, UniEnv's two valid-mask helpers
+makes), ``CombinedBatch``, ``SubItemBatch``, ``SubIndexedBatch`` and
+``ToBackendOrDeviceBatch`` (which converts a batch's arrays to another backend: how a
+torch view such as ``WindowedBatch`` is put over an HDF5 file's numpy arrays), exactly
+those classes, not subclasses; UniEnv's spaces, UniEnv's two valid-mask helpers
 (``get_valid_mask_function_with_episodeid_key`` / ``..._with_episode_end_key``),
 unienv_mp's ``WindowedBatch``, and plain containers, scalars and CPU tensors.  In a
 ReplayBuffer made with ``multiprocessing=True``, workers read the ring state and the
-tensors in shared memory as they are now: those count by identity (a tensor by where its memory is, not by its
-version), the rest as in any buffer.  A view is a pure function of its parameters
+tensors in shared memory as they are now: those count by identity (a tensor by where its
+memory is, not by its version), the rest as in any buffer.  UniEnv's file-backed storages
+(``HDF5Storage``, ``ImageStorage``, ``NPZStorage``, ``VideoStorage``, a read-only
+``ParquetStorage``) count by the identity of every file they read
+(`unienv_mp._sampling.files`: device, inode, size, modification and change times; a file
+open for writing is flushed first), and a memory-mapped tensor by the inode of the file it
+maps, which every process reads as it is; small numpy arrays (a space's bounds) count by
+value.  A view is a pure function of its parameters
 and the buffers under it, so its fingerprint is theirs: a view parameter changed
 (``fill_invalid_data``, ``fixed_offset``, a part added to a ``CombinedBatch``) is seen as
 a change of the data.  What a view only caches (a ``CombinedBatch``'s thread pool and its
 memo of batched spaces) is left out.  Anything else (a custom sampler, storage or valid
-mask function, a memory-mapped tensor or numpy array, which torch does not version, an
-image or HDF5 storage reading files, a transformation holding a function) makes
-`take` return None, and `check` says why: the sampler then starts new workers for each
+mask function, a numpy array over 1 MiB, which has no version to compare, a transformation
+holding a function) makes `take` return None, and `check` says why: the sampler then starts new workers for each
 epoch, as before.  What the version counter cannot see either: writes that bypass torch's
 counter: through a numpy view from ``Tensor.numpy()``, ctypes or another process; and within
 torch, through ``tensor.data`` (a tensor with a counter of its own), through the storage
@@ -47,9 +54,13 @@ torch, through ``tensor.data`` (a tensor with a counter of its own), through the
 This module is one of those that know UniEnv's classes (see `unienv_mp._direct.gather`).
 """
 import functools
+import time
 import weakref
 
+import numpy as np
+
 from .._direct import unienv as _unienv
+from . import files as _files
 
 __all__ = ["take", "check", "same", "moved"]
 
@@ -59,20 +70,39 @@ _MAX_OBJECTS = 20000
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis))
 
+# A numpy array (a space's bounds) is recorded by value up to this size; a larger one has
+# no version to compare and is not vouched for.
+_MAX_ARRAY_BYTES = 1 << 20
+
+#: UniEnv's file-backed storages, by class name: how the files each reads are listed (see
+#: `unienv_mp._sampling.files`).
+_FILE_KINDS = {"HDF5Storage": "hdf5", "ImageStorage": "rows", "NPZStorage": "rows",
+               "VideoStorage": "episodes", "ParquetStorage": "pieces"}
+
 
 class Fingerprint:
     """What `take` recorded: ``tokens`` (a tuple, compared by value), weak references to
     the objects whose identities the tokens hold (so that an identity cannot be reused by a
     new object while the fingerprint lives without being noticed), and ``ranges``, the
     ``(address, nbytes)`` of the memory of every tensor that is not shared between
-    processes (what `unienv_mp._sampling.pages` watches for writes torch does not count),
-    and ``watch``, what `moved` looks at (see there)."""
-    __slots__ = ("tokens", "refs", "ranges", "watch")
+    processes (what `unienv_mp._sampling.pages` watches for writes torch does not count).
+    ``files``: the paths of the files the data reads, whose identities the tokens hold;
+    ``racy``: the first of them whose identity was taken too soon after it changed to be
+    trusted (`unienv_mp._sampling.files.racy`), or None; ``maps``: the files of the
+    memory-mapped tensors, which every process reads as they are; ``tensors``: how many
+    torch tensors it met (whose writes outside torch's count the copy's page witness or spot
+    check looks for); ``watch``: what `moved` looks at (see there)."""
+    __slots__ = ("tokens", "refs", "ranges", "files", "racy", "maps", "tensors", "watch")
 
-    def __init__(self, tokens, refs, ranges=(), watch=()):
+    def __init__(self, tokens, refs, ranges=(), files=(), racy=None, maps=(), tensors=None,
+                 watch=()):
         self.tokens = tokens
         self.refs = refs
         self.ranges = ranges
+        self.files = files
+        self.racy = racy
+        self.maps = maps
+        self.tensors = tensors
         self.watch = watch
 
     def alive(self):
@@ -86,7 +116,7 @@ class Fingerprint:
 def same(old, new):
     """True if fingerprints ``old`` and ``new`` (either may be None) tell that the data is
     the same: both known, equal, and every object ``old`` recorded is still alive."""
-    if old is None or new is None:
+    if old is None or new is None or old.racy is not None:
         return False
     return old.tokens == new.tokens and old.alive()
 
@@ -126,6 +156,7 @@ def _watch(held):
 
 
 def _classes():
+    from unienv_data.batches.backend_compat import ToBackendOrDeviceBatch
     from unienv_data.batches.combined_batch import CombinedBatch
     from unienv_data.batches.framestack_batch import FrameStackedBatch
     from unienv_data.batches.slicestack_batch import SliceStackedBatch
@@ -140,7 +171,8 @@ def _classes():
     from unienv_interface.space.spaces import dict as dict_space
     known = {rbm.ReplayBuffer, rbm._LocalRingState, DictStorage, FlattenedStorage,
              PytorchTensorStorage, FrameStackedBatch, SliceStackedBatch,
-             _unienv.column_stack_class(), CombinedBatch, SubItemBatch, SubIndexedBatch}
+             _unienv.column_stack_class(), CombinedBatch, SubItemBatch, SubIndexedBatch,
+             ToBackendOrDeviceBatch}
     space_dict = getattr(dict_space, "_SpaceDict", None)
     if space_dict is not None:
         known.add(space_dict)
@@ -200,6 +232,19 @@ class _Walk:
         self.tensor_t = torch.Tensor
         self.generator_t = torch.Generator
         self.dtype_t = (torch.dtype, torch.device)
+        self.memmap_t = _memmap_class()
+        # UniEnv's file-backed storages whose modules are imported: class -> kind
+        self.file_kinds = {}
+        for name, kind in _FILE_KINDS.items():
+            cls = _unienv.storage_class(name)
+            if cls is not None:
+                self.file_kinds[cls] = kind
+        if self.file_kinds:
+            known = dict(known)
+            known.update((cls, _unienv.cache_attributes(cls)) for cls in self.file_kinds)
+        self.files = []   # (path, Identity) of every file read
+        self.maps = []    # the path of every file mapped
+        self.tensors = 0  # torch tensors met
         self.known = known
         self.space = space
         self.helpers = helpers
@@ -218,7 +263,8 @@ class _Walk:
         self.seen[id(sampler)] = 0
         for k, v in vars(sampler).items():
             add(k)
-            if k in ("rng", "data_rng") and (v is None or type(v) is self.generator_t):
+            if k in ("rng", "data_rng") and (v is None or type(v) is self.generator_t
+                                             or type(v) is np.random.Generator):
                 # StepSampler's get*_at draw nothing: its RNGs do not change an epoch's
                 # batches (and every sample* task reseeds them)
                 continue
@@ -232,8 +278,11 @@ class _Walk:
             # and NaN is not equal to itself: floats by their bits)
             add((t, obj.hex() if t is float else obj))
             return
-        if t in self.dtype_t:
+        if t in self.dtype_t or isinstance(obj, np.dtype):
             add(obj)
+            return
+        if isinstance(obj, np.generic):   # (a numpy scalar: by type and bits)
+            add((t, obj.tobytes()))
             return
         seen = self.seen
         key = id(obj)
@@ -250,6 +299,7 @@ class _Walk:
                 raise _Unknown("an inference tensor (torch keeps no version counter "
                                "for it)")
             self.refs.append(weakref.ref(obj))
+            self.tensors += 1
             # (a tensor in shared memory under a shared buffer: by its memory, which
             # workers read as it is now; any other by its version too)
             shared = obj.is_shared()
@@ -260,9 +310,21 @@ class _Walk:
                 self.ranges[where] = max(self.ranges.get(where, 0), storage.nbytes())
             add((key, obj.data_ptr(), version, tuple(obj.shape), obj.stride(),
                  obj.storage_offset(), obj.dtype))
+        elif t is self.memmap_t:
+            self.memmap(obj, key)
+        elif t is np.ndarray:
+            if obj.dtype.hasobject or obj.nbytes > _MAX_ARRAY_BYTES:
+                raise _Unknown(f"a numpy array of {obj.nbytes} bytes (numpy keeps no "
+                               f"version of an array to compare)")
+            self.refs.append(_Strong(obj))
+            add((np.ndarray, key, obj.dtype, obj.shape, obj.tobytes()))
         elif t is tuple or t is list:
             add((t, len(obj)))
             for x in obj:
+                self.visit(x)
+        elif t is set or t is frozenset:
+            add((t, len(obj)))
+            for x in sorted(obj, key=repr):
                 self.visit(x)
         elif t is dict:
             add((dict, len(obj)))
@@ -279,6 +341,53 @@ class _Walk:
         else:
             raise _Unknown(f"a {_name(obj)}, which the fingerprint cannot vouch for "
                            f"(see unienv_mp._sampling.fingerprint)")
+
+    def memmap(self, obj, key):
+        """UniEnv's ``MemoryMappedTensor``: its place in memory, shape and strides, and the
+        file it maps by device and inode (which the path must still name: workers started
+        with spawn open it by name).  Workers read the file as this process does (the same
+        pages), so its version counts only where this process maps it privately (loaded
+        read-only: what it writes stays here, and the page table watches it too)."""
+        filename = getattr(obj, "filename", None)
+        if obj.device.type != "cpu" or filename is None:
+            raise _Unknown("a memory-mapped tensor with no file")
+        self.refs.append(weakref.ref(obj))
+        self.tensors += 1
+        private = _unienv.memmap_readonly(obj)
+        if private:
+            storage = obj.untyped_storage()
+            where = storage.data_ptr()
+            self.ranges[where] = max(self.ranges.get(where, 0), storage.nbytes())
+        try:
+            inode = _files.mapped(obj.data_ptr(), str(filename))
+        except LookupError as e:
+            raise _Unknown(str(e)) from None
+        self.maps.append(str(filename))
+        self.add((key, obj.data_ptr(), obj._version if private else -1, tuple(obj.shape),
+                  obj.stride(), obj.storage_offset(), obj.dtype, "maps", inode))
+
+    def storage_files(self, obj, kind):
+        """The identities of the files that a file-backed storage ``obj`` reads."""
+        add = self.add
+        if kind == "hdf5":
+            root, path = _unienv.hdf5_file(obj)
+            try:
+                idents = _files.hdf5(root, path)
+            except LookupError as e:
+                raise _Unknown(str(e)) from None
+            if root is not None:
+                add(("h5", root.name, root.file.mode))
+        else:
+            paths = {"rows": _unienv.row_files, "episodes": _unienv.episode_files,
+                     "pieces": _unienv.parquet_files}[kind](obj)
+            if paths is None:
+                raise _Unknown(f"a {_name(obj)} that holds rows in memory (a video "
+                               f"segment open, or a writable parquet storage's pieces)")
+            idents = [_files.identity(p) for p in paths]
+        add(("files", len(idents)))
+        for ident in idents:
+            add(ident)
+            self.files.append((ident.path, ident))
 
     def items(self, mapping):
         for k, v in mapping.items():
@@ -357,6 +466,9 @@ class _Walk:
                 if k not in skip:
                     self.visit(v)
                     self.hold(obj, k, v)
+        kind = self.file_kinds.get(t)
+        if kind is not None:
+            self.storage_files(obj, kind)
 
 
 def take(sampler):
@@ -390,5 +502,17 @@ def check(sampler):
         return None, str(e)
     except Exception as e:
         return None, f"reading the data raised {type(e).__name__}: {e}"
+    now = time.time_ns()
+    racy = next((path for path, ident in walk.files if _files.racy(ident, now)), None)
     return Fingerprint(tuple(walk.tokens), walk.refs, tuple(walk.ranges.items()),
+                       tuple(dict.fromkeys(path for path, _ in walk.files)), racy,
+                       tuple(dict.fromkeys(walk.maps)), walk.tensors,
                        _watch(walk.held)), None
+
+
+def _memmap_class():
+    """UniEnv's ``MemoryMappedTensor``, or None where its module is not imported (no
+    such tensor exists then)."""
+    import sys
+    module = sys.modules.get("unienv_data.third_party.tensordict.memmap_tensor")
+    return getattr(module, "MemoryMappedTensor", None)

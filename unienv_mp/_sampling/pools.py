@@ -32,6 +32,21 @@ def _watch_of(copy):
     return fp.watch if isinstance(fp, _fingerprint.Fingerprint) else ()
 
 
+class _EveryStart:
+    """A ``same_copy`` that the launch asks before every process started after the first
+    ones (``every_start``), not only before those that cannot start from the snapshot: the
+    data is read from files that a process started with spawn opens by name (see
+    `unienv_mp._process.launch`)."""
+    every_start = True
+    __slots__ = ("same_copy",)
+
+    def __init__(self, same_copy):
+        self.same_copy = same_copy
+
+    def __call__(self):
+        return self.same_copy()
+
+
 class Pools:
     """A sampler's managers.  ``sampler``: the wrapped sampler (whose data the workers
     copy); ``new_manager``: a weak reference to the sampler's ``new_manager`` hook, which
@@ -183,7 +198,14 @@ class Pools:
         later = _always
         if persistent is False or (fork and copy.fp is None):
             later = None
-        return {"start_later": later, "same_copy": copy.same_copy}
+        same = copy.same_copy
+        if copy.reads_files and not fork:
+            # (a process started with spawn opens the files by name, as they are then, not
+            # the ones the first workers opened: every later start is asked.  Under fork
+            # the snapshot process holds the first workers' open files and maps, and
+            # later workers inherit them.)
+            same = _EveryStart(same)
+        return {"start_later": later, "same_copy": same}
 
     # -- the managers of epochs ------------------------------------------------------------
 

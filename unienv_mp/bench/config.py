@@ -72,6 +72,10 @@ class Case:
     summary: str
     defaults: Dict[str, object] = field(default_factory=dict)
     quick_transitions: int = 2000
+    # what --quick changes besides the transitions and the seconds per row
+    quick_defaults: Dict[str, object] = field(default_factory=dict)
+    # run by --case all (the storages case, which builds a dozen data sets, runs alone)
+    in_all: bool = True
 
 
 CASES = {
@@ -131,6 +135,17 @@ CASES = {
                   "(FrameStackedBatch(rb, 1), episode_id mask) of the views case's "
                   "episodic buffer of as many steps, under fork and under spawn",
                   quick_transitions=2000),
+    "storages": Case("storages", "storages", ("unienv_mp", "unienv", "in_process",
+                                              "index_select"),
+                     "a row per UniEnv storage backend (torch in memory and memory-mapped, "
+                     "HDF5 plain, gzip and per-step lzf, parquet, video, PNG, JPEG, npz) "
+                     "and a LeRobot dataset, built by UniEnv's own storage benchmark code "
+                     "and loaded back read-only: batches of 256 in process (torch and "
+                     "UniEnv's I/O threads by default, and at one), read into reused "
+                     "memory, by UniEnv's and by unienv_mp's MultiprocessingSampler, and "
+                     "epochs over the HDF5 buffer under spawn (needs the disk extra)",
+                     {"transitions": 4000, "seconds": 4.0}, quick_transitions=1024,
+                     quick_defaults={"image_shape": (3, 32, 32)}, in_all=False),
 }
 
 
@@ -181,7 +196,8 @@ def case_config(case: str, quick: bool = False, **overrides) -> Config:
     spec = CASES[case]
     cfg = replace(Config(), **spec.defaults)
     if quick:
-        cfg = replace(cfg, transitions=spec.quick_transitions, seconds=1.5, warmup=2)
+        cfg = replace(cfg, transitions=spec.quick_transitions, seconds=1.5, warmup=2,
+                      **spec.quick_defaults)
     return replace(cfg, **overrides)
 
 

@@ -123,6 +123,8 @@ def run_case(case, cfg, impls, counts, missing, progress, say):
     kind = CASES[case].kind
     if kind == "online":
         return _online(rows)
+    if kind == "storages":
+        return _storages(rows, say)
     steps = cfg.transitions * (2 if kind == "views" else 1)
     bar = progress.bar(steps, f"{case}: building the replay buffer", "steps")
     with case_data(case, cfg, bar.update) as data:
@@ -224,3 +226,18 @@ def _throughput(rows, rb):
     return rows.done(tables.throughput_table(results, cfg, case), payload,
                      lambda plt: plots.table_figure(plt, results, case, cfg),
                      any(r.error for r in results))
+
+
+def _storages(rows, say):
+    """A row per storage backend (``unienv_mp.bench.storages``); the case's rows are its
+    columns (in_process also at one thread; index_select: the bare read)."""
+    from . import storages
+    if rows.swept:
+        say("the storages case runs with the first of --workers only")
+    columns = [c for c in storages.COLUMNS
+               if {"in_process_1": "in_process", "bare": "index_select"}.get(c, c)
+               in rows.names]
+    runs = storages.run_all(rows.cfg, rows.names, columns, rows.progress, say)
+    table = storages.storages_table(runs, rows.cfg)
+    failed = any(r.error for run in runs for r in run.results.values())
+    return rows.done(table, storages.payload(runs), None, failed)
