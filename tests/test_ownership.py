@@ -53,6 +53,16 @@ ALLOWED = {
         "UniEnv's default mask functions, which a WindowedBatch's mask takes as UniEnv does",
     ("windows.py", "SliceStackedBatch._valid_mask_function_episode_end_key"):
         "UniEnv's default mask functions, which a WindowedBatch's mask takes as UniEnv does",
+    ("_direct/unienv.py", "storage._get_leaves"):
+        "UniEnv's HDF5 storage's leaf datasets, opened as its own reads open them",
+    ("_direct/unienv.py", "storage._filename"): "the file an HDF5 storage reads",
+    ("_direct/unienv.py", "storage._cache_path"):
+        "the folder an image or npz storage keeps one file per row in",
+    ("_direct/unienv.py", "storage._read_only"):
+        "whether a parquet storage's pieces are all on disk (a writable one holds some)",
+    ("_direct/unienv.py", "storage._piece_path"): "the files a parquet storage reads",
+    ("_direct/unienv.py", "storage._num_pieces"): "the files a parquet storage reads",
+    ("_direct/unienv.py", "storage._storage_dir"): "the folder of a parquet storage",
     ("_sampling/fingerprint.py", "rbm._LocalRingState"):
         "UniEnv's in-memory ring state class, whose counters say the data changed",
 }
