@@ -909,10 +909,9 @@ def test_a_ctrl_c_before_any_bytecode_of_the_stream_keeps_its_position(in_order,
     import random
     from test_interrupts import Interrupter
     from unienv_mp._sampling import streams as _streams
-    from unienv_mp._sampling.streams import chunk_seed, stream_key
+    from unienv_mp._sampling.streams import stream_key
     k, n_buffers = 3, 4
     key = stream_key(0, "sample")
-    chunk_of_seed = {chunk_seed(key, c * k): c for c in range(1000)}   # (its first batch's)
     start = {"k": k, "low": 0, "done": [], "partial": {0: 1}} if restored else None
     before = {(0, 0)} if restored else set()
 
@@ -924,7 +923,9 @@ def test_a_ctrl_c_before_any_bytecode_of_the_stream_keeps_its_position(in_order,
 
         def submit(work, record):
             t = next(counter)
-            results[t] = tuple((chunk_of_seed[work[1][0]], i) for i in range(work[2]))
+            _, work_key, first, work_k = work   # (see chunk_work)
+            assert work_key == key and work_k == k and first % k == 0
+            results[t] = tuple((first // k, i) for i in range(k))
             record.append(t)
 
         def one():

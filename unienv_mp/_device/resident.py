@@ -77,17 +77,17 @@ class ResidentTarget:
         if mark is None:
             return value
         stream, event = mark()
-        if len(work) == 3:   # (a chunk: a tuple of batches)
+        if len(work) > 2:   # (a chunk: a tuple of batches, see chunk_work)
             return tuple([Gathered(b, stream, event) for b in value])
         return Gathered(value, stream, event)
 
     def _make(self, work):
         name = work[0]
-        if name == "sample" and len(work) == 3:
+        if name == "sample" and len(work) > 2:
             tree = self._tree("get_at")
             if tree is not None:
-                _, seeds, k = work
                 target = self.target
+                _, seeds, k = target.chunk_of(work)
                 sample_index = target.sampler.sample_index
                 buffer = target.sampler.data
                 out = []

@@ -23,9 +23,9 @@ def spill_entry(seg):
 
 
 class WorkEncoder:
-    """Encodes work info: small immutable items (`is_simple`,
-    e.g. a sampler's ``(method, seed, k)``) as pickles inside the task entry; anything else
-    with the slot codec, inside the task entry up to ``inline_max`` bytes, else in a
+    """Encodes work info: small immutable items (`is_simple`, e.g. a sampler's
+    ``(method, key, first, k)``) as pickles inside the task entry; anything else with the
+    slot codec, inside the task entry up to ``inline_max`` bytes, else in a
     one-off "spill" segment that the worker maps."""
 
     def __init__(self, inline_max):

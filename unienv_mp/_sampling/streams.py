@@ -47,7 +47,7 @@ import zlib
 from .. import _os
 from ..errors import WorkerError
 
-__all__ = ["Stream", "EpochProgress", "base_seed", "stream_key", "chunk_seed",
+__all__ = ["Stream", "EpochProgress", "base_seed", "stream_key", "chunk_seed", "chunk_seeds",
            "forget_requests", "forget_all"]
 
 _MASK = (1 << 64) - 1
@@ -66,19 +66,29 @@ def stream_key(base, method):
     return _mix(_mix(base & _MASK) ^ zlib.crc32(method.encode()))
 
 
-def _mix32(z):
-    """MurmurHash3's 32-bit finaliser (a bijection of 32-bit integers)."""
-    z ^= z >> 16
-    z = (z * 0x85EBCA6B) & _MASK32
-    z ^= z >> 13
-    z = (z * 0xC2B2AE35) & _MASK32
-    return z ^ (z >> 16)
+def chunk_seeds(key, first, k):
+    """The seeds of batches ``first`` to ``first + k - 1`` of the stream with key ``key``
+    (a tuple): each a 32-bit number, MurmurHash3's 32-bit finaliser (a bijection) of the
+    batch number plus the key's low half, then xor its high half; distinct for the batches
+    ``0`` to ``2**32 - 1`` of one stream (see the module's docstring).  Written out in one
+    loop: a worker makes a chunk's seeds at every task."""
+    lo = key & _MASK32
+    hi = (key >> 32) & _MASK32
+    out = []
+    for z in range(first + lo, first + lo + k):
+        z &= _MASK32
+        z ^= z >> 16
+        z = (z * 0x85EBCA6B) & _MASK32
+        z ^= z >> 13
+        z = (z * 0xC2B2AE35) & _MASK32
+        out.append(z ^ (z >> 16) ^ hi)
+    return tuple(out)
 
 
 def chunk_seed(key, chunk):
-    """The seed of chunk ``chunk`` of the stream with key ``key``: a 32-bit number, distinct
-    for the chunks ``0`` to ``2**32 - 1`` of one stream (see the module's docstring)."""
-    return _mix32((chunk + key) & _MASK32) ^ ((key >> 32) & _MASK32)
+    """The seed of batch (or, for a stream seeded per chunk, chunk) ``chunk`` of the stream
+    with key ``key`` (see `chunk_seeds`)."""
+    return chunk_seeds(key, chunk, 1)[0]
 
 
 def _state_bytes(rng):
@@ -148,22 +158,21 @@ class Stream:
         while len(ready) + k * len(tickets) <= n_buffers:
             retry = self.retry
             chunk = retry[0] if retry else self.next_new
-            submit((self.method, self.seeds(chunk), k), record=tickets)
+            submit(self.work(chunk), record=tickets)
             self.chunk_of[tickets[-1]] = chunk
             if retry:
                 del retry[0]
             else:
                 self.next_new = chunk + 1
 
-    def seeds(self, chunk):
-        """The seeds of ``chunk``'s task: one per batch (a tuple), or the chunk's one (an
-        int, without ``per_batch``)."""
-        key = self.key
-        if not self.per_batch:
-            return chunk_seed(key, chunk)
+    def work(self, chunk):
+        """The work item of ``chunk``'s task (see `unienv_mp._sampling.target.chunk_work`):
+        ``(method, key, first batch, k)``, each batch seeded with its own seed, which the
+        worker derives (`chunk_seeds`); without ``per_batch``, ``(method, seed, k)``."""
         k = self.k
-        first = chunk * k
-        return tuple([chunk_seed(key, first + i) for i in range(k)])
+        if not self.per_batch:
+            return self.method, chunk_seed(self.key, chunk), k
+        return self.method, self.key, chunk * k, k
 
     # -- handing out ----------------------------------------------------------------------
 

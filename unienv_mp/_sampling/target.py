@@ -8,25 +8,42 @@ from unienv_data.base import BatchSampler
 from unienv_interface.utils.seed_util import next_seed_rng
 
 from .._direct import gather as _gather
+from .streams import chunk_seeds
 
-__all__ = ["NO_ARG", "SamplerTarget", "draw_worker_seeds", "epoch_order", "epoch_batches",
-           "split_epoch"]
+__all__ = ["NO_ARG", "SamplerTarget", "chunk_work", "draw_worker_seeds", "epoch_order",
+           "epoch_batches", "split_epoch"]
 
 #: The argument of a task for a method that takes none (``sample*``; ``get*_at`` methods
 #: take an index array).
 NO_ARG = None
 
 
+def chunk_work(work):
+    """``(method, seeds, k)`` of a work item that is a chunk of a ``sample*`` method's
+    stream (see `unienv_mp._sampling.streams`), else None (one call).  A chunk's ``k``
+    batches are drawn one after the other, each after the sampler's RNGs are seeded as
+    ``manual_seed(seed)`` would seed them: its work item is
+
+    * ``(method, key, first, k)``: batch ``i`` with the seed of batch ``first + i`` of the
+      stream whose key is ``key`` (``seeds``: the tuple of the ``k``, `chunk_seeds`, made
+      here, in the worker); or
+    * ``(method, seed, k)``: with ``seed`` (``seeds``: that int) once, before the first
+      batch (a stream restored from a state of unienv_mp 0.1)."""
+    n = len(work)
+    if n == 4:
+        name, key, first, k = work
+        return name, chunk_seeds(key, first, k), k
+    if n == 3:
+        return work
+    return None
+
+
 class SamplerTarget:
     """The work function the workers run, calling the wrapped sampler's methods (or
     ``fn``, for a method name of ``None``).  A work item is either
 
-    * ``(method, seeds, k)``: a chunk of a ``sample*`` method's stream (see
-      `unienv_mp._sampling.streams`): ``k`` batches drawn one after the other, each
-      after the sampler's RNGs are seeded with its seed (``seeds``, a tuple of ``k``), as
-      ``manual_seed(seed)`` would seed them, which come back as a tuple (``seeds`` one
-      int: the RNGs are seeded with it once, before the first batch: a stream restored
-      from a state of unienv_mp 0.1); or
+    * a chunk of a ``sample*`` method's stream (see `chunk_work`): ``k`` batches drawn
+      one after the other, which come back as a tuple; or
     * ``(method, argument)``: one call, ``method()`` for an argument of ``NO_ARG`` or
       ``method(argument)`` (e.g. the indices of a ``get*_at`` method).
 
@@ -59,8 +76,9 @@ class SamplerTarget:
 
     def __call__(self, work):
         before = None
-        if len(work) == 3:
-            name, seeds, k = work
+        chunk = chunk_work(work)
+        if chunk is not None:
+            name, seeds, k = chunk
             arg = k
 
             def before(i):
@@ -98,11 +116,13 @@ class SamplerTarget:
         elif i == 0:
             self.reseed(seeds)
 
+    chunk_of = staticmethod(chunk_work)
+
     @staticmethod
     def batches_in(work):
         """How many batches the task of ``work`` makes (a chunk's ``k``; 1 otherwise), for
         the manager's statistics."""
-        return work[2] if len(work) == 3 else 1
+        return work[-1] if len(work) > 2 else 1
 
     def reseed(self, seed):
         """Seed the worker's sampler as ``sampler.manual_seed(seed)`` does, putting back

@@ -34,7 +34,7 @@ info and write the result into the worker's slot number ``slot``.  The payload e
 (`task_check`): a worker that finds it wrong exits with ``_os.EXIT_TASK_REWRITTEN``
 rather than run a task that something in it rewrote in its ring.  The work info is a
 pickle (``ENC_PICKLE``, inline: the small immutable items of `is_simple`, such as a
-sampler's ``(method, seed, k)``) or encoded with the slot codec (``ENC_CODEC``, arrays
+sampler's ``(method, key, first, k)``) or encoded with the slot codec (``ENC_CODEC``, arrays
 zero-copy), inline or in a spill segment of the parent's (payload: ``TASK_SPILL_DESC``).  A
 result entry is ``(tag(status, where), slot, ticket, payload)``: the encoded result inline,
 or ``SLOT_DESC``, the slot segment it was written into (the worker creates and grows its own

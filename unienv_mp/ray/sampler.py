@@ -444,10 +444,10 @@ class RaySampler(SamplerBase):
         ``sample*`` stream, the default ``tasks_per_call`` and ``n_buffers`` (those the
         caller left out) for batches of that size (they are not gathered directly, so
         their size was not known before)."""
-        if len(work) != 3 or work[0] == "sample_index":   # (not a chunk of batches)
+        if len(work) < 3 or work[0] == "sample_index":   # (not a chunk of batches)
             return
         self.n_buffers, self.tasks_per_call = _defaults(
-            max(1, task_bytes), work[2], self.n_workers, *self._asked)
+            max(1, task_bytes), work[-1], self.n_workers, *self._asked)
         if self._actors is not None:
             self._actors.group = self.tasks_per_call
             self._actors.sized = None
