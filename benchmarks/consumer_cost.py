@@ -70,7 +70,7 @@ def main(argv=None):
     def fill():
         """Request n_buffers + 1 batches, then wait (collecting nothing) until every worker
         has published all of its results."""
-        manager = s._manager
+        manager = s._pools.sample
         s._streams["sample"].top_up(manager.submit, s.n_buffers)   # (as sample() does)
         lanes = manager._lanes
         deadline = time.monotonic() + 300
@@ -81,8 +81,8 @@ def main(argv=None):
             time.sleep(0.005)
 
     def pause(sig):
-        if not a.no_stop and s._manager is not None:
-            for lane in s._manager._lanes:
+        if not a.no_stop and s._pools.sample is not None:
+            for lane in s._pools.sample._lanes:
                 if lane.worker.pid is not None:
                     os.kill(lane.worker.pid, sig)
 

@@ -424,7 +424,7 @@ def _untrace():
 
 
 @pytest.mark.parametrize("marker", ["feed.start(ready[0])", "manager.ready(tickets[0])",
-                                    "self._early[name] = ", "feed.start(value[0])"])
+                                    "self._early[name] = ", "feed.start(taken.value[0])"])
 def test_a_ctrl_c_in_the_look_ahead_moves_nothing(fake, marker):
     # The batch whose hand-out a Ctrl-C cuts short is handed out by the next call, and a
     # checkpoint taken meanwhile resumes at it.

@@ -659,13 +659,13 @@ def test_sampling_goes_on_after_a_ctrl_c_in_manual_seed(in_order):
 
 @pytest.mark.parametrize("in_order", [True, False])
 def test_sampling_goes_on_after_ctrl_cs_right_after_results_arrived(in_order):
-    from unienv_mp import MultiprocessingSampler as MS
-    taken = line_of(MS._sample, "tickets.remove(ticket)", nth=2)
+    from unienv_mp._sampling.streams import Stream
+    taken = line_of(Stream.collect, "self.tickets.remove(ticket)", nth=2)
     with _sampler(in_order=in_order, timeout=20) as s:
         s.sample()
         fired = 0
         for _ in range(8):
-            with interrupt_at(MS._sample, taken) as i:
+            with interrupt_at(Stream.collect, taken) as i:
                 interrupted(s.sample)
             fired += i.fired
         assert fired

@@ -132,12 +132,12 @@ def test_the_default_calls_and_depth_follow_the_batch_size():
     small = replay_buffer(200)                  # 2 KiB batches of 8 rows
     large = replay_buffer(200, img=(3, 256, 256))   # 1.5 MiB batches
     with RaySampler(StepSampler(small, 8, seed=0), n_workers=2) as r:
-        assert (r.tasks_per_call, r._chunk_size("sample")) == (8, 8)
+        assert (r.tasks_per_call, r.chunk_size("sample")) == (8, 8)
         assert r.n_buffers == 4 * 2 * 8 * 8   # four calls per actor
         take(r, 300)
     with RaySampler(StepSampler(large, 8, seed=0), n_workers=2) as r:
         # (four tasks a call: four calls of them per actor fit in 256 MiB)
-        assert (r.tasks_per_call, r._chunk_size("sample"), r.n_buffers) == (4, 1, 32)
+        assert (r.tasks_per_call, r.chunk_size("sample"), r.n_buffers) == (4, 1, 32)
     with RaySampler(StepSampler(large, 8, seed=0), n_workers=3, direct_gather=False,
                     num_cpus_per_worker=0.5) as r:
         assert (r.tasks_per_call, r.n_buffers) == (2, 8)   # (a size not known yet)
@@ -166,11 +166,11 @@ def test_the_default_calls_and_depth_follow_the_batch_size():
     # (n_buffers chosen: no more tasks a call than the batches ahead give each actor, or
     # no call would go ahead of the caller)
     with RaySampler(StepSampler(small, 8, seed=0), n_workers=2, n_buffers=32) as r:
-        assert (r.tasks_per_call, r._chunk_size("sample")) == (2, 8)
+        assert (r.tasks_per_call, r.chunk_size("sample")) == (2, 8)
     with RaySampler(StepSampler(small, 8, seed=0), n_workers=2, n_buffers=8,
                     direct_gather=False) as r:
         r.sample()   # (sized: 8 a call by size, but the tasks ahead give each actor fewer)
-        k = r._chunk_size("sample")
+        k = r.chunk_size("sample")
         assert r.n_buffers == 8 and r.tasks_per_call == max(1, 8 // k // 2) < 8
 
 
@@ -233,7 +233,7 @@ def test_in_order_false_gives_the_same_batches():
     rb = replay_buffer(100)
     with RaySampler(StepSampler(rb, 8, seed=1), n_workers=2, in_order=False) as r:
         got = [indices_of(b) for b in take(r, 24)]
-        ahead, k = r.n_buffers, r._chunk_size("sample")
+        ahead, k = r.n_buffers, r.chunk_size("sample")
     assert k == 8
     with RaySampler(StepSampler(rb, 8, seed=1), n_workers=2) as r:
         want = [indices_of(b) for b in take(r, 24 + ahead + k)]
@@ -972,7 +972,7 @@ def test_out_of_order_an_actor_that_cannot_start_holds_no_batch_back(monkeypatch
         r = RaySampler(StepSampler(rb, 8, seed=3), n_workers=3, n_buffers=24, timeout=120,
                        in_order=False)
     with r:
-        k = r._chunk_size("sample")
+        k = r.chunk_size("sample")
         got = [indices_of(r.sample())]
         monkeypatch.setattr(_calls, "LATE_NS", 0)
         got += [indices_of(b) for b in take(r, 12 * k - 1)]

@@ -558,7 +558,7 @@ def test_a_state_of_another_batches_per_task_is_refused_for_streams_not_started_
     this sampler's k, and its batches differ from the original's."""
     rb = replay_buffer(100, img=(3, 128, 128))   # sample(): 4 batches to a task, flat: 1
     with MultiprocessingSampler(StepSampler(rb, 5, seed=1), n_workers=1, ctx="fork") as m:
-        assert m._chunk_size("sample") == 4 and m._chunk_size("sample_flat") == 1
+        assert m.chunk_size("sample") == 4 and m.chunk_size("sample_flat") == 1
         take(m, 3)
         state = m.state_dict()
         flat = [indices_of(m.sample_flat(), img=(3, 128, 128)) for _ in range(4)]

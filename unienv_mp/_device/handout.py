@@ -5,9 +5,8 @@ page-locked batches, only its slot is page-locked ahead, rule 7).
 
 **The look-ahead changes nothing in the stream.**  When the stream's next batch is in its
 ``ready`` chunk, its copy is started; when it is in the next task, which has arrived, the
-task's result is collected from the manager and kept here (``_early``) with its copy
-started, and it joins the stream only at the next call, as that call would have collected
-it.  So the position between calls is what the caller was handed, a ``state_dict()``
+task's result is taken from the manager and kept here (``_early``) with its copy
+started, and the stream collects it only at the next call, as that call would have.  So the position between calls is what the caller was handed, a ``state_dict()``
 taken then is exact, and a Ctrl-C anywhere in the look-ahead puts the batch being handed
 out back (nothing else moved): the next call hands it out again.
 """
@@ -17,71 +16,76 @@ from ..errors import WorkerError
 __all__ = ["DeviceHandOut"]
 
 
-class _Failed:
-    """The result of a task collected ahead that raised (its error, raised in turn)."""
-    __slots__ = ("error",)
+class _Taken:
+    """The result of a task taken ahead: its ``value``, or the ``error`` it raised;
+    `result` gives it to `Stream.collect` as the manager would have."""
+    __slots__ = ("value", "error")
 
-    def __init__(self, error):
+    def __init__(self, value, error):
+        self.value = value
         self.error = error
+
+    def result(self, ticket):
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
 class DeviceHandOut:
-    """Owned by a sampler whose batches go through a feed (``sampler._feed``): its
-    `sample` is the sampler's ``_sample``, and epochs pass their batches through
-    `epoch_batch`.  ``cpu_sample(sampler, name)``: the sampler's own ``_sample``, which
-    hands out the stream's CPU batch.  Works on the sampler's streams, manager and lock, as
-    ``_sample`` does."""
+    """How a sampler whose batches go through ``feed`` (a `.feed.DeviceFeed`) hands them
+    out: its ``sample*`` calls hand out what `sample` returns, and epochs pass their
+    batches through `epoch_batch`.  Chosen once, when the sampler is made; it holds no
+    reference to the sampler: each call is handed what it works on."""
 
-    def __init__(self, sampler, cpu_sample):
-        self._sampler = sampler
-        self._cpu_sample = cpu_sample
+    def __init__(self, feed):
+        self.feed = feed
         # method -> (its stream, ticket, result or _Failed) collected ahead; used only by
         # the same stream while that ticket is still its request (manual_seed,
         # load_state_dict and close make new streams; a reset forgets the requests)
         self._early = {}
 
-    def sample(self, name):
-        """The next batch of ``name``'s stream, on the device (or page-locked).
-        ``sample_index`` stays on the data's device, as UniEnv's does: ordered on the
-        caller's stream where it was made on the device; page-locked and kept as the
-        batches are with ``pin_memory``; else copied out of its slot, which is page-locked
-        (a copy the caller makes of it then cannot outlive the slot, see `.keep`)."""
-        s = self._sampler
+    def sample(self, name, take, streams, caller, pools, in_order):
+        """The next batch of ``name``'s stream, on the device (or page-locked), called with
+        the sampler's lock held.  ``take(name)``: the stream's next CPU batch (the
+        sampler's); ``streams``: the sampler's streams by method; ``caller``: its count of
+        batches handed out; ``pools``: its managers (the ``sample*`` one as
+        ``take`` leaves it); ``in_order``: its option.  ``sample_index`` stays on the data's device, as UniEnv's
+        does: ordered on the caller's stream where it was made on the device; page-locked
+        and kept as the batches are with ``pin_memory``; else copied out of its slot,
+        which is page-locked (a copy the caller makes of it then cannot outlive the slot,
+        see `.keep`)."""
+        feed = self.feed
         if name == "sample_index":
-            index = self._cpu_sample(s, name)
-            feed = s._feed
+            index = take(name)
             mode = feed.mode
             if mode == "resident":
                 return feed.resident(index)
             if mode == "pinned":
-                with s._lock:
-                    return feed.pinned(index)
+                return feed.pinned(index)
             return _clone(index)
-        with s._lock:
-            if name in self._early:
-                # (one step: the task collected ahead joins its stream, or is dropped)
-                with _os.interrupts_deferred():
-                    _arrive(s._streams.get(name), self._early.pop(name))
-            cpu = self._cpu_sample(s, name)
-            # The batch is off the stream now, and nothing below changes the stream: a
-            # device error or a Ctrl-C puts it back, so that nothing is lost and the
-            # position does not move.
-            try:
-                feed = s._feed
-                out = feed.give(cpu)
-                if feed.copying:
-                    self._look_ahead(name, s._streams[name], feed)
-                elif feed.mode == "pinned":
-                    ready = s._streams[name].ready
-                    if ready:
-                        feed.notice(ready[0])
-            except BaseException:
-                s._streams[name].ready.appendleft(cpu)
-                s._caller.batches -= 1
-                raise
-            return out
+        if name in self._early:
+            # (one step: the task collected ahead joins its stream, or is dropped)
+            with _os.interrupts_deferred():
+                _arrive(streams.get(name), self._early.pop(name))
+        cpu = take(name)
+        # The batch is off the stream now, and nothing below changes the stream: a
+        # device error or a Ctrl-C puts it back, so that nothing is lost and the
+        # position does not move.
+        try:
+            out = feed.give(cpu)
+            if feed.copying:
+                self._look_ahead(name, streams[name], feed, pools.sample, in_order)
+            elif feed.mode == "pinned":
+                ready = streams[name].ready
+                if ready:
+                    feed.notice(ready[0])
+        except BaseException:
+            streams[name].ready.appendleft(cpu)
+            caller.batches -= 1
+            raise
+        return out
 
-    def _look_ahead(self, name, stream, feed):
+    def _look_ahead(self, name, stream, feed, manager, in_order):
         """Issue the copy of ``name``'s next batch if it is here (see the module's
         docstring).  What fails here (but a Ctrl-C) is met again by the next call."""
         try:
@@ -89,28 +93,26 @@ class DeviceHandOut:
             if ready:
                 feed.start(ready[0])
                 return
-            s = self._sampler
             tickets = stream.tickets
-            manager = s._pools.sample
-            if not tickets or not s.in_order or manager is None \
+            if not tickets or not in_order or manager is None \
                     or not manager.ready(tickets[0]):
                 return
             ticket = tickets[0]
-            # (one step: a result collected is a result kept)
+            # (one step: a result taken is a result kept)
             with _os.interrupts_deferred():
                 try:
-                    value = manager.result(ticket)
+                    taken = _Taken(manager.result(ticket), None)
                 except WorkerError as e:
-                    value = _Failed(e)
-                self._early[name] = (stream, ticket, value)
-            if type(value) is not _Failed and value:
-                feed.start(value[0])
+                    taken = _Taken(None, e)
+                self._early[name] = (stream, ticket, taken)
+            if taken.error is None and taken.value:
+                feed.start(taken.value[0])
         except Exception:
             pass
 
     def epoch_batch(self, value):
         """An epoch's batch, handed out as `sample` hands out batches."""
-        return self._sampler._feed.give(value)
+        return self.feed.give(value)
 
 
 def _clone(tree):
@@ -123,14 +125,9 @@ def _clone(tree):
 
 
 def _arrive(stream, early):
-    """The task collected ahead joins ``stream``, as the next call would have joined it
-    (see ``SamplerBase._sample``), if it is still that stream's request; a task that
-    raised raises now, its chunk skipped."""
-    owner, ticket, value = early
+    """``stream`` collects the task taken ahead, as the next call would have, if it is
+    still that stream's request; a task that raised raises now, its chunk skipped."""
+    owner, ticket, taken = early
     if owner is not stream or ticket not in stream.chunk_of:
         return   # (a new stream, or requests forgotten: asked for again, or dropped)
-    stream.tickets.remove(ticket)
-    if type(value) is _Failed:
-        stream.failed(ticket)
-        raise value.error
-    stream.arrived(ticket, value)
+    stream.collect(ticket, taken.result)

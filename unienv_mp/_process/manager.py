@@ -22,7 +22,6 @@ import queue as _queue
 import threading
 import time
 import warnings
-import weakref
 from multiprocessing import util as _mputil
 from typing import Callable, Generic, Optional, Sequence
 
@@ -44,7 +43,7 @@ from .encoder import WorkEncoder
 from .handle import RESULT_INLINE, TASK_CAPACITY, TASK_INLINE, WorkerCorrupt, WorkerDied
 from .launch import Launch
 from .polling import Poller
-from .pool import CLOSE_WAIT, CopyLost, WorkerPool
+from .pool import CLOSE_WAIT, CopyLost, Settings, WorkerPool
 from .slots import SlotLedger
 from .unienv_queue import UniEnvQueue
 
@@ -63,16 +62,17 @@ __all__ = ["MultiProcessingSampleManager", "TaskInfoT", "ResultT", "TASK_CAPACIT
 # * Recording a result (_accept) may run again on the same entry, and every step of it
 #   gives the same state when run twice; ``arrived`` is set before the ticket leaves
 #   ``inflight``, so a task is never neither arrived nor in flight (nor re-issued once it
-#   has arrived: _bury skips arrived tasks).
-# * A slot number is given back only through _give_back_slot, which clears ``task.slot``
-#   first: an interruption can at worst leak a slot number (the worker makes another
-#   slot), never give one back twice (two tasks writing into one slot).  A delivered
-#   result's slot goes back once the task has left ``_tasks`` and no lease on it is alive
-#   (``task.leases``): a delivery cut short can be asked for again, from the same slot.
+#   has arrived: WorkerPool.bury skips arrived tasks).
+# * A slot number is given back only through SlotLedger.give_back_slot, which clears
+#   ``task.slot`` first: an interruption can at worst leak a slot number (the worker
+#   makes another slot), never give one back twice (two tasks writing into one slot).
+#   A delivered result's slot goes back once the task has left ``_tasks`` and no lease
+#   on it is alive (``task.leases``): a delivery cut short can be asked for again, from
+#   the same slot.
 # * submit() hands its ticket over through ``record`` (the caller's list), appended as
-#   the last step; if it raises before, the task is abandoned (_abandon).
+#   the last step; if it raises before, the task is abandoned (SlotLedger.abandon).
 # * The rare multi-step changes (replacing a worker's process) hold SIGINT back until
-#   they are done (_process.interrupts_deferred).
+#   they are done (``_os.interrupts_deferred``).
 #
 # Protocol constants as globals of this module: the per-batch path reads them once per
 # batch, and a global is cheaper to read than a module attribute.
@@ -210,19 +210,20 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         # Held by every call (see "Threads" in the class docstring); re-entrant, for a
         # call made from a signal handler or a garbage collection in the middle of one.
         self._lock = threading.RLock()
-        public, n_workers, ctx, daemon, worker_seeds = _checked_options(
+        public, settings, n_workers, ctx, daemon, worker_seeds = _checked_options(
             target_fn, n_workers, ctx, daemon, worker_seeds, doze_time, in_order, copy,
             timeout, respawn, max_respawns, max_leases, spin, stall_timeout, start_later,
             worker_init_fn, same_copy)
-        vars(self).update(public)   # target_fn, doze_time, in_order, copy, timeout, ...
+        vars(self).update(public)   # target_fn, in_order, copy, spin, max_leases, ...
+        # (the settings its parts read when they act: the properties below write through)
+        self._settings = settings
         self.done_event = done_event
         self._owner_pid = os.getpid()
         self._dealer = Dealer(_usable if start_later is None else _up)   # (see start_later)
         self._tasks = tasks = TicketTable()      # ticket -> _Task (not yet delivered)
-        # (the parts see the manager through a weak proxy, or not at all: a manager
-        # dropped without close() is freed at once, and its finalizer ends the workers)
-        me = weakref.proxy(self)
-        self._pool = pool = WorkerPool(n_workers, me, dict(
+        # (no part holds a reference to the manager: a manager dropped without close()
+        # is freed at once, and its finalizer ends the workers)
+        self._pool = pool = WorkerPool(n_workers, settings, dict(
             start_later=start_later, seeds=worker_seeds,
             start_method=ctx.get_start_method()),
             tasks, WorkEncoder(TASK_INLINE - P.TASK_CHECK.size), None)
@@ -233,21 +234,70 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         self._caller = _stats.CallerRecord()   # batches handed out, time waited (see stats)
         resources.done_event = done_event
         resources.doorbell_seg = Segment.create(64, "doorbell")
-        self._poller = Poller(pool, take, Event(resources.doorbell_seg, 0, True),
+        self._poller = Poller(pool, settings, take, Event(resources.doorbell_seg, 0, True),
                               self._caller)
-        self._unienv = UniEnvQueue(me, tasks, self._slots, self._poller)
+        self._unienv = UniEnvQueue(tasks, self._slots, self._poller, self.in_order)
         self._finalizer = _mputil.Finalize(self, resources.close, exitpriority=100)
         self._batches_in = getattr(target_fn, "batches_in", None)
         self._spot_rng = np.random.default_rng()   # (which blocks spot_check compares)
         launch = Launch(target_fn, worker_init_fn, ctx, daemon, resources.doorbell_seg,
-                        done_event, self.doze_time, self.spin, self.stall_timeout,
+                        done_event, settings.doze_time, self.spin, settings.stall_timeout,
                         same_copy)
-        self.closed = False
+        self.closed = pool.closed = False
         try:
             pool.start(launch)
         except BaseException:
             self.close()
             raise
+
+    # -- settings (may be changed after construction: the parts read them when they act) --
+
+    @property
+    def timeout(self) -> Optional[float]:
+        """Seconds to wait for one result before raising `TimeoutError` (None: no limit)."""
+        return self._settings.timeout
+
+    @timeout.setter
+    def timeout(self, value):
+        self._settings.timeout = _check_setting["timeout"](value)
+
+    @property
+    def stall_timeout(self) -> Optional[float]:
+        """Seconds a worker may spend on one task before it is killed and replaced (None:
+        no limit)."""
+        return self._settings.stall_timeout
+
+    @stall_timeout.setter
+    def stall_timeout(self, value):
+        self._settings.stall_timeout = _check_setting["stall_timeout"](value)
+
+    @property
+    def respawn(self) -> bool:
+        """Whether a worker that dies is replaced (read at each death)."""
+        return self._settings.respawn
+
+    @respawn.setter
+    def respawn(self, value):
+        self._settings.respawn = _check_setting["respawn"](value)
+
+    @property
+    def max_respawns(self) -> int:
+        """Replacements of one worker without a result in between (read at each death)."""
+        return self._settings.max_respawns
+
+    @max_respawns.setter
+    def max_respawns(self, value):
+        self._settings.max_respawns = _check_setting["max_respawns"](value)
+
+    @property
+    def doze_time(self) -> float:
+        """How often (seconds) a wait in this process re-checks that the workers are alive
+        (the workers keep the value they started with)."""
+        return self._settings.doze_time
+
+    @doze_time.setter
+    def doze_time(self, value):
+        self._settings.doze_time = _check_setting["doze_time"](value)
 
     # -- submitting -----------------------------------------------------------------------
 
@@ -370,7 +420,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         """Turn an arrived result into the value returned to the caller.  The task leaves
         ``_tasks`` once the value is made: cut short before, it can be delivered again
         (from the slot, which it still holds) or cancelled.  Its slot goes back then, or
-        once the last lease on it is garbage collected (see _give_back_released_slots)."""
+        once the last lease on it is garbage collected (see SlotLedger.give_back_released)."""
         status = task.status
         seg = task.seg
         try:
@@ -448,7 +498,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
 
     def add_work(self, work_info: TaskInfoT) -> None:
         """Queue ``work_info``; its result is returned by a later [`fetch`][]."""
-        self._unienv.add_work(work_info)
+        self.submit(work_info, record=self._unienv.order)
 
     def fetch(self, block: bool = True, timeout: Optional[float] = None) -> Optional[ResultT]:
         """Return the result of work added with [`add_work`][]: the oldest one
@@ -456,7 +506,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         ``timeout`` expires before it arrives, as UniEnv's manager does."""
         with self._lock:
             self._ensure_open()
-            return self._unienv.fetch(block, timeout)
+            return self._unienv.fetch(block, timeout, self.timeout, self._wait, self._deliver)
 
     @property
     def remaining_work(self) -> int:
@@ -541,7 +591,10 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         workers, their rings and their slots are the parent's."""
         self.closed = True
         pool = getattr(self, "_pool", None)
-        if pool is None or os.getpid() != self._owner_pid:
+        if pool is None:
+            return
+        pool.closed = True   # (no process starts from now on)
+        if os.getpid() != self._owner_pid:
             return
         pool.shut_down()   # first, without the lock: wakes a call waiting meanwhile
         if not self._lock.acquire(timeout=CLOSE_WAIT):
@@ -574,12 +627,23 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         return f"<{type(self).__name__} {state}, {pending} pending>"
 
 
+#: How each setting that may be changed after construction is checked: at construction
+#: and by its property's setter alike.
+_check_setting = {
+    "timeout": lambda v: check_seconds(v, "timeout"),
+    "stall_timeout": lambda v: check_seconds(v, "stall_timeout"),
+    "respawn": lambda v: check_bool(v, "respawn"),
+    "max_respawns": lambda v: check_int(v, "max_respawns", 0, MAX_RESPAWNS),
+    "doze_time": check_doze_time,
+}
+
+
 def _checked_options(target_fn, n_workers, ctx, daemon, worker_seeds, doze_time, in_order,
                      copy, timeout, respawn, max_respawns, max_leases, spin, stall_timeout,
                      start_later, worker_init_fn, same_copy):
     """The arguments of MultiProcessingSampleManager checked and normalised: ``(public,
-    n_workers, ctx, daemon, worker_seeds)``, ``public`` the dict of the attributes they
-    set."""
+    settings, n_workers, ctx, daemon, worker_seeds)``, ``public`` the dict of the
+    attributes they set, ``settings`` the `Settings` its parts read."""
     if not callable(target_fn):
         raise TypeError(f"target_fn must be callable, got {type(target_fn).__name__}")
     n_workers = check_workers(n_workers)
@@ -591,19 +655,20 @@ def _checked_options(target_fn, n_workers, ctx, daemon, worker_seeds, doze_time,
             raise TypeError(f"{name} must be None or callable, got {type(fn).__name__}")
     if spin is None:
         spin = _DEFAULT_SPIN if len(os.sched_getaffinity(0)) > n_workers else 0.0
+    settings = Settings(
+        doze_time=_check_setting["doze_time"](doze_time),
+        timeout=_check_setting["timeout"](timeout),
+        stall_timeout=_check_setting["stall_timeout"](stall_timeout),
+        respawn=_check_setting["respawn"](respawn),
+        max_respawns=_check_setting["max_respawns"](max_respawns))
     public = dict(
         target_fn=target_fn,
-        doze_time=check_doze_time(doze_time),
         in_order=check_bool(in_order, "in_order"),
         copy=check_bool(copy, "copy"),
-        timeout=check_seconds(timeout, "timeout"),
-        stall_timeout=check_seconds(stall_timeout, "stall_timeout"),
-        respawn=check_bool(respawn, "respawn"),
-        max_respawns=check_int(max_respawns, "max_respawns", 0, MAX_RESPAWNS),
         spin=check_spin(spin),
         max_leases=2 * n_workers + 8 if max_leases is None else check_int(
             max_leases, "max_leases", 0, MAX_LEASES))
-    return (public, n_workers, check_context(ctx),
+    return (public, settings, n_workers, check_context(ctx),
             check_bool(daemon, "daemon", allow_none=True), worker_seeds)
 
 

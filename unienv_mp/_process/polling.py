@@ -19,11 +19,12 @@ __all__ = ["Poller"]
 class Poller:
     """Collects from every worker of ``pool`` at once (``take``: the manager's, which
     records a result entry), and waits on the ``doorbell`` the workers ring, re-checking
-    every ``doze_time`` s (the manager's) that they are alive; ``caller`` is the manager's
-    record of the caller's time (see stats)."""
+    every ``settings.doze_time`` s (the manager's `Settings`, read at each wait) that they
+    are alive; ``caller`` is the manager's record of the caller's time (see stats)."""
 
-    def __init__(self, pool, take, doorbell, caller):
+    def __init__(self, pool, settings, take, doorbell, caller):
         self.pool = pool
+        self.settings = settings
         self.tasks = pool.tasks
         self.take = take
         self.doorbell = doorbell
@@ -84,7 +85,7 @@ class Poller:
             try:
                 found = self.doorbell.wait_until(
                     find, None if deadline is None else max(0.0, deadline - time.monotonic()),
-                    pool.manager.doze_time, check=lambda: pool.check_all_alive(deadline))
+                    self.settings.doze_time, check=lambda: pool.check_all_alive(deadline))
             finally:
                 self.caller.wait_ns += time.monotonic_ns() - t0
         return None if found is None else found[0]

@@ -32,7 +32,7 @@ from .launch import CopyGone
 from .snapshot import SnapshotLate
 from .stalls import Stall
 
-__all__ = ["Lane", "Resources", "WorkerPool", "CLOSE_WAIT", "CopyLost"]
+__all__ = ["Lane", "Resources", "Settings", "WorkerPool", "CLOSE_WAIT", "CopyLost"]
 
 
 class CopyLost(WorkerDiedError):
@@ -42,6 +42,22 @@ class CopyLost(WorkerDiedError):
 #: Seconds close() waits for a call running in another thread to leave (it is woken at
 #: once; this bounds a call stuck in a work function's ``start_later`` or the like).
 CLOSE_WAIT = 10.0
+
+
+class Settings:
+    """The settings of a manager that its parts read each time they act, so that a value
+    the user sets on the manager after construction is the one used: the manager owns
+    this, its public properties write through to it, and it hands it to its pool and
+    poller (which hold no reference to the manager).  Plain values, checked by the
+    manager before they are stored here."""
+    __slots__ = ("timeout", "stall_timeout", "respawn", "max_respawns", "doze_time")
+
+    def __init__(self, timeout, stall_timeout, respawn, max_respawns, doze_time):
+        self.timeout = timeout
+        self.stall_timeout = stall_timeout
+        self.respawn = respawn
+        self.max_respawns = max_respawns
+        self.doze_time = doze_time
 
 
 class Lane:
@@ -120,10 +136,10 @@ class WorkerPool:
 
     ``tasks`` is the manager's ticket table, ``slots`` its slot ledger
     (`SlotLedger`), ``encoder`` puts tasks on a ring; ``take(lane, entry)`` records a result
-    entry a worker published (the manager's, on its per-batch path).  The settings
-    (``respawn``, ``max_respawns``, ``timeout``, ``stall_timeout``) and ``closed`` are the
-    manager's, read each time through ``manager``, a weak proxy (the pool holds no reference
-    that keeps its manager alive).
+    entry a worker published (the manager's, on its per-batch path).  ``settings``
+    (`Settings`: ``respawn``, ``max_respawns``, ``timeout``, ``stall_timeout``) are read
+    each time they are needed.  ``closed`` starts True; the manager sets it False before
+    `start` and True again when it is closed: no process starts once it is set.
 
     ``stall_timeout``: when a caller waiting on a worker finds it on one task for longer,
     the worker's Python stacks are taken (faulthandler, from a signal handler: a worker
@@ -159,8 +175,9 @@ class WorkerPool:
     ``TimeoutError``).
     """
 
-    def __init__(self, n_workers, manager, options, tasks, encoder, take):
-        self.manager = manager       # (a weak proxy: read for its settings and closed)
+    def __init__(self, n_workers, settings, options, tasks, encoder, take):
+        self.settings = settings     # the manager's Settings (read when they are needed)
+        self.closed = True           # (set by the manager: no process starts while True)
         self.resources = Resources()
         self.lanes = []              # of the workers started, in index order
         self.launch = None           # what their processes start with (see start)
@@ -176,11 +193,6 @@ class WorkerPool:
         self.encoder = encoder
         self.take = take
         self.starting = set()   # lanes whose process has not been seen taking tasks yet
-
-    @property
-    def closed(self):
-        """The manager's ``closed``: no process starts once it is set."""
-        return self.manager.closed
 
     def start(self, launch):
         """Make every worker's handle (``launch``: what starts its process) and start
@@ -278,7 +290,7 @@ class WorkerPool:
         corrupt = None
         if isinstance(cause, WorkerStalled):
             # (kept before the kill: its death is this stall)
-            lane.stall = Stall(w, cause, self.manager.stall_timeout)
+            lane.stall = Stall(w, cause, self.settings.stall_timeout)
             w.kill()
         elif isinstance(cause, WorkerCorrupt):
             corrupt = cause.error
@@ -317,7 +329,7 @@ class WorkerPool:
         its deaths in a row counting this one, the error to raise once it is buried (or
         None: it is replaced), and the task whose result is its stall, as ``(task,
         error)`` (or None).  Warns of a replacement the caller should hear of."""
-        w, stall, m = lane.worker, lane.stall, self.manager
+        w, stall, m = lane.worker, lane.stall, self.settings
         how = _os.describe_exit(code)
         # (a SIGINT is a terminal's Ctrl-C that reached the worker too, not a crash)
         deaths = lane.deaths_in_a_row + (code != -signal.SIGINT)
@@ -362,7 +374,7 @@ class WorkerPool:
         return deaths, give_up, failed
 
     def _requeue(self, lane, deaths, failed):
-        """The step of _bury that a Ctrl-C must not cut in two (the caller holds SIGINT
+        """The step of `bury` that a Ctrl-C must not cut in two (the caller holds SIGINT
         back): record the process's end, hand out the result of ``failed``, queue the
         unfinished tasks for the next process, and detach the process from the lane's
         worker.  Returns the detached process, to stop."""
@@ -470,7 +482,7 @@ class WorkerPool:
     def check_all_alive(self, deadline=None):
         if self.closed:
             raise RuntimeError(CLOSED_WHILE_WAITING)
-        stall = self.manager.stall_timeout
+        stall = self.settings.stall_timeout
         stall_ns = None if stall is None else int(stall * 1e9)
         for lane in self.lanes:
             w = lane.worker
@@ -532,7 +544,7 @@ class WorkerPool:
         hand out) results until there is room.  A worker whose rings were both full would
         wait for the parent while the parent waits for it."""
         w = lane.worker
-        timeout = self.manager.timeout
+        timeout = self.settings.timeout
         while len(lane.inflight) >= TASK_CAPACITY:
             try:
                 self.take(lane, w.next_result(timeout))

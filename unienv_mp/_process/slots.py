@@ -70,7 +70,7 @@ class SlotLedger:
     def drop(self, task):
         """Forget ``task`` (cancelled, or abandoned by submit) and release what it holds:
         its spill, and its slot unless the worker may still write into it (pushed, and no
-        result yet: then the slot goes back when the result arrives, see _abandon)."""
+        result yet: then the slot goes back when the result arrives, see `abandon`)."""
         self.tasks.pop(task.ticket, None)
         self.release_spill(task)
         if task.worker is None:

@@ -135,9 +135,8 @@ class Snapshot:
         raises `SnapshotLost` if it cannot, `SnapshotClosed` once it was closed,
         `SnapshotLate` if ``deadline`` (``time.monotonic()`` seconds, or None) comes
         first."""
-        proc = _SnapshotProcess(target=target, args=args, daemon=daemon, name=name)
-        proc._unienv_mp_snapshot = (self, deadline)
-        return proc
+        return _SnapshotProcess((self, deadline), target=target, args=args, daemon=daemon,
+                                name=name)
 
     def request(self, fds):
         """Ask for a child: returns ``(status_r, data_w)``, as forkserver's
@@ -235,7 +234,13 @@ class Snapshot:
 
 
 class _SnapshotProcess(process.BaseProcess):
+    """A ``Process`` started by the snapshot process ``snapshot[0]`` (its popen takes
+    ``snapshot`` off the object before the object is sent)."""
     _start_method = "fork"   # (what the child's default start method becomes)
+
+    def __init__(self, snapshot, **kwargs):
+        super().__init__(**kwargs)
+        self._unienv_mp_snapshot = snapshot
 
     @staticmethod
     def _Popen(process_obj):

@@ -1,8 +1,8 @@
 """UniEnv's interface of a MultiProcessingSampleManager: ``add_work`` queues work,
 ``fetch`` returns a result, on top of the manager's tickets.
 
-`UniEnvQueue` is an adapter that holds a manager; the manager's ``add_work``, ``fetch`` and
-``remaining_work`` hand over to the one it owns.  The package itself uses this interface
+`UniEnvQueue` holds the tickets of ``add_work`` in order; the manager's ``add_work``,
+``fetch`` and ``remaining_work`` use the one it owns, handing it what it needs.  The package itself uses this interface
 only in `unienv_mp.compat` (UniEnv's ``wrap_*`` helpers); it is kept on the manager for code
 written against UniEnv's manager.
 """
@@ -14,16 +14,15 @@ __all__ = ["UniEnvQueue"]
 
 
 class UniEnvQueue:
-    """``add_work`` / ``fetch`` / ``remaining_work`` over ``manager``: the tickets of
-    `add_work` wait in ``order`` for `fetch`.  It works on the manager's ticket table, slot
-    ledger and poller, and delivers through it, under its lock: the manager calls it with
-    the lock held."""
+    """The tickets of ``add_work``, waiting in ``order`` for `fetch`, over the manager's
+    ticket table ``tasks``, slot ledger ``slots`` and ``poller``.  The manager submits
+    (recording into ``order``) and calls `fetch` with its lock held."""
 
-    def __init__(self, manager, tasks, slots, poller):
-        self.manager = manager
+    def __init__(self, tasks, slots, poller, in_order):
         self.tasks = tasks
         self.slots = slots
         self.poller = poller
+        self.in_order = in_order
         self.order = collections.deque()
 
     @property
@@ -32,15 +31,12 @@ class UniEnvQueue:
         tasks = self.tasks
         return sum(1 for t in self.order if t in tasks)
 
-    def add_work(self, work_info):
-        """Queue ``work_info``; its result is returned by a later `fetch`."""
-        self.manager.submit(work_info, record=self.order)
-
-    def fetch(self, block=True, timeout=None):
-        """The result of work added with `add_work`: the oldest one (``in_order``) or the
+    def fetch(self, block, timeout, default_timeout, wait, deliver):
+        """The result of work added with ``add_work``: the oldest one (``in_order``) or the
         first to finish; ``None`` if ``block`` is false or ``timeout`` expires before it
-        arrives, as UniEnv's manager does."""
-        m = self.manager
+        arrives, as UniEnv's manager does.  ``wait(task, timeout)`` waits for a task's
+        result, ``deliver(task)`` hands it out (the manager's); ``default_timeout``: the
+        manager's ``timeout``."""
         order = self.order
         tasks = self.tasks
         while order and order[0] not in tasks:
@@ -48,7 +44,7 @@ class UniEnvQueue:
         if not order:
             raise RuntimeError("no work to fetch: add_work() first")
         self.slots.give_back_released()
-        if m.in_order:
+        if self.in_order:
             task = tasks[order[0]]
             if not task.arrived:
                 if not block:
@@ -57,7 +53,7 @@ class UniEnvQueue:
                         return None
                 else:
                     try:
-                        m._wait(task, timeout if timeout is not None else m.timeout)
+                        wait(task, timeout if timeout is not None else default_timeout)
                     except TimeoutError:
                         if timeout is not None:
                             return None
@@ -65,20 +61,20 @@ class UniEnvQueue:
             # The ticket leaves order after its task leaves tasks (cut short in between,
             # the next fetch skips it), or when the result is an exception.
             try:
-                value = m._deliver(task)
+                value = deliver(task)
             except Exception:
                 order.popleft()
                 raise
             order.popleft()
             return value
-        limit = timeout if timeout is not None else m.timeout
+        limit = timeout if timeout is not None else default_timeout
         ticket = self.poller.first_ready(order, block, limit)
         if ticket is None:
             if block and timeout is None and limit is not None:
                 raise no_result(limit)
             return None
         try:
-            value = m._deliver(tasks[ticket])
+            value = deliver(tasks[ticket])
         except Exception:
             order.remove(ticket)
             raise

@@ -20,11 +20,16 @@ __all__ = ["Epochs"]
 class Epochs:
     """A sampler's epochs: ``open``, the epochs being iterated (as they started), and
     ``resume``, getter -> deque of epochs restored by ``load_state_dict``, to finish.
-    ``pools``: the sampler's managers.  The methods that run an epoch take the sampler
-    (``s``): its lock, options, hand-out and ``epoch_manager()`` hook."""
+    Handed the sampler's parts: ``pools``, its managers; ``lock``, its lock; ``caller``,
+    its count of batches handed out; ``hand_out``, its `DeviceHandOut` (None: CPU
+    batches).  The methods that run an epoch take the sampler (``s``) for its options and
+    its ``epoch_manager()`` hook."""
 
-    def __init__(self, pools):
+    def __init__(self, pools, lock, caller, hand_out):
         self.pools = pools
+        self.lock = lock
+        self.caller = caller
+        self.hand_out = hand_out
         self.open = []
         self.resume = {}
 
@@ -43,13 +48,15 @@ class Epochs:
         tickets.remove(ticket)
         return value
 
-    def run(self, s, getter):
-        """An epoch of ``getter`` on sampler ``s``, as a generator of batches."""
+    def run(self, s, getter, ensure_open):
+        """An epoch of ``getter`` on sampler ``s``, as a generator of batches.
+        ``ensure_open()``: the sampler's check that it is open, in its own process."""
         # (each step holds the lock, none across a yield: see "Threads")
         run = _Run()
         interrupt = None   # (a Ctrl-C in the epoch's end, raised once it ended)
         try:
-            progress = self.begin(s, getter, run)
+            progress = self.begin(s, getter, run, ensure_open)
+            hand_out = self.hand_out
             manager = run.manager
             batches = split_epoch(progress.order, progress.batch_size)
             todo = progress.remaining()
@@ -60,8 +67,8 @@ class Epochs:
             ahead = max(1, _ahead.depth(s.n_buffers, first))
             early = None   # (ticket, result) collected ahead, on a device (see _early)
             while nxt < len(todo) or pending or early:
-                with s._lock:
-                    if s._closed:
+                with self.lock:
+                    if s.closed:
                         raise RuntimeError(f"this {type(s).__name__} is closed")
                     while nxt < len(todo) and len(pending) + bool(early) < ahead:
                         manager.submit((getter, batches[todo[nxt]]), record=pending)
@@ -74,11 +81,11 @@ class Epochs:
                     else:
                         ticket = pending[0] if s.in_order else manager.wait_any(pending)
                         value = self._collect(manager, pending, ticket)
-                    if s._feed is not None:
-                        value = s._hand_out.epoch_batch(value)
-                        early = self._early(s, manager, pending)
+                    if hand_out is not None:
+                        value = hand_out.epoch_batch(value)
+                        early = self._early(hand_out.feed, s.in_order, manager, pending)
                     progress.handed_out(number.pop(ticket))
-                    s._caller.batches += 1
+                    self.caller.batches += 1
                     if first:
                         # the rest, while the caller uses this batch
                         first = False
@@ -96,7 +103,7 @@ class Epochs:
             # where a signal is acted on, and it is inside the try.)
             while True:
                 try:
-                    with s._lock:
+                    with self.lock:
                         self.end(run)
                     break
                 except KeyboardInterrupt as e:
@@ -105,11 +112,11 @@ class Epochs:
                 raise interrupt
 
     @classmethod
-    def _early(cls, s, manager, pending):
+    def _early(cls, feed, in_order, manager, pending):
         """``(ticket, result)`` of the epoch's next batch if it has arrived, its copy
-        issued ahead (rule 6 of `unienv_mp._device.feed`), else None.  A result that raises
-        is raised when its batch is due."""
-        if not (s.in_order and pending and s._feed.copying
+        issued ahead on ``feed`` (rule 6 of `unienv_mp._device.feed`), else None.  A result
+        that raises is raised when its batch is due."""
+        if not (in_order and pending and feed.copying
                 and manager.ready(pending[0])):
             return None
         ticket = pending[0]
@@ -118,25 +125,26 @@ class Epochs:
         except Exception as e:
             return ticket, _Raise(e)
         try:
-            s._feed.start(value)
+            feed.start(value)
         except Exception:
             pass   # (tried again, and raised, at its hand-out)
         return ticket, value
 
-    def begin(self, s, getter, run):
+    def begin(self, s, getter, run, ensure_open):
         """Start an epoch of ``getter`` for ``run``: its manager (``s.epoch_manager()``)
         and its progress, the permutation drawn as UniEnv draws it (or an epoch restored
         by ``load_state_dict``).  A Ctrl-C before the epoch holds its manager loses the
         permutation drawn: the next epoch draws a new one."""
-        with s._lock:
-            s._ensure_open()
+        with self.lock:
+            ensure_open()
             restored = self.resume.get(getter)
             if restored:
                 progress = restored[0]
             else:
                 # The permutation first, as UniEnv draws it.
                 progress = EpochProgress(getter, epoch_order(s.sampler), s.batch_size)
-            s._start_clock()
+            if self.caller.since_ns is None:
+                self.caller.begin()   # (stats() counts from the first request)
             manager, _ = s.epoch_manager()   # (an own manager: in pools.own)
             # (one step: the epoch holds its manager, is open, and has taken its restored
             # state, or none of these)

@@ -13,7 +13,14 @@ import warnings
 from . import fingerprint as _fingerprint
 from .copies import DataCopy, warn_untracked
 
-__all__ = ["Pools"]
+__all__ = ["Pools", "check_persistent"]
+
+
+def check_persistent(value):
+    """``value``, a ``persistent_workers`` option: None, True or False, else TypeError."""
+    if value is not None and type(value) is not bool:
+        raise TypeError(f"persistent_workers must be None, True or False, got {value!r}")
+    return value
 
 
 def _always():
@@ -41,10 +48,13 @@ class _EveryStart:
 
 
 class Pools:
-    """A sampler's managers.  ``owner``: the sampler, through a weak proxy (it owns this);
-    its ``new_manager()`` makes a manager, ``_ensure_manager()`` opens the ``sample*``
-    one, and its ``persistent_workers`` option (False if it has none: no workers are kept
-    for epochs) is read each time it is needed.
+    """A sampler's managers.  ``sampler``: the wrapped sampler (whose data the workers
+    copy); ``new_manager``: a weak reference to the sampler's ``new_manager`` hook, which
+    makes a manager; ``open_sample``: a weak reference to the sampler's method that checks
+    it is open and returns the ``sample*`` manager, made if needed (weak: the sampler owns
+    this, and this holds nothing that keeps it alive).  ``persistent``: the sampler's
+    ``persistent_workers`` option (None, True or False; False for a backend without it: no
+    workers are kept for epochs), set by the sampler whenever it changes.
 
     ``sample``: the ``sample*`` manager (None until the first call); ``kept``: one kept for
     the next epochs (``persistent_workers``); ``own``: the managers epochs run on besides
@@ -54,8 +64,11 @@ class Pools:
     hold (`unienv_mp._sampling.copies.DataCopy`); ``watch``: what the ``sample*`` calls
     look at each time (see `sample_moved`)."""
 
-    def __init__(self, owner, sample=None):
-        self.owner = owner
+    def __init__(self, sampler, new_manager, open_sample, sample=None):
+        self.sampler = sampler
+        self.new_manager = new_manager
+        self.open_sample = open_sample
+        self.persistent = False
         self.sample = sample
         self.sample_copy = None
         self.watch = ()
@@ -70,24 +83,21 @@ class Pools:
         self._warned = False        # of a write torch does not count (warn_untracked)
         self._warned_moved = False  # (see retire_moved)
 
-    def _persistent(self):
-        return getattr(self.owner, "persistent_workers", False)
-
     def _new(self):
-        """``(manager, copy)``: a new manager from the owner's ``new_manager()``, and the
+        """``(manager, copy)``: a new manager from the sampler's ``new_manager()``, and the
         copy of the data its workers hold."""
         self._next_copy = None
-        manager = self.owner.new_manager()
+        manager = self.new_manager()()
         copy, self._next_copy = self._next_copy, None
         if copy is None:   # (a manager made without launch_options: its copy is now's)
-            copy = DataCopy(self.owner.sampler, self._persistent(), False)
+            copy = DataCopy(self.sampler, self.persistent, False)
         copy.started(manager)
         return manager, copy
 
     def note_sample_copy(self):
         """The ``sample*`` manager given to the constructor holds the data as it is now."""
         if self.sample is not None:
-            self.sample_copy = DataCopy(self.owner.sampler, self._persistent(), False)
+            self.sample_copy = DataCopy(self.sampler, self.persistent, False)
             self.sample_copy.started(self.sample)
             self.watch = _watch_of(self.sample_copy)
 
@@ -150,11 +160,11 @@ class Pools:
         `unienv_mp._sampling.fingerprint`), or None where it cannot be told (``why`` says
         why) or ``persistent_workers=False``; with ``persistent_workers=True``, the data's
         length (the caller promises the rest)."""
-        persistent = self._persistent()
+        persistent = self.persistent
         if persistent is None:
-            return _fingerprint.check(self.owner.sampler)
+            return _fingerprint.check(self.sampler)
         if persistent is True:
-            return len(self.owner.sampler.data), None
+            return len(self.sampler.data), None
         return None, None
 
     def _current(self, copy, now=None):
@@ -180,8 +190,8 @@ class Pools:
         ``persistent_workers=False`` (UniEnv's way); and a later process that cannot start
         from the first ones' snapshot starts only if the data is still what they copied
         (`DataCopy.same_copy`)."""
-        sampler = self.owner.sampler
-        persistent = self._persistent()
+        sampler = self.sampler
+        persistent = self.persistent
         ctx = ctx if ctx is not None else _mp.get_context()
         fork = ctx.get_start_method() == "fork"
         copy = self._next_copy = DataCopy(sampler, persistent, fork)
@@ -203,7 +213,7 @@ class Pools:
         """``(the sample* manager, False)`` for an epoch, ``workers`` noted as the
         ``(kind, reason)`` of the sampler's ``epoch_workers``."""
         self.epoch_workers = workers
-        return self.owner._ensure_manager(), False
+        return self.open_sample()(), False
 
     def every_epoch_on_sample_workers(self):
         """The rule of a sampler that keeps no other workers: every epoch runs on the
@@ -220,8 +230,7 @@ class Pools:
         `DataCopy.current`), else new ones (kept for the next epochs, unless
         ``persistent_workers=False``, or whether the data changed cannot be told: then
         the epoch's own)."""
-        owner = self.owner
-        persistent = self._persistent()
+        persistent = self.persistent
         keep = persistent is not False
         now, why = self.data_now()
         if not keep:

@@ -38,7 +38,7 @@ from . import checkpoints as _checkpoints
 from .ahead import depth
 from .delegates import forwarded, passed_on
 from .epochs import Epochs
-from .pools import Pools
+from .pools import Pools, check_persistent
 from .state import give_rngs
 from .streams import Stream, base_seed, forget_all, forget_requests
 from .target import SamplerTarget
@@ -68,25 +68,6 @@ def _check_cpu(sampler, who):
                 f"{who} returns CPU batches from its workers, but {what} is {dev!r}: wrap "
                 f"a sampler whose data and batches are on the CPU and move batches to "
                 f"{dev!r} in the training loop")
-
-
-def _set_up_device(s):
-    """The device feed of sampler ``s``, where batches are handed out on a device or
-    page-locked (then the instance's ``_sample``, and the epochs' hand-out, are a
-    DeviceHandOut's: see `unienv_mp._device.handout`); a sampler with no placement (Ray's)
-    takes CPU batches only."""
-    if s._placement is None:
-        _check_cpu(s.sampler, type(s).__name__)
-    if s.pin_memory and s.copy:
-        raise ValueError("pin_memory=True hands out batches in their page-locked slots, "
-                         "and copy=True copies them out of their slots: choose one")
-    # (both see the sampler through a weak proxy: a sampler that refers to itself
-    # would outlive its last user until a garbage collection, and its workers with it)
-    me = weakref.proxy(s)
-    s._feed = make_feed(s._placement, s.pin_memory, lambda: me._pools.slot_segments())
-    if s._feed is not None:
-        s._hand_out = DeviceHandOut(me, SamplerBase._sample)
-        s._sample = s._hand_out.sample
 
 
 def _checked(n_workers, n_buffers, timeout, in_order, copy, respawn, pin_memory,
@@ -126,16 +107,6 @@ def _extra_methods(s):
     return extra
 
 
-def _chunk_size(s, name):
-    """Batches per task of ``name``'s stream for sampler ``s``: ``batches_per_task``, or
-    `default_chunk`.  A function of the wrapped sampler and the options alone (not of
-    ``n_workers`` or ``n_buffers``): the stream of batches depends on it."""
-    k = s.batches_per_task
-    if k is not None:
-        return k
-    return default_chunk(s.row_nbytes(name), s.batch_size)
-
-
 def default_chunk(row, batch_size):
     """Batches per task where ``batches_per_task`` is not given: for batches gathered
     directly, ``row`` bytes per row, as many as fit in 1 MiB (at most 8); else (``row``
@@ -143,35 +114,6 @@ def default_chunk(row, batch_size):
     if row is None:
         return 1
     return max(1, min(_CHUNK_MAX, _CHUNK_BYTES // max(1, row * batch_size)))
-
-
-def _close(s, pools, feed):
-    """The end of ``s.close()`` (see it), once ``s`` is marked closed."""
-    # First without the lock, which a call in another thread may hold while it waits
-    # on a manager: closing the managers wakes it.  Then again with it, for a manager
-    # that such a call made meanwhile.
-    if pools is not None:
-        pools.close()
-    lock = getattr(s, "_lock", None)
-    got = lock is not None and lock.acquire(timeout=CLOSE_WAIT)
-    try:
-        if feed is not None and got:
-            # (its pins keep the slots mapped until now: rule 8 of the feed; without the
-            # lock, a call in another thread may be using it: closed at the next close)
-            feed.close()
-        if pools is not None:
-            pools.close()
-        streams = getattr(s, "_streams", {})
-        if feed is not None and feed.mode == "resident" and _os.pid != s._owner_pid:
-            # (a forked child: the batches ready are the parent's, made on its device:
-            # freeing them here would call CUDA; rule 8 of unienv_mp._device.feed)
-            keep_in_forked_child(dict(streams))
-        # (positions kept, for a state_dict() after close(); requests dropped)
-        s._streams = {name: Stream.from_position(name, s._base, st.position(), st.per_batch)
-                      for name, st in streams.items()}
-    finally:
-        if got:
-            lock.release()
 
 
 def _warn_copy_lost(error):
@@ -183,7 +125,7 @@ def _warn_copy_lost(error):
 def _sampling(name, doc):
     """The sampler's method ``name()``: the next batch of ``name``'s stream."""
     def method(self):
-        return self._sample(name)
+        return self._next(name)
     method.__name__ = method.__qualname__ = name
     method.__doc__ = doc
     return method
@@ -199,15 +141,14 @@ def _epoch_of(name, getter):
     return method
 
 
-def _check_memory(s):
-    """Refuse ``n_buffers`` and ``batches_per_task`` of sampler ``s`` whose batches in
-    flight would need more than half of this machine's memory, where their size is known
-    before any is made (batches gathered directly)."""
+def _check_memory(s, k):
+    """Refuse ``n_buffers`` and ``batches_per_task`` of sampler ``s`` (tasks of ``k``
+    batches) whose batches in flight would need more than half of this machine's memory,
+    where their size is known before any is made (batches gathered directly)."""
     row = s.row_nbytes("sample")
     memory = physical_memory()
     if row is None or memory is None:
         return
-    k = s._chunk_size("sample")
     batch = row * s.batch_size
     need = (s.n_buffers + k) * batch
     if need > memory // 2:
@@ -246,7 +187,14 @@ class SamplerBase(BatchSampler):
     what a saved state must match;
     [`epoch_manager`][unienv_mp.sampler.SamplerBase.epoch_manager] the manager an epoch runs
     on; [`check_epoch`][unienv_mp.sampler.SamplerBase.check_epoch] refuses an epoch (by
-    raising).
+    raising); [`chunk_size`][unienv_mp.sampler.SamplerBase.chunk_size] the batches per
+    task of a method.  What a backend may use:
+    [`kept_epoch_manager`][unienv_mp.sampler.SamplerBase.kept_epoch_manager] (epochs by the
+    ``persistent_workers`` rule),
+    [`sample_workers_have_current_data`][unienv_mp.sampler.SamplerBase.sample_workers_have_current_data],
+    [`lock`][unienv_mp.sampler.SamplerBase.lock],
+    [`gather_path`][unienv_mp.sampler.SamplerBase.gather_path] and
+    [`closed`][unienv_mp.sampler.SamplerBase.closed].
     """
 
     def __init__(self, sampler, n_workers, n_buffers, *, in_order, copy, timeout, respawn,
@@ -254,9 +202,10 @@ class SamplerBase(BatchSampler):
                  pin_memory=False):
         self._closed = True   # first: __del__ -> close() must work on a half-built sampler
         # (the sample* manager made on first use, if None)
-        self._pools = Pools(weakref.proxy(self), manager)
-        self._epochs = Epochs(self._pools)
-        self._feed = None   # (see _set_up_device)
+        self._pools = Pools(sampler, weakref.WeakMethod(self.new_manager),
+                            weakref.WeakMethod(self._ensure_manager), manager)
+        self._feed = None        # (see _choose_hand_out)
+        self._hand_out = None
         self._owner_pid = os.getpid()
         # Held by every call but close() (see "Threads" in MultiprocessingSampler's
         # docstring); re-entrant, for a call from a signal handler in the middle of one.
@@ -278,9 +227,10 @@ class SamplerBase(BatchSampler):
         self.timeout = timeout
         self.respawn = respawn
         self.batches_per_task = batches_per_task
-        _check_memory(self)
-        _set_up_device(self)
+        _check_memory(self, self.chunk_size("sample"))
+        self._feed, self._hand_out = self._choose_hand_out()
         self._caller = _stats.CallerRecord()   # batches handed out (see stats)
+        self._epochs = Epochs(self._pools, self._lock, self._caller, self._hand_out)
         self._base = base_seed(sampler)
         self._per_batch = True      # (False: streams of a state of unienv_mp 0.1)
         self._streams = {}          # method -> Stream
@@ -292,7 +242,7 @@ class SamplerBase(BatchSampler):
         extra = self.__dict__.get("_extra")
         if extra is not None and attr in extra:
             kind, name = extra[attr]
-            return kind(self, name)
+            return kind(self, name, self._next if kind is _StreamMethod else self._epoch)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}")
 
     def __dir__(self):
@@ -325,7 +275,7 @@ class SamplerBase(BatchSampler):
         [`load_state_dict`][unienv_mp.sampler.SamplerBase.load_state_dict]): the wrapped
         sampler's configuration and the batches per task of ``methods`` and of every
         ``sample*`` method."""
-        return _checkpoints.configuration(self, methods)
+        return _checkpoints.configuration(self, methods, self.chunk_size)
 
     def epoch_manager(self):
         """``(manager, own)``: the manager an epoch starting now runs on, and whether it
@@ -333,6 +283,21 @@ class SamplerBase(BatchSampler):
         notes why (see [`epoch_workers`][unienv_mp.sampler.SamplerBase.epoch_workers]).
         Here: the ``sample*`` manager."""
         return self._pools.every_epoch_on_sample_workers()
+
+    def kept_epoch_manager(self):
+        """``(manager, own)`` for an epoch starting now, by the ``persistent_workers``
+        rule: workers that exist if their copy of the data is the data as it is now,
+        else new ones (kept for the next epochs unless ``persistent_workers=False`` or
+        whether the data changed cannot be told: then the epoch's own).  For an
+        [`epoch_manager`][unienv_mp.sampler.SamplerBase.epoch_manager] that keeps
+        workers between epochs."""
+        return self._pools.epoch_manager()
+
+    def sample_workers_have_current_data(self):
+        """Note that the ``sample*`` manager given to the constructor was handed the data
+        as it is now, so that epochs may run on its workers while the data stays so (see
+        [`kept_epoch_manager`][unienv_mp.sampler.SamplerBase.kept_epoch_manager])."""
+        self._pools.note_sample_copy()
 
     def check_epoch(self, getter):
         """Called when an epoch iterator of ``getter`` is made, before it starts: raise to
@@ -370,7 +335,7 @@ class SamplerBase(BatchSampler):
                 manager = self._sample_pool_moved(manager)
             stream = self._streams.get(name)
             if stream is None:
-                stream = Stream(name, self._chunk_size(name), self._base, self._per_batch)
+                stream = Stream(name, self.chunk_size(name), self._base, self._per_batch)
                 self._streams[name] = stream
             ready = stream.ready
             tickets = stream.tickets
@@ -389,15 +354,8 @@ class SamplerBase(BatchSampler):
                     self._caller.batches += 1
                     return ready.popleft()
                 ticket = tickets[0] if self.in_order else manager.wait_any(tickets)
-                try:
-                    value = manager.result(ticket)
-                except WorkerError:
-                    # the chunk's batches are skipped; the other requests stand
-                    tickets.remove(ticket)
-                    stream.failed(ticket)
-                    raise
-                tickets.remove(ticket)
-                stream.arrived(ticket, value)
+                # (a WorkerError skips the chunk's batches; the other requests stand)
+                stream.collect(ticket, manager.result)
                 if first:
                     stream.top_up(manager.submit, depth(n_buffers, False))
                 self._caller.batches += 1
@@ -424,9 +382,41 @@ class SamplerBase(BatchSampler):
         self._pools.retire_moved()
         return self._ensure_manager()
 
-    def _chunk_size(self, name):
-        """Batches per task of ``name``'s stream (see `_chunk_size`)."""
-        return _chunk_size(self, name)
+    def chunk_size(self, name):
+        """How many batches of the ``sample*`` method ``name`` a worker makes per task:
+        ``batches_per_task`` if given, else as many as fit in 1 MiB (at most 8) for
+        batches gathered directly, else 1.  It depends on the wrapped sampler and the
+        options alone (not on ``n_workers`` or ``n_buffers``), since the stream of
+        batches does; a checkpoint records it."""
+        k = self.batches_per_task
+        if k is not None:
+            return k
+        return default_chunk(self.row_nbytes(name), self.batch_size)
+
+    def _choose_hand_out(self):
+        """``(feed, hand-out)``: where batches are handed out on a device or page-locked,
+        the device feed and the `DeviceHandOut` that passes every batch through it; else
+        ``(None, None)``: CPU batches, handed out as they come (a sampler with no placement,
+        Ray's, takes CPU batches only)."""
+        if self._placement is None:
+            _check_cpu(self.sampler, type(self).__name__)
+        if self.pin_memory and self.copy:
+            raise ValueError("pin_memory=True hands out batches in their page-locked "
+                             "slots, and copy=True copies them out of their slots: "
+                             "choose one")
+        # (the feed asks the pools, which hold no reference to the sampler: nothing here
+        # refers back to the sampler, which a user's last reference then frees)
+        feed = make_feed(self._placement, self.pin_memory, self._pools.slot_segments)
+        return feed, (None if feed is None else DeviceHandOut(feed))
+
+    def _next(self, name):
+        """The next batch of ``name``'s stream, as this sampler hands batches out."""
+        hand_out = self._hand_out
+        if hand_out is None:
+            return self._sample(name)
+        with self._lock:
+            return hand_out.sample(name, self._sample, self._streams, self._caller,
+                                   self._pools, self.in_order)
 
     def stats(self, reset: bool = False):
         """Where the time went since the first request (or the last ``stats(reset=True)``),
@@ -490,7 +480,7 @@ class SamplerBase(BatchSampler):
 
     def _epoch(self, getter):
         self.check_epoch(getter)
-        return self._epochs.run(self, getter)
+        return self._epochs.run(self, getter, self._ensure_open)
 
     def epoch_iter(self):
         """One pass over a random permutation of the data (drawn here, with the wrapped
@@ -560,7 +550,8 @@ class SamplerBase(BatchSampler):
         part of it.  See
         [`load_state_dict`][unienv_mp.sampler.SamplerBase.load_state_dict]."""
         with self._lock:
-            return _checkpoints.state_of(self)
+            return _checkpoints.state_of(self, self._streams, self._base, self._per_batch,
+                                          self._epochs)
 
     def load_state_dict(self, state):
         """Go on from ``state`` (from
@@ -575,7 +566,8 @@ class SamplerBase(BatchSampler):
         a state of another configuration, or one that is not a whole state; the sampler is
         then as it was."""
         with self._lock:
-            base, per_batch, rngs, streams, resume = _checkpoints.read_state(self, state)
+            base, per_batch, rngs, streams, resume = _checkpoints.read_state(
+                self, state, self.chunk_size)
             with _os.interrupts_deferred():   # (one step: a Ctrl-C cannot cut it in two)
                 self._drop_streams()
                 self._base = base
@@ -617,8 +609,28 @@ class SamplerBase(BatchSampler):
 
     @property
     def closed(self):
-        """True once [`close`][unienv_mp.sampler.SamplerBase.close] was called."""
-        return self._closed
+        """True once [`close`][unienv_mp.sampler.SamplerBase.close] was called (or
+        before the constructor finished)."""
+        return self.__dict__.get("_closed", True)
+
+    @property
+    def persistent_workers(self) -> Optional[bool]:
+        """Which workers epochs run on (see
+        [`kept_epoch_manager`][unienv_mp.sampler.SamplerBase.kept_epoch_manager]): None,
+        True or False, read at each epoch's start; False where a backend keeps no workers
+        for epochs."""
+        return self._pools.persistent
+
+    @persistent_workers.setter
+    def persistent_workers(self, value):
+        self._pools.persistent = check_persistent(value)
+
+    @property
+    def lock(self):
+        """The re-entrant lock that every call of this sampler holds but
+        [`close`][unienv_mp.sampler.SamplerBase.close]: a subclass holds it where its own
+        code shares state with those calls."""
+        return self._lock
 
     def close(self):
         """End the workers and release the shared memory; batches already returned stay
@@ -631,7 +643,37 @@ class SamplerBase(BatchSampler):
                 and (feed is None or feed.closed)):
             return
         self._closed = True
-        _close(self, pools, feed)
+        self._close_parts(pools, feed)
+
+    def _close_parts(self, pools, feed):
+        """The end of `close`, once the sampler is marked closed."""
+        # First without the lock, which a call in another thread may hold while it waits
+        # on a manager: closing the managers wakes it.  Then again with it, for a manager
+        # that such a call made meanwhile.
+        if pools is not None:
+            pools.close()
+        lock = getattr(self, "_lock", None)
+        got = lock is not None and lock.acquire(timeout=CLOSE_WAIT)
+        try:
+            if feed is not None and got:
+                # (its pins keep the slots mapped until now: rule 8 of the feed; without
+                # the lock, a call in another thread may be using it: closed at the next
+                # close)
+                feed.close()
+            if pools is not None:
+                pools.close()
+            streams = getattr(self, "_streams", {})
+            if feed is not None and feed.mode == "resident" and _os.pid != self._owner_pid:
+                # (a forked child: the batches ready are the parent's, made on its device:
+                # freeing them here would call CUDA; rule 8 of unienv_mp._device.feed)
+                keep_in_forked_child(dict(streams))
+            # (positions kept, for a state_dict() after close(); requests dropped)
+            self._streams = {
+                name: Stream.from_position(name, self._base, st.position(), st.per_batch)
+                for name, st in streams.items()}
+        finally:
+            if got:
+                lock.release()
 
     def __enter__(self):
         return self
@@ -644,53 +686,33 @@ class MultiprocessingSampler(SamplerBase):
     """Run ``sampler``'s ``sample*`` methods, and epochs over its ``get*_at`` methods, in
     ``n_workers`` processes, keeping ``n_buffers`` batches in flight per method.
 
-    A drop-in for ``unienv_data.samplers.MultiprocessingSampler`` (same constructor, same
-    methods and properties), with batches moved through shared memory instead of pickles.
-    As in UniEnv, the ``sample*`` workers start at the first call and see the data as it
-    was then (the first of them starts then, the others later with the same copy: see
-    the manager's ``start_later``) (unless it is shared between processes, e.g. a
-    ReplayBuffer made with
-    ``multiprocessing=True``), and an epoch over unshared data covers it as it is when
-    the epoch starts: on workers that exist if their copy is still current, else on new
-    ones (see ``persistent_workers``).
+    A drop-in for UniEnv's ``unienv_data.samplers.MultiprocessingSampler``: the same
+    constructor, methods and properties, with batches passed through shared memory instead
+    of pickles.  As in UniEnv, the workers start at the first call and see the data as it
+    was then, unless it is shared between processes (a ReplayBuffer made with
+    ``multiprocessing=True``); an epoch covers the data as it is when it starts (see
+    ``persistent_workers``).
 
-    **What it wraps.** UniEnv's ``StepSampler(data, batch_size)``, where ``data`` is a
-    ``ReplayBuffer`` or one of UniEnv's views of one (``unienv_data.batches``), which the
-    workers gather directly too.  With ``mask =
-    SliceStackedBatch.get_valid_mask_function_with_episodeid_key("episode_id")`` (frames of
-    other episodes are invalid and filled with the nearest valid one;
-    ``..._with_episode_end_key("done")`` reads episode ends instead), a frame stack of the
-    step and the one before it is ``FrameStackedBatch(rb, prefetch_horizon=1,
-    get_valid_mask_function=mask)`` (``prefetch_horizon=k`` frames before the step,
-    ``postfetch_horizon=j`` after it), and an action chunk of the next 16 actions is
-    ``SliceStackedBatch(rb, torch.arange(16),
-    get_valid_mask_function=mask).get_column(["action"])``.  The valid mask comes back in
-    the metadata: ``batch, meta = sample_with_metadata()``, ``meta["slice_valid_mask"]`` of
-    shape ``(B, frames)``; ``CombinedBatch(parts)`` adds ``meta["batch_index"]``, the part
-    each element came from.
+    [`stats`][unienv_mp.MultiprocessingSampler.stats] says where the time goes;
+    [`state_dict`][unienv_mp.MultiprocessingSampler.state_dict] and
+    [`load_state_dict`][unienv_mp.MultiprocessingSampler.load_state_dict] save and restore
+    the position of every stream and of an epoch in progress.  A call cut short (Ctrl-C,
+    ``timeout``) does not move the position.  A worker that raises does not end the
+    sampler: the call that needed its batch raises [`WorkerError`][unienv_mp.WorkerError]
+    (with the worker's traceback) and later calls work.  After
+    [`close`][unienv_mp.MultiprocessingSampler.close] every method raises ``RuntimeError``.
 
-    **Batches on a GPU.** ``StepSampler(rb, B, device="cuda")`` over CPU data: the workers
-    make each batch on the CPU, in a page-locked slot (registered on a thread of the
-    sampler's own), and this process copies it to the GPU on a stream of its own, ahead of
-    the call that hands it out.  The batch is on the device, ordered on the caller's
-    current CUDA stream (which waits for the copy; the caller does not; another stream
-    must wait for that one before it reads the batch), and its slot goes back to its
-    worker once the copy has completed.
-    Its values are those of the same sampler without ``device=``, moved, bit for bit;
-    ``sample_index()`` stays on the data's device, as UniEnv's does.  Data already on a GPU
-    (a ReplayBuffer over CUDA storages): no workers; batches are made in this process, with
-    one ``index_select`` per array for a ReplayBuffer of tensors
-    ([`gather_path`][unienv_mp.MultiprocessingSampler.gather_path] ``"in_process"``).
-    Other samplers whose ``device`` is a GPU are refused with ``ValueError``, and
-    ``device="cuda"`` without CUDA here with a ``RuntimeError`` that says why.  A device
-    error (out of memory) in ``sample*`` puts the batch back for the next call; in an epoch
-    it ends the epoch, as a worker's error does.  ``copy`` has no effect on device batches
-    (they are copies).
+    The guides say more: [what it wraps](../../guides/direct-gather.md#what-the-sampler-wraps)
+    (UniEnv's views, frame stacks, action chunks),
+    [batches on the GPU](../../guides/gpu.md), [epochs](../../guides/epochs.md),
+    [reliability](../../guides/reliability.md) (errors, Ctrl-C, threads, forked
+    children), [reproducible and resumable](../../guides/reproducible.md) and
+    [the bounds on its options](../../limitations.md#bounds-on-the-options).
 
     Args:
         sampler: the ``BatchSampler`` to run in the workers: a ``StepSampler`` over a
             ``ReplayBuffer`` or a view of one, its batches on the CPU or on a CUDA device
-            (see "What it wraps" and "Batches on a GPU" above).
+            (see the guides above).
         n_workers: worker processes.
         n_buffers: batches requested ahead of the caller, per method.
         ctx: multiprocessing context or start method name (``"fork"``, ``"spawn"``,
@@ -789,38 +811,6 @@ class MultiprocessingSampler(SamplerBase):
             counts them).  [`close`][unienv_mp.MultiprocessingSampler.close] waits for the
             copies queued until then, then unregisters the slots: batches held after it
             are ordinary memory.
-
-    Limits (each refused with a ``ValueError`` that names the bound and its number here):
-    ``n_workers`` at most ``max(64, 8 * CPUs)``, the CPUs this process may run on;
-    ``n_buffers`` at most 4096 and ``batches_per_task`` at most 1024 (far more than ever
-    helps); the batches in flight, ``(n_buffers + batches_per_task) * batch bytes``, at
-    most half of the machine's memory, where the batch size is known before any batch is
-    made; ``doze_time`` at most 10 s; ``timeout`` and ``stall_timeout`` at most
-    10,000,000 s (about 116 days; ``None``: no limit).  The manager takes the same
-    ``n_workers``, ``doze_time``, ``timeout`` and ``stall_timeout``, and ``max_respawns``
-    up to 1e9, ``max_leases`` up to 1,000,000.
-
-    [`stats`][unienv_mp.MultiprocessingSampler.stats] says where the time goes.
-    [`state_dict`][unienv_mp.MultiprocessingSampler.state_dict] and
-    [`load_state_dict`][unienv_mp.MultiprocessingSampler.load_state_dict] save and restore
-    the position of every stream and of an epoch in progress.  A call cut short (Ctrl-C,
-    ``timeout``) does not move the position.  A worker that raises does not end the sampler:
-    the call that needed that batch raises [`WorkerError`][unienv_mp.WorkerError] (with the
-    worker's traceback) and later calls work.  After
-    [`close`][unienv_mp.MultiprocessingSampler.close] every method raises ``RuntimeError``.
-
-    Threads: the ``sample*`` methods, [`stats`][unienv_mp.MultiprocessingSampler.stats],
-    [`state_dict`][unienv_mp.MultiprocessingSampler.state_dict],
-    [`load_state_dict`][unienv_mp.MultiprocessingSampler.load_state_dict] and
-    [`manual_seed`][unienv_mp.MultiprocessingSampler.manual_seed] may be called from any
-    thread; calls are serialised (a lock: a second thread waits while the first waits for
-    its batch), and every batch goes to exactly one caller.  An epoch iterator is a
-    generator: one thread at a time may advance it (Python raises ``ValueError`` otherwise),
-    while other threads sample or run epochs of their own.
-    [`close`][unienv_mp.MultiprocessingSampler.close] is safe from any thread at any moment:
-    a call running meanwhile raises ``RuntimeError``, and no worker starts after it returns.
-    A forked child cannot use its parent's sampler: its first call raises ``RuntimeError``,
-    before any batch (see the Reliability guide on batches held across a fork).
     """
 
     def __init__(
@@ -853,9 +843,6 @@ class MultiprocessingSampler(SamplerBase):
             ctx = check_context(ctx)
         if direct_gather is not None and type(direct_gather) is not bool:
             raise TypeError(f"direct_gather must be None, True or False, got {direct_gather!r}")
-        if persistent_workers is not None and type(persistent_workers) is not bool:
-            raise TypeError(f"persistent_workers must be None, True or False, got "
-                            f"{persistent_workers!r}")
         check_batch_sampler(sampler)   # (before place() reads its device)
         placement = place(sampler, type(self).__name__)
         self._worker_sampler = placement.worker_sampler
@@ -877,15 +864,15 @@ class MultiprocessingSampler(SamplerBase):
         self.daemon = daemon
         self.shared_memory = shared_memory
         self.stall_timeout = stall_timeout
-        self.persistent_workers = persistent_workers
         super().__init__(sampler, n_workers, n_buffers, in_order=in_order, copy=copy,
                          timeout=timeout, respawn=respawn, batches_per_task=batches_per_task,
                          not_direct=not_direct, placement=placement, pin_memory=pin_memory)
+        self.persistent_workers = persistent_workers   # (checked by the property)
 
-    def _chunk_size(self, name):
+    def chunk_size(self, name):
         if self._placement.kind == "in_process" and self.batches_per_task is None:
             return _CHUNK_MAX   # (no slot to fill: chunks only save reseeding the RNGs)
-        return super()._chunk_size(name)
+        return super().chunk_size(name)
 
     def row_nbytes(self, name):
         worker_sampler = self._worker_sampler
@@ -915,20 +902,21 @@ class MultiprocessingSampler(SamplerBase):
             return self._pools.on_sample_workers(
                 ("in_process", "the data is on a GPU: batches are made in this process, "
                                "by no workers"))
-        return self._pools.epoch_manager()
+        return self.kept_epoch_manager()
 
 
 class _StreamMethod:
     """An extra ``sample*`` method of the wrapped sampler, run in the workers (made on
     each attribute access, like a bound method: it keeps its sampler alive)."""
-    __slots__ = ("__self__", "__name__")
+    __slots__ = ("__self__", "__name__", "_call")
 
-    def __init__(self, owner, name):
+    def __init__(self, owner, name, call):
         self.__self__ = owner
         self.__name__ = name
+        self._call = call   # (the owner's method that makes the batch, or the epoch)
 
     def __call__(self):
-        return self.__self__._sample(self.__name__)
+        return self._call(self.__name__)
 
     def __repr__(self):
         return f"<worker method {self.__name__} of {self.__self__!r}>"
@@ -938,5 +926,3 @@ class _EpochMethod(_StreamMethod):
     """An extra ``get*_at`` method of the wrapped sampler, as an epoch iterator."""
     __slots__ = ()
 
-    def __call__(self):
-        return self.__self__._epoch(self.__name__)

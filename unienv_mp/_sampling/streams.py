@@ -45,6 +45,7 @@ import sys
 import zlib
 
 from .. import _os
+from ..errors import WorkerError
 
 __all__ = ["Stream", "EpochProgress", "base_seed", "stream_key", "chunk_seed", "chunk_seeds",
            "forget_requests", "forget_all"]
@@ -174,6 +175,20 @@ class Stream:
         return self.method, self.key, chunk * k, k
 
     # -- handing out ----------------------------------------------------------------------
+
+    def collect(self, ticket, result):
+        """Take the task of ``ticket`` off ``tickets`` with its result, ``result(ticket)``
+        (a manager's ``result``): its batches are handed out next (`arrived`); if the work
+        raised a ``WorkerError``, its chunk is skipped (`failed`) and the error raised.  Any
+        other exception (a timeout, a Ctrl-C) leaves the ticket requested."""
+        try:
+            batches = result(ticket)
+        except WorkerError:
+            self.tickets.remove(ticket)
+            self.failed(ticket)
+            raise
+        self.tickets.remove(ticket)
+        self.arrived(ticket, batches)
 
     def arrived(self, ticket, batches):
         """The task of ``ticket`` came back with ``batches`` (a tuple of ``k``): they are

@@ -163,7 +163,8 @@ class ShmQueue:
         self._cond = threading.Condition(threading.Lock())
         self._thread = None
         self._jointhread = None
-        self._sender = _Sender(self)
+        self._sender = _Sender(self._msgs, self._free, self._seg, self._inline,
+                               self._slot_size, self._slots_off)
         self._release_slot = _SlotReleaser(self._free)
         _ensure_spill_hook()
 
@@ -385,13 +386,13 @@ class _Sender:
     feeder thread, so that buffered messages are still sent after the queue object itself
     is garbage collected (as multiprocessing.Queue's feeder does)."""
 
-    def __init__(self, q):
-        self.msgs = q._msgs
-        self.free = q._free
-        self.seg = q._seg
-        self.inline = q._inline
-        self.slot_size = q._slot_size
-        self.slots_off = q._slots_off
+    def __init__(self, msgs, free, seg, inline, slot_size, slots_off):
+        self.msgs = msgs
+        self.free = free
+        self.seg = seg
+        self.inline = inline
+        self.slot_size = slot_size
+        self.slots_off = slots_off
         self.policy = _JoinPolicy()
 
     def send(self, enc, data, block, timeout):

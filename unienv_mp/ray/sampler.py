@@ -12,6 +12,7 @@ from unienv_data.base import BatchSampler
 
 from .._direct import gather as _gather
 from .._sampling import state as _state
+from .._sampling.pools import check_persistent
 from .._sampling.sampler import SamplerBase, default_chunk
 from .._sampling.target import SamplerTarget
 from .._validate import MAX_BATCHES_PER_TASK, MAX_BUFFERS, check_bool, check_int
@@ -390,7 +391,6 @@ class RaySampler(SamplerBase):
         tasks_per_call: Optional[int] = None,
         persistent_workers: Optional[bool] = None,
     ):
-        self._closed = True   # first: __del__ -> close() must work on a half-built sampler
         self._actors = None   # the RayManager (the sample* manager too, until close())
         self._ray_token = None
         not_direct = _check_input(sampler, sampler_factory, direct_gather,
@@ -398,9 +398,8 @@ class RaySampler(SamplerBase):
         n_workers = check_int(n_workers, "n_workers")
         num_cpus_per_worker = check_cpus(num_cpus_per_worker)
         local_slots = check_bool(local_slots, "local_slots")
-        if persistent_workers is not None and type(persistent_workers) is not bool:
-            raise TypeError(f"persistent_workers must be None, True or False, got "
-                            f"{persistent_workers!r}")
+        # (checked before the actors start; the property checks it again when it is set)
+        check_persistent(persistent_workers)
         self._ray_token = _connect(address, math.ceil(n_workers * num_cpus_per_worker))
         self._manager_options = dict(
             factory=sampler_factory, in_order=in_order, copy=copy, timeout=timeout,
@@ -413,7 +412,6 @@ class RaySampler(SamplerBase):
                 sampler = RemoteSampler(manager.describe(), manager)
                 not_direct = _direct_refused(sampler.description["not_direct"],
                                              direct_gather)
-            self.persistent_workers = persistent_workers
             self.sampler_factory = sampler_factory
             self.num_cpus_per_worker = num_cpus_per_worker
             self.max_respawns = max_respawns
@@ -430,12 +428,13 @@ class RaySampler(SamplerBase):
                              timeout=timeout, respawn=respawn,
                              batches_per_task=batches_per_task,
                              not_direct=not_direct, manager=manager)
+            self.persistent_workers = persistent_workers
             if isinstance(sampler, RemoteSampler):
-                sampler.lock = self._lock
+                sampler.lock = self.lock
             if not_direct is not None and None in self._asked:   # (weakly: no cycle)
                 manager.sized = _weakly(weakref.WeakMethod(self._sized))
             if sampler_factory is None:   # (the data the actors were sent)
-                self._pools.note_sample_copy()
+                self.sample_workers_have_current_data()
         except BaseException:
             self._close_actors()
             raise
@@ -472,15 +471,15 @@ class RaySampler(SamplerBase):
 
     def new_manager(self):
         # (an epoch's actors, sent the sampler as it is now: see epoch_manager)
-        if self._closed:
+        if self.closed:
             raise RuntimeError(f"this {type(self).__name__} is closed")
-        return self._new_actors(self.sampler, self._direct, self.n_workers,
+        return self._new_actors(self.sampler, self.gather_path == "direct", self.n_workers,
                                 num_cpus_per_worker=0)
 
     def epoch_manager(self):
         if self.sampler_factory is not None:   # (their data cannot be told from here)
-            return self._pools.every_epoch_on_sample_workers()
-        return self._pools.epoch_manager()
+            return super().epoch_manager()   # (every epoch on the sample* workers)
+        return self.kept_epoch_manager()
 
     def sampler_methods(self):
         if isinstance(self.sampler, RemoteSampler):
@@ -497,7 +496,7 @@ class RaySampler(SamplerBase):
             return super().configuration(methods)
         methods = set(methods) | {n for n in self.sampler_methods() if n.startswith("sample")}
         out = dict(self.sampler.description["configuration"])
-        out["chunks"] = {m: self._chunk_size(m) for m in methods}
+        out["chunks"] = {m: self.chunk_size(m) for m in methods}
         return out
 
     def stats(self, reset: bool = False):
@@ -526,5 +525,5 @@ class RaySampler(SamplerBase):
         self._close_actors()
 
     def __repr__(self):
-        state = "closed" if self._closed else f"{self.n_workers} Ray actors"
+        state = "closed" if self.closed else f"{self.n_workers} Ray actors"
         return f"<{type(self).__name__} {state}>"
