@@ -165,3 +165,97 @@ def test_an_hdf5_file_unlike_its_space_takes_the_generic_path(tmp_path):
         assert batch["state"].dtype == np.float64 and batch["image"].dtype == np.float64
     finally:
         f.close()
+
+
+def test_a_read_only_parquet_buffer_is_read_from_its_pieces_tables(disk):
+    """A ParquetStorage loaded read-only: every leaf's rows copied from the pieces' Arrow
+    tables (PieceRows), and for every row of the buffer, in any order and across pieces,
+    those bytes are what the storage's own get returns."""
+    from unienv_mp._direct import files
+    rb = disk("parquet")
+    tree = _gather.Planner(StepSampler(rb, batch_size=B), bind=True).structure("get_at")
+    assert all(type(leaf.reader) is files.PieceRows for leaf in tree.values())
+    rows = np.random.default_rng(5).permutation(np.r_[np.arange(len(rb)), [0, 95, 31, 32]])
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    want = rb.storage.get(rows)
+    memo = {}
+    for key, leaf in tree.items():
+        out = np.empty((len(rows), *leaf.tail), dtype=leaf.dtype)
+        out.reshape(-1).view(np.uint8)[:] = 0xAB
+        leaf.reader.fill(rows, out, 0, out, memo)
+        assert out.dtype == want[key].dtype and out.tobytes() == want[key].tobytes(), key
+
+
+def _rewrite_pieces(storage):
+    """Piece 1's ``state`` stored as float64 (the storage's get casts it to the space's
+    float32) and piece 2 written in row groups of 5 rows (its columns read back in
+    several chunks)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    path = storage._piece_path(1)
+    table = pq.read_table(path)
+    i = table.column_names.index("state")
+    state = table.column(i).cast(pa.list_(pa.float64(), 5))
+    pq.write_table(table.set_column(i, "state", state), path)
+    path = storage._piece_path(2)
+    pq.write_table(pq.read_table(path), path, row_group_size=5)
+
+
+def test_parquet_pieces_not_one_plain_array_are_read_as_get_reads_them(tmp_path):
+    """Pieces whose columns are another type than the space's or in several chunks: the
+    direct gather reads those pieces as the storage's get does (casts included), bit for
+    bit against the generic path and against get in this process."""
+    pytest.importorskip("pyarrow")
+    from _disk_data import build as build_again
+    rb = build_again("parquet", str(tmp_path))
+    try:
+        _rewrite_pieces(rb.storage)
+        tree = _gather.Planner(StepSampler(rb, batch_size=B), bind=True).structure(
+            "get_at")
+        rows = np.ascontiguousarray(np.random.default_rng(2).permutation(len(rb)),
+                                    dtype=np.int64)
+        want = rb.storage.get(rows)
+        memo = {}
+        for key, leaf in tree.items():
+            out = np.zeros((len(rows), *leaf.tail), dtype=leaf.dtype)
+            leaf.reader.fill(rows, out, 0, out, memo)
+            assert out.tobytes() == want[key].tobytes(), key
+        state = tree["state"].reader._pieces
+        assert state[0][1] is not None and state[1][1] is None and state[2][1] is None
+        assert tree["image"].reader._pieces[1][1] is not None
+        fork = mp.get_context("fork")
+        direct, direct_epoch, path = _draws(rb, fork, None)
+        assert path == ("direct", None)
+        generic, generic_epoch, _ = _draws(rb, fork, False)
+        assert all(same_batch(a, b) for a, b in zip(direct, generic))
+        assert all(same_batch(a, b) for a, b in zip(direct_epoch, generic_epoch))
+    finally:
+        close(rb)
+
+
+def test_a_parquet_storage_whose_reads_are_overridden_is_read_by_its_get(tmp_path):
+    """A ParquetStorage subclass that changes how a piece's column is read: its own get
+    reads it (OwnRead), not the pieces' tables."""
+    pytest.importorskip("pyarrow")
+    from _disk_data import build as build_again
+    from unienv_data.storages.parquet import ParquetStorage
+
+    from unienv_mp._direct import files
+
+    class Doubled(ParquetStorage):
+        def _read_only_piece_column_values(self, *args):
+            return super()._read_only_piece_column_values(*args) * 2
+
+    rb = build_again("parquet", str(tmp_path))
+    try:
+        rb.storage.__class__ = Doubled
+        tree = _gather.Planner(StepSampler(rb, batch_size=B), bind=True).structure(
+            "get_at")
+        assert all(type(leaf.reader) is files.OwnRead for leaf in tree.values())
+        _, direct_epoch, path = _draws(rb, mp.get_context("fork"), None)
+        assert path == ("direct", None)
+        in_process = list(StepSampler(rb, batch_size=B, seed=3).epoch_iter())
+        assert all(same_batch(a, b) for a, b in zip(direct_epoch, in_process))
+    finally:
+        rb.storage.__class__ = ParquetStorage
+        close(rb)

@@ -15,8 +15,14 @@ bytes, and every array is written into the slot once:
 * `PerRow`: ``ImageStorage`` and ``NPZStorage`` (a file per row): each row decoded by the
   storage's own ``get_single``, in batch order, and copied into its place (no batch of
   decoded rows is put together first).
-* `OwnRead`: ``VideoStorage`` and ``ParquetStorage``: the storage's own ``get`` for the
-  batch's rows, its arrays copied into the slot.
+* `PieceRows`: a ``ParquetStorage`` loaded read-only: each column's rows copied from the
+  Arrow table of their piece that the storage's ``get`` takes them from (the storage reads
+  and keeps each piece's table when first asked for it) straight into their places in the
+  slot, one copy per row, no batch put together first.  A piece whose column is not one
+  plain array of rows of the leaf's dtype (several chunks, nulls, another type) is read
+  by the storage's own reader of that piece's column, as its ``get`` reads it.
+* `OwnRead`: ``VideoStorage`` and a writable ``ParquetStorage``: the storage's own
+  ``get`` for the batch's rows, its arrays copied into the slot.
 
 Each storage's structure (the shape and dtype of every array) comes from its space, so that
 the training process plans a batch without opening a file; a worker binds the readers to its
@@ -32,7 +38,8 @@ from . import rows as _rows
 from . import unienv as _unienv
 from .base import NotDirect, overridden, qualname
 
-__all__ = ["plan", "file_storage", "Reader", "Pread", "H5Rows", "PerRow", "OwnRead"]
+__all__ = ["plan", "file_storage", "Reader", "Pread", "H5Rows", "PerRow", "PieceRows",
+           "OwnRead"]
 
 
 def _no_override(storage, base, names):
@@ -183,6 +190,90 @@ class PerRow(Reader):
         _unienv.map_io(one, list(enumerate(rows.tolist())))
 
 
+class PieceRows(Reader):
+    """One column of a read-only ``ParquetStorage``: the batch's rows mapped to pieces as
+    its ``get`` maps them (once per batch for all its leaves: ``memo``), then each piece's
+    rows copied from the piece's Arrow table, the one its ``get`` takes them from, into
+    their places in the slot.  Where a piece's column is not one chunk of rows of the
+    leaf's dtype without nulls, that piece's rows are the storage's own read of them,
+    assigned to their places as its ``get`` assigns them (the same numpy assignment,
+    casts included)."""
+
+    def __init__(self, storage, path, tail, dtype):
+        self.storage = storage
+        self.column = _unienv.parquet_column(storage, path)
+        self.tail = tail
+        self.dtype = dtype
+        self.row_bytes = int(np.prod(tail, dtype=np.int64)) * dtype.itemsize
+        # piece -> (the storage's table of it, its rows as a 2-D uint8 array or None):
+        # kept while the storage keeps handing out the same table
+        self._pieces = {}
+
+    def _rows_of(self, piece):
+        table = _unienv.parquet_piece_table(self.storage, piece)
+        kept = self._pieces.get(piece)
+        if kept is not None and kept[0] is table:
+            return kept[1]
+        rows = _piece_rows(table, self.column, self.tail, self.dtype, self.row_bytes)
+        self._pieces[piece] = (table, rows)
+        return rows
+
+    def fill(self, rows, buffer, off, view, memo):
+        key = ("pieces", id(self.storage))
+        mapping = memo.get(key)
+        if mapping is None:
+            mapping = memo[key] = [
+                (int(piece), np.ascontiguousarray(local, dtype=np.int64),
+                 np.ascontiguousarray(positions, dtype=np.int64))
+                for piece, (local, positions)
+                in _unienv.parquet_piece_rows(self.storage, rows).items()]
+        n = int(rows.shape[0])
+        for piece, local, positions in mapping:
+            table = self._rows_of(piece)
+            if table is not None:
+                _rows.scatter_rows(table, self.row_bytes, local, positions, buffer, off, n)
+            else:
+                view[positions] = _unienv.parquet_piece_values(
+                    self.storage, piece, self.column, local, self.dtype, self.tail)
+
+
+def _piece_rows(table, column, tail, dtype, row_bytes):
+    """The rows of ``column`` of one piece's Arrow ``table`` as a 2-D uint8 array (one row
+    of ``row_bytes`` per storage row, sharing the table's memory where Arrow can give it),
+    holding what ``ParquetStorage._read_only_piece_column_values`` gives for those rows;
+    None where it is not one chunk of such rows (several chunks, nulls, another type or
+    row size): the storage's own reader reads that piece."""
+    import pyarrow as pa
+    if row_bytes <= 0 or column not in table.column_names:
+        return None
+    chunked = table.column(column)
+    if chunked.num_chunks != 1:
+        return None
+    chunk = chunked.chunk(0)
+    if chunk.null_count:
+        return None
+    if pa.types.is_fixed_size_list(chunk.type):
+        # (``get`` reshapes the taken rows' values to (rows, *tail): a row is the list's
+        # values in order)
+        if not tail or chunk.type.list_size != int(np.prod(tail, dtype=np.int64)):
+            return None
+        values = chunk.flatten()   # (the list values of this chunk's rows, offset applied)
+    elif tail or pa.types.is_nested(chunk.type):
+        return None
+    else:
+        values = chunk
+    if values.null_count:
+        return None
+    try:
+        flat = values.to_numpy(zero_copy_only=False)
+    except (pa.ArrowException, NotImplementedError, TypeError, ValueError):
+        return None
+    if flat.dtype != dtype or flat.ndim != 1 or flat.size != len(chunk) * (
+            row_bytes // dtype.itemsize):
+        return None
+    return np.ascontiguousarray(flat).view(np.uint8).reshape(len(chunk), row_bytes)
+
+
 class OwnRead(Reader):
     """The storage's own ``get`` of a batch's rows, each of its arrays copied into the
     slot; read once per batch for all its leaves (``memo``)."""
@@ -244,8 +335,14 @@ def plan(storage, leaf, bind):
         _no_override(storage, cls, ("get",))
         if getattr(storage, "has_open_segment", False):
             raise NotDirect(f"{name} has a segment open")
-        tree = _tree(storage.single_instance_space, name,
-                     lambda path, tail, dtype: leaf(tail, dtype, OwnRead(storage, path)))
+        if (cls.__name__ == "ParquetStorage" and _unienv.parquet_read_only(storage)
+                and overridden(storage, cls, _unienv.PARQUET_READS) is None):
+            def make(path, tail, dtype):
+                return leaf(tail, dtype, PieceRows(storage, path, tail, dtype))
+        else:
+            def make(path, tail, dtype):
+                return leaf(tail, dtype, OwnRead(storage, path))
+        tree = _tree(storage.single_instance_space, name, make)
     if bind:
         _bind(tree)
     return tree

@@ -14,7 +14,9 @@ __all__ = ["ring_state", "same_ring", "logical_to_physical", "batched_space", "i
            "dict_items", "stack_anchor", "stack_mask_key", "column_stack_class", "mask_helpers",
            "cache_attributes", "SHARED_BUFFER_LIVE", "SHARED_BUFFER_LOCAL", "storage_class",
            "list_storage_class", "hdf5_leaves", "hdf5_fd", "read_sorted_unique_rows",
-           "map_io", "io_threads", "hdf5_file", "row_files", "episode_files", "parquet_files", "memmap_readonly"]
+           "map_io", "io_threads", "hdf5_file", "row_files", "episode_files", "parquet_files", "parquet_read_only",
+           "parquet_column", "parquet_piece_rows", "parquet_piece_table",
+           "parquet_piece_values", "PARQUET_READS", "memmap_readonly"]
 
 
 def ring_state(rb):
@@ -214,6 +216,44 @@ def parquet_files(storage):
         return None
     return ([storage._piece_path(i) for i in range(storage._num_pieces)]
             + [os.path.join(storage._storage_dir, "_metadata.json")])
+
+
+def parquet_read_only(storage):
+    """Whether a ``ParquetStorage`` was loaded read-only (its ``get`` then takes rows from
+    each piece's Arrow table, which it keeps, not from pieces it may have changed)."""
+    return bool(storage._read_only)
+
+
+def parquet_column(storage, path):
+    """The column of a ``ParquetStorage`` that the leaf at ``path`` of its ``get`` comes
+    from: the key of a flat DictSpace, or its one column (``DEFAULT_KEY``)."""
+    return path[0] if path else storage.DEFAULT_KEY
+
+
+def parquet_piece_rows(storage, rows):
+    """A ``ParquetStorage``'s own mapping of rows to pieces, bounds checks included
+    (``_index_to_piece_mapping``): ``{piece: (rows in the piece, positions in the
+    batch)}``."""
+    return storage._index_to_piece_mapping(rows)
+
+
+def parquet_piece_table(storage, piece):
+    """The Arrow table of one piece that a read-only ``ParquetStorage``'s ``get`` takes
+    rows from, read and kept by the storage when first asked for
+    (``_load_piece_table``)."""
+    return storage._load_piece_table(piece)
+
+
+def parquet_piece_values(storage, piece, column, local, dtype, shape):
+    """What a read-only ``ParquetStorage``'s ``get`` takes from one column of one piece
+    for the rows ``local`` of the piece (``_read_only_piece_column_values``)."""
+    return storage._read_only_piece_column_values(piece, column, local, dtype, shape)
+
+
+#: What a read-only ``ParquetStorage``'s ``get`` reads through (`files.PieceRows` reads
+#: the same tables, so a subclass that overrides one of them is read by its ``get``).
+PARQUET_READS = ("get", "_index_to_piece_mapping", "_load_piece_table",
+                 "_read_only_piece_column_values")
 
 
 def memmap_readonly(tensor):
