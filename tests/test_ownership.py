@@ -63,6 +63,12 @@ ALLOWED = {
     ("_direct/unienv.py", "storage._piece_path"): "the files a parquet storage reads",
     ("_direct/unienv.py", "storage._num_pieces"): "the files a parquet storage reads",
     ("_direct/unienv.py", "storage._storage_dir"): "the folder of a parquet storage",
+    ("_direct/unienv.py", "storage._index_to_piece_mapping"):
+        "which piece of a parquet storage holds each row, as its own get maps them",
+    ("_direct/unienv.py", "storage._load_piece_table"):
+        "the Arrow table of a parquet piece, from the cache its own get reads",
+    ("_direct/unienv.py", "storage._read_only_piece_column_values"):
+        "a parquet piece's column as its own get reads it (the exact fallback)",
     ("_sampling/fingerprint.py", "rbm._LocalRingState"):
         "UniEnv's in-memory ring state class, whose counters say the data changed",
 }
