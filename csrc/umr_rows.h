@@ -33,6 +33,21 @@ int64_t umr_scatter_rows(const unsigned char *src, uint64_t n_src, uint64_t row_
 #define UMR_STREAM_MIN_COPY 65536
 void umr_copy_stream(unsigned char *dst, const unsigned char *src, uint64_t n);
 
+/* Cast to uint8 columns [col, col + width) of rows[0..n) of the table src (n_src rows of
+ * row_items items of src_type each, UMR_CAST_F32 or UMR_CAST_F64), one row after the
+ * other: dst[i * width + j] = (uint8_t)src[rows[i]][col + j].  Returns -1 when done; when
+ * rows[i] is not in [0, n_src), the first such i, having written nothing; and
+ * UMR_CAST_OUT_OF_RANGE, having written part of dst, when it meets a value whose cast C
+ * does not define (NaN, or not in (-1, 256)).  Large rows are written with streaming
+ * stores, fenced before returning, whatever it returns.  The caller checks that
+ * col + width <= row_items. */
+#define UMR_CAST_F32 4
+#define UMR_CAST_F64 8
+#define UMR_CAST_OUT_OF_RANGE (-2)
+int64_t umr_gather_cast_u8(const unsigned char *src, int src_type, uint64_t n_src,
+                           uint64_t row_items, uint64_t col, uint64_t width,
+                           const int64_t *rows, uint64_t n, uint8_t *dst);
+
 #ifdef __cplusplus
 }
 #endif

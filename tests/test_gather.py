@@ -13,7 +13,7 @@ from unienv_data.storages.flattened import FlattenedStorage
 from unienv_data.storages.pytorch import PytorchTensorStorage
 from unienv_interface.backends.numpy import NumpyComputeBackend
 from unienv_interface.backends.pytorch import PyTorchComputeBackend as TB
-from unienv_interface.space import BoxSpace, DictSpace
+from unienv_interface.space import BinarySpace, BoxSpace, DictSpace
 
 from unienv_mp import MultiprocessingSampler, WorkerError
 from unienv_mp._direct import gather
@@ -164,6 +164,39 @@ def _flattened_nan_buffer(n=40):
     return rb
 
 
+def _image_space():
+    """uint8 images (a multiple of 16 bytes, streamed, and not) beside float32 and bool keys:
+    flat rows of float32, as in UniEnv's benchmark of flattened storages."""
+    return DictSpace(TB, {
+        "cam": BoxSpace(TB, 0, 255, torch.uint8, shape=(4, 16, 16)),
+        "depth": BoxSpace(TB, 0, 255, torch.uint8, shape=(3, 7, 7)),
+        "pos": BoxSpace(TB, -10.0, 10.0, torch.float32, shape=(3,)),
+        "done": BinarySpace(TB, shape=(), dtype=torch.bool),
+    })
+
+
+def _flattened_images_buffer(n=60, out_of_range=False):
+    rb = ReplayBuffer.create(FlattenedStorage, _image_space(), PytorchTensorStorage,
+                             capacity=n, is_memmap=False)
+    gen = torch.Generator().manual_seed(3)
+    rb.extend({"cam": torch.randint(0, 256, (n, 4, 16, 16), generator=gen,
+                                    dtype=torch.uint8),
+               "depth": torch.randint(0, 256, (n, 3, 7, 7), generator=gen,
+                                      dtype=torch.uint8),
+               "pos": torch.randn(n, 3, generator=gen),
+               "done": torch.rand(n, generator=gen) < 0.3})
+    if out_of_range:
+        # flat rows written by someone else: values whose cast to uint8 C leaves undefined
+        # (torch's cast gives its own bytes), in some rows of each image
+        flat = rb.storage.inner_storage.data
+        assert flat.dtype == torch.float32 and flat.shape[1] == 1024 + 147 + 3 + 1
+        for row, col, value in ((5, 0, float("nan")), (11, 700, 300.0), (17, 1023, -7.0),
+                                (23, 1030, float("inf")), (29, 1170, -1.0),
+                                (31, 3, 255.5), (37, 1100, 1e12)):
+            flat[row, col] = value
+    return rb
+
+
 def _wrapped_buffer():
     rb = replay_buffer(0, capacity=50)
     for start in range(0, 130, 20):   # 130 rows through 50 places: full, offset 30
@@ -179,6 +212,8 @@ CONFIGS = {
     "nested_dict_mixed_dtypes": _nested_dict_buffer,
     "flattened": _flattened_buffer,
     "flattened_nan_casts": _flattened_nan_buffer,
+    "flattened_float32_images": _flattened_images_buffer,
+    "flattened_images_out_of_range": lambda: _flattened_images_buffer(out_of_range=True),
     "wrapped_around": _wrapped_buffer,
     "shared": lambda: replay_buffer(64, multiprocessing=True),
     "column_view": lambda: replay_buffer(64).get_column(["image"]),
@@ -198,6 +233,16 @@ def test_identical_one_batch_per_task_and_in_groups(config, batches_per_task):
     rb = CONFIGS[config]()
     assert_same_both_ways(lambda: StepSampler(rb, 9, seed=5), rounds=7,
                           batches_per_task=batches_per_task)
+
+
+@pytest.mark.parametrize("config", ["flattened", "flattened_float32_images"])
+def test_uint8_leaves_of_float_flat_rows_are_cast_in_one_pass(config):
+    """The images of float64 and float32 flat rows take the one-pass cast
+    (rows.gather_cast_u8), which the identity tests above then check."""
+    rb = CONFIGS[config]()
+    plan = gather.Gatherer(StepSampler(rb, 9, seed=5))("sample", None).plan
+    cast = sorted(plan.leaves[i][2].columns[1] for i in plan.casts)
+    assert cast == ([2] if config == "flattened" else [0, 1024])   # (sorted keys)
 
 
 def test_groups_are_planned_by_the_same_rule_on_both_paths():

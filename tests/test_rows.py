@@ -1,11 +1,12 @@
-"""gather_rows: the row copy of the direct gather (csrc/umr_rows.c)."""
+"""gather_rows: the row copy of the direct gather (csrc/umr_rows.c); gather_cast_u8, its
+uint8 columns of float rows; pread_rows, rows of a file (csrc/umr_pread.c)."""
 import os
 
 import numpy as np
 import pytest
 
 from unienv_mp import Segment
-from unienv_mp._direct.rows import gather_rows, pread_rows
+from unienv_mp._direct.rows import gather_cast_u8, gather_rows, pread_rows
 
 
 @pytest.mark.parametrize("row_bytes", [1, 12, 1000, 1024, 1040, 4096, 49152, 49160])
@@ -63,6 +64,93 @@ def test_bad_arguments():
         gather_rows(table, 16, rows.astype(np.int32), bytearray(64))  # not int64
     gather_rows(table, 16, np.zeros(0, dtype=np.int64), bytearray(0))  # nothing to do
 
+
+
+# -- gather_cast_u8: a flattened storage's uint8 columns, gathered and cast -----------------
+
+def _float_rows(dtype, n_rows, row_items, seed):
+    """Rows of values whose cast to uint8 C defines: in (-1, 256), integers and fractions,
+    the edges (-0.0, just above -1, just below 256) included."""
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, 256, (n_rows, row_items), generator=gen).to(torch.float64)
+    frac = torch.rand(n_rows, row_items, generator=gen, dtype=torch.float64)
+    t = torch.where(frac < 0.5, t, frac * 256.9 - 0.9)
+    t = t.to(dtype)
+    edges = torch.tensor([-0.0, 0.0, -0.99999, 255.99998, 255.0, 0.5, 1.0, 254.5])
+    t.view(-1)[:edges.numel()] = edges.to(dtype)
+    t.view(-1)[-edges.numel():] = edges.to(dtype)
+    return t
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("col,width,offset", [(0, 1, 64), (3, 15, 64), (5, 16, 8),
+                                              (7, 17, 64), (1, 1024, 64), (2, 1024, 8),
+                                              (0, 1040, 64), (9, 1031, 64), (0, 1200, 0)])
+def test_cast_columns_give_torchs_cast_byte_for_byte(dtype, col, width, offset):
+    """What UniEnv computes (the whole rows gathered, the columns cast by torch), for
+    every width: 16 at a time and the tail, streamed (1024 and up, 16-byte aligned) or not."""
+    import torch
+    row_items = 1200
+    t = _float_rows(getattr(torch, dtype), 23, row_items, width + col)
+    rng = np.random.default_rng(width)
+    rows = rng.integers(0, 23, 40).astype(np.int64)
+    rows[:3] = [0, 22, 0]
+    out = bytearray(offset + 40 * width + 5)
+    assert gather_cast_u8(t.view(torch.uint8).numpy(), t.element_size(), row_items, col,
+                          width, rows, out, offset) is True
+    expect = t[torch.from_numpy(rows)][:, col:col + width].to(torch.uint8).numpy()
+    assert bytes(out[offset:offset + 40 * width]) == expect.tobytes()
+    assert out[:offset] == bytearray(offset) and out[offset + 40 * width:] == bytearray(5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("where", [0, 17, 1023, 1039])   # (16 at a time, or the tail)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), -1.0, 256.0,
+                                 -1e10, 1e10])
+def test_cast_stops_where_c_leaves_the_cast_undefined(dtype, where, bad):
+    """NaN or a value not in (-1, 256): False, for the caller to cast them as torch does;
+    columns that do not hold it are still cast."""
+    import torch
+    t = _float_rows(getattr(torch, dtype), 6, 1040, 1)
+    t[4, where] = bad
+    rows = np.array([1, 2, 4, 0], dtype=np.int64)
+    table = t.view(torch.uint8).numpy()
+    out = bytearray(4 * 1040 + 64)
+    assert gather_cast_u8(table, t.element_size(), 1040, 0, 1040, rows, out, 64) is False
+    assert gather_cast_u8(table, t.element_size(), 1040, 0, 1040, rows[:2], out, 64) is True
+    if where:
+        assert gather_cast_u8(table, t.element_size(), 1040, 0, where, rows, out) is True
+    assert gather_cast_u8(table, t.element_size(), 1040, where + 1, 1039 - where, rows,
+                          out) is True
+
+
+def test_cast_refuses_bad_rows_and_arguments():
+    table = np.zeros((5, 64), dtype=np.float32)
+    rows = np.array([0, 4], dtype=np.int64)
+    out = bytearray(3 * 64)
+    for bad in (5, -1, 1 << 40):
+        with pytest.raises(IndexError, match=f"row {bad} is out of bounds for a table of 5"):
+            gather_cast_u8(table, 4, 64, 0, 64, np.array([0, 1, bad], dtype=np.int64), out)
+        assert out == bytearray(3 * 64)
+    with pytest.raises(ValueError, match="item_bytes"):
+        gather_cast_u8(table, 2, 128, 0, 64, rows, out)
+    with pytest.raises(ValueError, match="not in rows"):
+        gather_cast_u8(table, 4, 64, 1, 64, rows, out)
+    with pytest.raises(ValueError, match="not in rows"):
+        gather_cast_u8(table, 4, 64, -1, 2, rows, out)
+    with pytest.raises(ValueError, match="whole rows"):
+        gather_cast_u8(table, 4, 48, 0, 8, rows, out)
+    with pytest.raises(ValueError, match="do not fit"):
+        gather_cast_u8(table, 4, 64, 0, 64, rows, bytearray(127))
+    with pytest.raises(ValueError, match="do not fit"):
+        gather_cast_u8(table, 4, 64, 0, 64, rows, out, 65)
+    with pytest.raises(ValueError, match="offset"):
+        gather_cast_u8(table, 4, 64, 0, 64, rows, out, -1)
+    with pytest.raises((BufferError, TypeError)):
+        gather_cast_u8(table, 4, 64, 0, 64, rows, bytes(128))          # not writable
+    assert gather_cast_u8(table, 4, 64, 0, 0, rows, bytearray(0)) is True
+    assert gather_cast_u8(table, 4, 64, 0, 64, np.zeros(0, dtype=np.int64), bytearray(0))
 
 # -- pread_rows: rows of a file read straight into their places (csrc/umr_pread.c) ----------
 

@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 from _typeshed import ReadableBuffer, WriteableBuffer
 
-__all__ = ["gather_rows", "scatter_rows", "pread_rows", "PREAD_GAP", "window", "window_mask",
+__all__ = ["gather_rows", "scatter_rows", "gather_cast_u8", "pread_rows", "PREAD_GAP", "window", "window_mask",
            "window_fill", "window_rows", "episode_span", "span_rows", "EPISODE_ID",
            "EPISODE_END", "KEY_TYPES", "SPAN_LIMIT"]
 
@@ -32,6 +32,18 @@ def scatter_rows(table: npt.NDArray[Any] | ReadableBuffer, row_bytes: int,
     ``out``, for every ``i``.  Raises ``IndexError`` (having written nothing) if a row is
     not in the table or a position not in ``[0, n_out)``, ``ValueError`` if ``out`` is too
     short or the two index arrays differ in length."""
+
+def gather_cast_u8(table: npt.NDArray[Any] | ReadableBuffer, item_bytes: int, row_items: int,
+                   col: int, width: int, rows: npt.NDArray[np.int64] | ReadableBuffer,
+                   out: npt.NDArray[Any] | WriteableBuffer, offset: int = 0) -> bool:
+    """Cast to uint8 the items ``[col, col + width)`` of row ``rows[i]`` of ``table`` (a
+    contiguous bytes-like object of rows of ``row_items`` float32 or float64 items:
+    ``item_bytes`` 4 or 8) into bytes ``[offset + i * width, offset + (i + 1) * width)``
+    of the writable buffer ``out``, for every ``i``, as C casts (truncation).  Returns True
+    when done; False, having written part of ``out``, where an item is NaN or not in
+    ``(-1, 256)`` (whose cast C leaves undefined: the caller casts them its own way).
+    Raises ``IndexError`` (having written nothing) if a row is not in the table,
+    ``ValueError`` on a bad shape or an ``out`` too short."""
 
 #: `pread_rows`'s default: rows at most this many bytes apart in the file are read in one
 #: call, the bytes between them read and dropped (a read call costs about as much as

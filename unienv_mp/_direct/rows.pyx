@@ -12,7 +12,7 @@ import os
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE,
                              PyBUF_WRITABLE)
 
-__all__ = ["gather_rows", "scatter_rows", "pread_rows", "PREAD_GAP", "window", "window_mask",
+__all__ = ["gather_rows", "scatter_rows", "gather_cast_u8", "pread_rows", "PREAD_GAP", "window", "window_mask",
            "window_fill", "window_rows", "episode_span", "span_rows", "EPISODE_ID",
            "EPISODE_END", "KEY_TYPES", "SPAN_LIMIT"]
 
@@ -22,6 +22,11 @@ cdef extern from "umr_rows.h" nogil:
     int64_t umr_scatter_rows(const unsigned char *src, uint64_t n_src, uint64_t row_bytes,
                              const int64_t *rows, const int64_t *pos, uint64_t n,
                              unsigned char *dst, uint64_t n_dst)
+    int64_t umr_gather_cast_u8(const unsigned char *src, int src_type, uint64_t n_src,
+                               uint64_t row_items, uint64_t col, uint64_t width,
+                               const int64_t *rows, uint64_t n, uint8_t *dst)
+    enum:
+        UMR_CAST_OUT_OF_RANGE
 
 cdef extern from "umr_pread.h" nogil:
     ctypedef struct umr_row_pos:
@@ -143,6 +148,54 @@ def scatter_rows(table, Py_ssize_t row_bytes, const int64_t[::1] rows,
             if bad >= 0:
                 raise IndexError(f"row {rows[bad]} (of a table of {n_src} rows) to position "
                                  f"{positions[bad]} (of {n_out}): out of bounds")
+        finally:
+            PyBuffer_Release(&dst)
+    finally:
+        PyBuffer_Release(&src)
+
+
+def gather_cast_u8(table, Py_ssize_t item_bytes, Py_ssize_t row_items, Py_ssize_t col,
+                   Py_ssize_t width, const int64_t[::1] rows, out, Py_ssize_t offset=0):
+    """Cast to uint8 the items ``[col, col + width)`` of row ``rows[i]`` of ``table`` (a
+    contiguous bytes-like object of rows of ``row_items`` float32 or float64 items:
+    ``item_bytes`` 4 or 8) into bytes ``[offset + i * width, offset + (i + 1) * width)``
+    of the writable buffer ``out``, for every ``i``, as C casts (truncation).  Returns True
+    when done; False, having written part of ``out``, where an item is NaN or not in
+    ``(-1, 256)`` (whose cast C leaves undefined: the caller casts them its own way).
+    Raises ``IndexError`` (having written nothing) if a row is not in the table,
+    ``ValueError`` on a bad shape or an ``out`` too short."""
+    cdef Py_buffer src, dst
+    cdef uint64_t n = rows.shape[0], n_src
+    cdef int64_t res
+    cdef const int64_t *r = &rows[0] if n else NULL
+    if item_bytes != 4 and item_bytes != 8:
+        raise ValueError(f"item_bytes must be 4 or 8, got {item_bytes}")
+    if row_items <= 0 or width < 0 or col < 0 or col + width > row_items:
+        raise ValueError(f"items [{col}, {col + width}) are not in rows of {row_items}")
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, got {offset}")
+    PyObject_GetBuffer(table, &src, PyBUF_SIMPLE)
+    try:
+        PyObject_GetBuffer(out, &dst, PyBUF_WRITABLE)
+        try:
+            if src.len % (row_items * item_bytes):
+                raise ValueError(f"the table's {src.len} bytes are not whole rows of "
+                                 f"{row_items} items of {item_bytes} bytes")
+            if dst.len < offset or (width and
+                                    n > <uint64_t>(dst.len - offset) // <uint64_t>width):
+                raise ValueError(f"{n} rows of {width} bytes at offset {offset} do not "
+                                 f"fit in {dst.len} bytes")
+            n_src = src.len // (row_items * item_bytes)
+            if width == 0:
+                n = 0
+            with nogil:
+                res = umr_gather_cast_u8(<const unsigned char *>src.buf, item_bytes, n_src,
+                                         row_items, col, width, r, n,
+                                         <uint8_t *>dst.buf + offset)
+            if res >= 0:
+                raise IndexError(f"row {rows[res]} is out of bounds for a table of "
+                                 f"{n_src} rows")
+            return res != UMR_CAST_OUT_OF_RANGE
         finally:
             PyBuffer_Release(&dst)
     finally:

@@ -295,9 +295,19 @@ class FlatLayout:
         self.nbytes = self.prepared.nbytes
         # (offset, nbytes, Leaf, table of byte rows or None, row bytes, batch)
         self.leaves = []
+        # leaf index -> (byte rows of the flat rows, item bytes, items per row, first
+        # column): a uint8 leaf of float flat rows, gathered and cast in one pass
+        self.casts = {}
         for t, off, nbytes in self.prepared.array_layout():
             b, leaf = fills[id(t)]
             table = byte_rows(leaf.parts[0][0]) if leaf.direct and nbytes else None
+            if nbytes and leaf.columns is not None and leaf.dtype == torch.uint8:
+                flat, a, _ = leaf.columns
+                if flat.dtype in (torch.float32, torch.float64):
+                    rows_table = byte_rows(flat)
+                    if rows_table is not None:
+                        self.casts[len(self.leaves)] = (rows_table, flat.element_size(),
+                                                        int(flat.shape[1]), a)
             self.leaves.append((off, nbytes, leaf, table,
                                 0 if table is None else table.shape[1], b))
         self.scratch = {}  # (leaf index, part index) -> tensor, for converting parts
@@ -349,21 +359,30 @@ class FlatLayout:
             if leaf.direct:
                 torch.index_select(leaf.parts[0][0], 0, rows, out=out)
                 continue
+            cast = self.casts.get(i)
+            if cast is not None:
+                # a uint8 leaf (an image) of float flat rows: each row's columns read and
+                # cast in one pass, where C defines the cast of every value (all of them
+                # in (-1, 256), where torch's cast gives the same bytes); otherwise
+                # (NaN, out of range) torch casts them below, as UniEnv does
+                if rows_np is None:
+                    rows_np = _rows_np(rows, torch)
+                table, item, width, a = cast
+                if _rows.gather_cast_u8(table, item, width, a, nbytes // self.n, rows_np,
+                                        buffer, off):
+                    continue
             if leaf.columns is not None and leaf.dtype != leaf.parts[0][0].dtype:
                 # UniEnv's unflatten_data casts a (strided) column slice of the gathered
                 # flat rows; torch may round a cast from a strided source differently
-                # (NaN payloads) than from a contiguous one, so cast from the same slice
+                # (NaN payloads) than from a contiguous one, so cast from the same slice:
+                # of a scratch of whole flat rows, into which only this leaf's columns
+                # are gathered (the others need not be read)
                 flat, a, b = leaf.columns
-                if gathered is None:
-                    gathered = {}
-                full = gathered.get(id(flat))
+                full = self.scratch.get(id(flat))
                 if full is None:
-                    full = self.scratch.get(id(flat))
-                    if full is None:
-                        full = self.scratch[id(flat)] = torch.empty(
-                            (self.n, flat.shape[1]), dtype=flat.dtype)
-                    torch.index_select(flat, 0, rows, out=full)
-                    gathered[id(flat)] = full
+                    full = self.scratch[id(flat)] = torch.empty(
+                        (self.n, flat.shape[1]), dtype=flat.dtype)
+                torch.index_select(leaf.parts[0][0], 0, rows, out=full[:, a:b])
                 out.view(self.n, *leaf.tail).copy_(full[:, a:b].reshape(self.n, *leaf.tail))
                 continue
             for j, (src, a, b) in enumerate(leaf.parts):
