@@ -1,8 +1,10 @@
 """The bounds on the sampler's and the manager's arguments: each computed as documented,
-named in its error with the real number, and listed in one place (the "Limits" paragraph of
-MultiprocessingSampler's docstring)."""
+named in its error with the real number, and listed in one place (the section "Bounds on the
+options" of docs/limitations.md, which MultiprocessingSampler's docstring links)."""
 import os
 import re
+
+import pathlib
 
 import pytest
 from unienv_data.samplers import StepSampler
@@ -55,16 +57,19 @@ def test_the_longest_wait_is_named_as_the_docstring_names_it(arg):
 
 
 def test_the_limits_are_listed_in_one_place_with_the_numbers_the_code_uses():
-    doc = " ".join(MultiprocessingSampler.__doc__.split())
-    limits = doc[doc.index("Limits"):]
-    limits = limits[:limits.index("[`stats`]")]
+    # (the docstring links the page's section; the section names every bound)
+    assert "limitations.md#bounds-on-the-options" in MultiprocessingSampler.__doc__
+    page = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "limitations.md")
+    text = page.read_text()
+    section = text.split("## Bounds on the options", 1)[1].split("\n## ", 1)[0]
+    limits = " ".join(section.split())
     v = _validate
     for needle in (f"max({v.MIN_MAX_WORKERS}, {v.WORKERS_PER_CPU} * CPUs)",
-                   f"``n_buffers`` at most {v.MAX_BUFFERS}",
-                   f"``batches_per_task`` at most {v.MAX_BATCHES_PER_TASK}",
-                   f"``doze_time`` at most {v.MAX_DOZE:g} s",
+                   f"`n_buffers` at most {v.MAX_BUFFERS}",
+                   f"`batches_per_task` at most {v.MAX_BATCHES_PER_TASK}",
+                   f"`doze_time` at most {v.MAX_DOZE:g} s",
                    f"at most {int(v.MAX_SECONDS):,} s",
-                   f"``max_respawns`` up to {v.MAX_RESPAWNS:.0e}".replace("e+0", "e"),
-                   f"``max_leases`` up to {v.MAX_LEASES:,}",
+                   f"`max_respawns` up to {v.MAX_RESPAWNS:.0e}".replace("e+0", "e"),
+                   f"`max_leases` up to {v.MAX_LEASES:,}",
                    "half of the machine's memory"):
         assert needle in limits, needle
