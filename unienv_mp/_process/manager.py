@@ -321,7 +321,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                     self._pool.restart(lane, self._deadline())
                 else:
                     try:
-                        if ledger.in_flight(i) >= TASK_CAPACITY:
+                        if len(ledger.inflight[i]) >= TASK_CAPACITY:
                             self._pool.make_room(lane)
                         self._pool.push(task, lane)
                     except WorkerDied as e:
