@@ -73,9 +73,15 @@ def main(argv=None):
         manager = s._pools.sample
         s._streams["sample"].top_up(manager.submit, s.n_buffers)   # (as sample() does)
         lanes = manager._lanes
+        ledger = getattr(manager, "_ledger", None)   # (None before the WorkLedger)
+
+        def in_flight():
+            if ledger is None:
+                return sum(len(lane.inflight) for lane in lanes)
+            return sum(map(len, ledger.inflight))
+
         deadline = time.monotonic() + 300
-        while (sum(lane.worker.results_published for lane in lanes)
-               < sum(len(lane.inflight) for lane in lanes)):
+        while sum(lane.worker.results_published for lane in lanes) < in_flight():
             if time.monotonic() > deadline:
                 raise RuntimeError("the workers did not catch up in 300 s")
             time.sleep(0.005)

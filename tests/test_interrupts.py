@@ -34,7 +34,7 @@ from unienv_data.samplers import StepSampler
 from unienv_mp import MultiprocessingSampler
 from unienv_mp import backend as _backend, _os
 from unienv_mp._sampling import epochs as _epochs, pools as _pools, ahead as _ahead
-from unienv_mp._process import polling as _polling, slots as _slots, stalls as _stalls, pool as _supervision, unienv_queue as _unienv_queue, encoder as _work_encoder, handle as _worker_handle, manager as M, launch as _launch, snapshot as _snapshot
+from unienv_mp._process import polling as _polling, ledger as _ledger, stalls as _stalls, pool as _supervision, unienv_queue as _unienv_queue, encoder as _work_encoder, handle as _worker_handle, manager as M, launch as _launch, snapshot as _snapshot
 from unienv_mp._sampling.epochs import Epochs
 from unienv_mp._sampling.streams import Stream
 
@@ -51,7 +51,7 @@ def never_interrupted(code, offset):
         entries = getattr(dis.Bytecode(code), "exception_entries", ())   # (3.11+)
         targets = _handlers[code] = {e.target for e in entries}
     return offset in targets
-PACKAGE_FILES = {M.__file__, _supervision.__file__, _slots.__file__, _polling.__file__,
+PACKAGE_FILES = {M.__file__, _supervision.__file__, _ledger.__file__, _polling.__file__,
                  _unienv_queue.__file__, _worker_handle.__file__, _work_encoder.__file__,
                  _os.__file__, _backend.__file__, _stalls.__file__, _launch.__file__,
                  _snapshot.__file__}
@@ -182,7 +182,7 @@ def check_slots(mgr):
         assert not taken & set(free), f"worker {w.index}: slots {taken & set(free)} are " \
                                       f"free and held by a pending task"
         unrecorded = {entry[2] for entry in w._popped}
-        for ticket in lane.inflight:
+        for ticket in mgr._ledger.inflight[w.index]:
             assert ticket in mgr._tasks or ticket in unrecorded, (
                 f"ticket {ticket} in flight but unknown")
 
@@ -474,7 +474,7 @@ def interrupted(call, *args, **kwargs):
 
 
 Manager = M.MultiProcessingSampleManager
-DELIVERED = line_of(Manager._deliver, "self._tasks.pop(task.ticket, None)", nth=2)
+DELIVERED = line_of(Manager._deliver, "ledger.delivered(task)", nth=2)
 
 
 @pytest.mark.parametrize("copy", [False, True])

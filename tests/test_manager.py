@@ -208,26 +208,26 @@ def test_interrupts_deferred_holds_ctrl_c_until_the_block_ends():
 
 
 def test_ctrl_c_while_a_result_is_recorded_keeps_the_result(monkeypatch):
-    import unienv_mp._process.manager as manager_module
+    from unienv_mp._process.ledger import WorkLedger
     with MultiProcessingSampleManager(_identity, n_workers=1, ctx="fork",
                                       timeout=30) as mgr:
-        real = manager_module._accept
+        real = WorkLedger.accept
         armed = [True]
 
-        def interrupted(tasks, slots, lane, entry):
+        def interrupted(ledger, w, entry):
             if armed[0]:
                 armed[0] = False
                 raise KeyboardInterrupt
-            return real(tasks, slots, lane, entry)
+            return real(ledger, w, entry)
 
-        monkeypatch.setattr(manager_module, "_accept", interrupted)
+        monkeypatch.setattr(WorkLedger, "accept", interrupted)
         mgr.add_work("a")
         mgr.add_work("b")
         with pytest.raises(KeyboardInterrupt):
             mgr.fetch()
         assert not armed[0]
         assert [mgr.fetch(), mgr.fetch()] == ["a", "b"]
-        assert not mgr._lanes[0].inflight
+        assert not mgr._ledger.inflight[0]
 
 
 def test_ctrl_c_while_a_dead_worker_is_being_replaced(monkeypatch):

@@ -3,9 +3,9 @@ runs.  Its sibling is `unienv_mp.ray`; both keep the contract of `unienv_mp.back
 
 * `.manager`: the manager: submitting, delivering, and the per-batch path.
 * `.pool`: the worker pool the manager owns: starting workers, noticing a dead or stalled
-  one, replacing it and sending its unfinished tasks again, ``stats``, ``close``.
-* `.slots`: the slot ledger the manager owns: which result slot each task holds, and when a
-  slot may take new work.
+  one, replacing it and pushing the tasks the ledger queued for it, ``stats``, ``close``.
+* `.ledger`: the work in flight, owned by the manager: the tickets and their tasks, each
+  worker's tasks in flight and waiting, and the result slots they hold.
 * `.polling`: waiting on every worker at once (``ready``, ``wait_any``).
 * `.unienv_queue`: UniEnv's ``add_work`` / ``fetch``, an adapter over a manager.
 * `.handle`: one worker seen from the parent: its process, rings and slots.
@@ -18,6 +18,6 @@ runs.  Its sibling is `unienv_mp.ray`; both keep the contract of `unienv_mp.back
 
 May import: `unienv_mp._transport`, `unienv_mp.backend`, and the root modules ``errors``,
 ``stats``, ``_validate``, ``_os``; not UniEnv, the direct gather or the sampler.  Word used
-throughout: a *lane* is the manager's record of one worker (its handle, the tickets in
-flight on it, the tasks waiting for a new process).
+throughout: a *lane* is the pool's record of one worker (its handle, its deaths in a row,
+its counters); the tasks in flight on it and waiting for a new process are the ledger's.
 """

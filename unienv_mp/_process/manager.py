@@ -36,15 +36,15 @@ from .._transport.ring import Event, Segment
 from .._validate import (MAX_LEASES, MAX_RESPAWNS, check_bool, check_context,
                          check_doze_time, check_index, check_int, check_seconds, check_spin,
                          check_workers)
-from ..backend import (CLOSED_WHILE_WAITING, Dealer, ResultT, TaskInfoT, TicketTable,
-                       no_result, none_pending)
+from ..backend import (CLOSED_WHILE_WAITING, Dealer, ResultT, TaskInfoT, no_result,
+                       none_pending)
 from ..errors import RingClosed, WorkerError
 from .encoder import WorkEncoder
-from .handle import RESULT_INLINE, TASK_CAPACITY, TASK_INLINE, WorkerCorrupt, WorkerDied
+from .handle import RESULT_INLINE, TASK_CAPACITY, TASK_INLINE, WorkerDied
 from .launch import Launch
+from .ledger import Task, WorkLedger
 from .polling import Poller
-from .pool import CLOSE_WAIT, CopyLost, Settings, WorkerPool
-from .slots import SlotLedger
+from .pool import CLOSE_WAIT, CopyLost, Resources, Settings, WorkerPool
 from .unienv_queue import UniEnvQueue
 
 __all__ = ["MultiProcessingSampleManager", "TaskInfoT", "ResultT", "TASK_CAPACITY",
@@ -56,21 +56,22 @@ __all__ = ["MultiProcessingSampleManager", "TaskInfoT", "ResultT", "TASK_CAPACIT
 # cuts short:
 #
 # * The rings record what they did inside the call: a task pushed is appended to its
-#   lane's ``inflight`` by the push itself (RingBuffer.push_tagged's ``record``), and a
-#   result entry popped stays in its handle until its recording ends (next_result /
-#   result_recorded).  So "pushed" is exactly "in inflight", and no popped entry is lost.
-# * Recording a result (_accept) may run again on the same entry, and every step of it
-#   gives the same state when run twice; ``arrived`` is set before the ticket leaves
-#   ``inflight``, so a task is never neither arrived nor in flight (nor re-issued once it
-#   has arrived: WorkerPool.bury skips arrived tasks).
-# * A slot number is given back only through SlotLedger.give_back_slot, which clears
+#   worker's ``inflight`` (the ledger's) by the push itself (RingBuffer.push_tagged's
+#   ``record``), and a result entry popped stays in its handle until its recording ends
+#   (next_result / result_recorded).  So "pushed" is exactly "in inflight", and no popped
+#   entry is lost.
+# * Recording a result (WorkLedger.accept) may run again on the same entry, and every
+#   step of it gives the same state when run twice; ``arrived`` is set before the ticket
+#   leaves ``inflight``, so a task is never neither arrived nor in flight (nor re-issued
+#   once it has arrived: WorkLedger.requeue skips arrived tasks).
+# * A slot number is given back only through WorkLedger.give_back_slot, which clears
 #   ``task.slot`` first: an interruption can at worst leak a slot number (the worker
 #   makes another slot), never give one back twice (two tasks writing into one slot).
-#   A delivered result's slot goes back once the task has left ``_tasks`` and no lease
-#   on it is alive (``task.leases``): a delivery cut short can be asked for again, from
-#   the same slot.
+#   A delivered result's slot goes back once the task has left the ledger's table and no
+#   lease on it is alive (``task.leases``): a delivery cut short can be asked for again,
+#   from the same slot.
 # * submit() hands its ticket over through ``record`` (the caller's list), appended as
-#   the last step; if it raises before, the task is abandoned (SlotLedger.abandon).
+#   the last step; if it raises before, the task is abandoned (WorkLedger.abandon).
 # * The rare multi-step changes (replacing a worker's process) hold SIGINT back until
 #   they are done (``_os.interrupts_deferred``).
 #
@@ -78,46 +79,22 @@ __all__ = ["MultiProcessingSampleManager", "TaskInfoT", "ResultT", "TASK_CAPACIT
 # batch, and a global is cheaper to read than a module attribute.
 _ST_OK = P.ST_OK
 _ST_ERROR = P.ST_ERROR
-_ST_FATAL = P.ST_FATAL
-_AT_SLOT = P.AT_SLOT
-_untag = P.untag
 _decode = _codec.decode
 
-def _load(lane):
-    """How busy a lane is (tasks in flight or waiting), for a deal that is not in order."""
-    return len(lane.inflight) + len(lane.waiting)
 
-
-def _up(lane):
-    """Whether a lane's worker is taking tasks: its process began serving them, and no
-    task waits for a process to be started (see the Dealer)."""
-    return not lane.waiting and not lane.retired and lane.worker.started_ns != 0
-
-
-def _usable(lane):
-    """Whether a lane may be dealt tasks: it is not retired (see `WorkerPool`)."""
-    return not lane.retired
-
-
-class _Task:
-    """One submitted work item.  One is made per batch: submit() sets ``ticket`` and
-    ``work``, and every other field starts as the class attribute below until it is set
-    (no __init__ to call, no fields to store up front)."""
-    ticket = None
-    work = None
-    worker = None       # index of the worker it was given to
-    incarnation = None  # of that worker's process: the slot number belongs to it
-    slot = None
-    spill = None        # parent segment carrying large work info
-    cancelled = False
-    leases = 0          # zero-copy results of it alive (see _deliver)
-    # Its result, set by _accept; ``arrived`` is set last.
-    arrived = False
-    status = None       # _ST_OK, or _ST_ERROR: the target raised, the value describes it
-    inline = None       # the encoded value, if it came inside the entry; else it is in
-    seg = None          # the worker's slot segment, mapped here,
-    nbytes = 0          # in its first nbytes bytes
-    error = None        # an exception met here receiving it, raised in place of the value
+def _dealing(waiting, start_later):
+    """The Dealer's ``up(lane)``, whether a lane's worker is taking tasks, over
+    ``waiting`` (the ledger's per-worker waiting lists): with ``start_later``, once its
+    process began serving them and no task waits for a process to be started; without,
+    while it is not retired (see `WorkerPool`)."""
+    if start_later is None:
+        def up(lane):
+            return not lane.retired
+    else:
+        def up(lane):
+            w = lane.worker
+            return not waiting[w.index] and not lane.retired and w.started_ns != 0
+    return up
 
 
 class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
@@ -219,24 +196,26 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         self._settings = settings
         self.done_event = done_event
         self._owner_pid = os.getpid()
-        self._dealer = Dealer(_usable if start_later is None else _up)   # (see start_later)
-        self._tasks = tasks = TicketTable()      # ticket -> _Task (not yet delivered)
         # (no part holds a reference to the manager: a manager dropped without close()
         # is freed at once, and its finalizer ends the workers)
+        self._resources = resources = Resources()
+        # the work in flight: tickets, tasks, each worker's lists, slots (the one owner)
+        self._ledger = ledger = WorkLedger(n_workers, resources.workers,
+                                           WorkEncoder(TASK_INLINE - P.TASK_CHECK.size),
+                                           resources.spills)
+        self._tasks = ledger.tasks   # (ticket -> Task, not yet delivered: for reading)
+        self._dealer = Dealer(_dealing(ledger.waiting, start_later))   # (see start_later)
+        self._load = functools.partial(_lane_load, ledger.load)
         self._pool = pool = WorkerPool(n_workers, settings, dict(
             start_later=start_later, seeds=worker_seeds,
-            start_method=ctx.get_start_method()),
-            tasks, WorkEncoder(TASK_INLINE - P.TASK_CHECK.size), None)
+            start_method=ctx.get_start_method()), ledger, resources)
         self._lanes = pool.lanes                 # (the pool's: the per-batch path reads it)
-        self._resources = resources = pool.resources
-        self._slots = pool.slots = SlotLedger(tasks, pool.lanes, resources.spills)
-        pool.take = take = functools.partial(_take, tasks, self._slots)
         self._caller = _stats.CallerRecord()   # batches handed out, time waited (see stats)
         resources.done_event = done_event
         resources.doorbell_seg = Segment.create(64, "doorbell")
-        self._poller = Poller(pool, settings, take, Event(resources.doorbell_seg, 0, True),
-                              self._caller)
-        self._unienv = UniEnvQueue(tasks, self._slots, self._poller, self.in_order)
+        self._poller = Poller(pool, ledger.tasks, settings,
+                              Event(resources.doorbell_seg, 0, True), self._caller)
+        self._unienv = UniEnvQueue(ledger, self._poller, self.in_order)
         self._finalizer = _mputil.Finalize(self, resources.close, exitpriority=100)
         self._batches_in = getattr(target_fn, "batches_in", None)
         self._spot_rng = np.random.default_rng()   # (which blocks spot_check compares)
@@ -319,9 +298,9 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         with self._lock:
             if self.closed or _os.pid != self._owner_pid:
                 self._ensure_open()   # raises
-            slots = self._slots
-            if slots.released:
-                slots.give_back_released()
+            ledger = self._ledger
+            if ledger.released:
+                ledger.give_back_released()
             if self._caller.since_ns is None:
                 self._caller.begin()
             lanes = self._lanes
@@ -331,23 +310,23 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                     pass
                 lane = lanes[check_index(worker, "worker", len(lanes))]
             else:
-                lane = self._dealer.pick(lanes, self.in_order, _load)
-            task = _Task()
-            task.work = work_info
+                lane = self._dealer.pick(lanes, self.in_order, self._load)
+            task = Task(work_info)
+            i = lane.worker.index
             try:
-                ticket = self._tasks.issue(task)
+                ticket = ledger.tasks.issue(task)
                 # Give the task to the worker, replacing its process first if it died.
-                if lane.waiting or not lane.worker.has_process:
-                    lane.waiting.append(task)
+                if ledger.waiting[i] or not lane.worker.has_process:
+                    ledger.enqueue(task, i)
                     self._pool.restart(lane, self._deadline())
                 else:
                     try:
-                        if len(lane.inflight) >= TASK_CAPACITY:
+                        if len(ledger.inflight[i]) >= TASK_CAPACITY:
                             self._pool.make_room(lane)
                         self._pool.push(task, lane)
                     except WorkerDied as e:
                         self._pool.bury(lane, e)
-                        lane.waiting.append(task)
+                        ledger.enqueue(task, i)
                         self._pool.restart(lane, self._deadline())
                     except RingClosed:   # (close() shut the ring, from another thread)
                         raise RuntimeError(CLOSED_WHILE_WAITING) from None
@@ -355,7 +334,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                     record.append(ticket)
             except BaseException:
                 if record is None or not record or record[-1] != task.ticket:
-                    self._slots.abandon(task, lane)
+                    ledger.abandon(task, i)
                 # (else the caller has the ticket: interrupted after handing it over)
                 raise
             return ticket
@@ -385,13 +364,14 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
     def _wait_for(self, task, timeout):
         deadline = None if timeout is None else time.monotonic() + timeout
         pool = self._pool
+        ledger = self._ledger
         if pool.starting:
             pool.check_starting(deadline)   # (workers no wait is on: see check_starting)
         while not task.arrived:
             # (the task's worker, again each time: a retired worker's tasks move)
             lane = self._lanes[task.worker]
             w = lane.worker
-            if lane.waiting or not w.has_process:
+            if ledger.waiting[task.worker] or not w.has_process:
                 pool.restart(lane, deadline)   # a replacement not finished earlier
                 continue
             if pool.deferred and self._caller.batches and not w.results_published:
@@ -400,7 +380,9 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             try:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 entry = w.next_result(left)
-                _accept(self._tasks, self._slots, lane, entry)   # (_take, inlined)
+                # (WorkerPool.take, inlined)
+                if ledger.accept(w, entry) and lane.deaths_in_a_row:
+                    lane.deaths_in_a_row = 0
                 w.result_recorded()
             except _queue.Empty:
                 raise no_result(timeout, w.index) from None
@@ -418,9 +400,10 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
 
     def _deliver(self, task):
         """Turn an arrived result into the value returned to the caller.  The task leaves
-        ``_tasks`` once the value is made: cut short before, it can be delivered again
+        the ledger once the value is made: cut short before, it can be delivered again
         (from the slot, which it still holds) or cancelled.  Its slot goes back then, or
-        once the last lease on it is garbage collected (see SlotLedger.give_back_released)."""
+        once the last lease on it is garbage collected (see WorkLedger.delivered)."""
+        ledger = self._ledger
         status = task.status
         seg = task.seg
         try:
@@ -428,22 +411,17 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 raise task.error
             if seg is None:
                 value = _decode(task.inline, True)   # (copy)
-            elif self.copy or self._slots.leases >= self.max_leases or status != _ST_OK:
+            elif self.copy or ledger.leases >= self.max_leases or status != _ST_OK:
                 with memoryview(seg) as mv:
                     value = _decode(mv[:task.nbytes], True)   # (copy)
             else:
-                lease = self._slots.lease(task, seg)
+                lease = ledger.lease(task, seg)
                 value = _decode(lease)
                 del lease
         except Exception:
-            self._tasks.pop(task.ticket, None)   # (the caller hears why instead)
-            self._slots.release_spill(task)
-            if not task.leases:
-                self._slots.give_back_slot(task)
+            ledger.delivered(task)   # (the caller hears why instead)
             raise
-        self._tasks.pop(task.ticket, None)
-        if not task.leases:
-            self._slots.give_back_slot(task)
+        ledger.delivered(task)
         if status == _ST_ERROR:
             raise WorkerError.from_payload(value, task.worker)
         self._caller.batches += 1 if self._batches_in is None else self._batches_in(task.work)
@@ -456,7 +434,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         with self._lock:
             if self.closed or _os.pid != self._owner_pid:
                 self._ensure_open()   # raises
-            task = self._tasks.pending(ticket)
+            task = self._ledger.tasks.pending(ticket)
             if not task.arrived:
                 self._wait(task, self.timeout if timeout is None else timeout)
             return self._deliver(task)
@@ -464,18 +442,13 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
     def cancel(self, ticket: int) -> None:
         """Forget a ticket: its result is dropped when it arrives."""
         with self._lock:
-            task = self._tasks.get(ticket)
-            if task is None:
-                return
-            task.cancelled = True
-            if task.arrived:
-                self._slots.drop(task)
+            self._ledger.cancel(ticket)
 
     def ready(self, ticket: int) -> bool:
         """True if the result of ``ticket`` has arrived (collects what has arrived)."""
         with self._lock:
             self._ensure_open()
-            task = self._tasks.pending(ticket)
+            task = self._ledger.tasks.pending(ticket)
             if not task.arrived:
                 self._poller.poll_all(check_alive=True)
             return task.arrived
@@ -566,7 +539,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
     def slot_segments(self):
         """The result slots of the workers now, as mapped here (none once closed): what a
         device feed page-locks (see `unienv_mp._device.pins`)."""
-        return [] if self.closed else self._slots.slot_segments()
+        return [] if self.closed else self._pool.slot_segments()
 
     def stats(self, reset: bool = False) -> _stats.SamplerStats:
         """Where the time went since the first request (or the last ``stats(reset=True)``):
@@ -609,7 +582,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             if finalizer is not None:
                 finalizer()   # (runs once: a close it ran cut short is finished below)
             pool.resources.close()
-            self._tasks.clear()
+            self._ledger.tasks.clear()
             if getattr(self, "_unienv", None) is not None:   # (not in a half-built one)
                 self._unienv.order.clear()
         finally:
@@ -688,59 +661,8 @@ def _checked_seeds(worker_seeds, n_workers):
     return [int(seed) for seed in seeds]
 
 
-def _accept(tasks, slots, lane, entry):
-    """Record a result entry that ``lane``'s worker published (hand nothing out yet), in
-    the ticket table ``tasks`` and the slot ledger ``slots``.  The caller then tells the
-    worker handle it is recorded (see _take); an entry whose recording was cut short is
-    recorded again, so every step below gives the same state when it runs twice."""
-    t, slot, ticket, payload = entry
-    status, where = _untag(t)
-    w = lane.worker
-    if status == _ST_FATAL:
-        w.result_recorded()   # (the worker exits; a replacement starts afresh)
-        info = _codec.decode(payload, copy=True)
-        raise WorkerError.from_payload(info, w.index, "could not start: ")
-    task = tasks.get(ticket)
-    if task is None:
-        # no longer wanted (dropped, or delivered by a recording cut short)
-        try:
-            lane.inflight.remove(ticket)
-        except ValueError:
-            if not w.repeated:   # (a recording cut short removed it already)
-                raise WorkerCorrupt(w, f"ticket {ticket} was not given to it") from None
-        return
-    if task.arrived:
-        if task.worker != w.index or not w.repeated:
-            raise WorkerCorrupt(w, f"ticket {ticket}: its result came already")
-        slots.arrived(lane, task)   # (finish a recording cut short)
-        return
-    # (pushed to this process is exactly: in its lane's inflight, see the top)
-    if task.worker != w.index or ticket not in lane.inflight or (
-            where == _AT_SLOT and slot != task.slot):
-        raise WorkerCorrupt(w, f"ticket {ticket}, slot {slot}: no such task was given "
-                               f"to it")
-    if where == _AT_SLOT:
-        try:
-            task.seg, task.nbytes = w.map_slot(slot, payload)
-        except OSError as e:
-            # e.g. out of descriptors: this result is lost; its caller hears why.
-            # (WorkerDied: the task stays in flight, and is redone by the replacement.)
-            task.error = e
-            slots.arrived(lane, task)
-            return
-    else:
-        task.inline = payload
-    if lane.deaths_in_a_row:
-        lane.deaths_in_a_row = 0
-    if task.spill is not None:
-        slots.release_spill(task)
-    task.status = status
-    slots.arrived(lane, task)
 
-
-def _take(tasks, slots, lane, entry):
-    """Record ``entry``, the oldest result entry of ``lane``'s worker not recorded yet
-    (WorkerHandle.next_result), then let the handle drop it.  Interrupted anywhere, the
-    entry stays with the handle and is recorded again next time."""
-    _accept(tasks, slots, lane, entry)
-    lane.worker.result_recorded()
+def _lane_load(load, lane):
+    """How busy a lane is (tasks in flight or waiting: ``load``, the ledger's), for a
+    deal that is not in order."""
+    return load(lane.worker.index)

@@ -17,16 +17,16 @@ __all__ = ["Poller"]
 
 
 class Poller:
-    """Collects from every worker of ``pool`` at once (``take``: the manager's, which
-    records a result entry), and waits on the ``doorbell`` the workers ring, re-checking
-    every ``settings.doze_time`` s (the manager's `Settings`, read at each wait) that they
-    are alive; ``caller`` is the manager's record of the caller's time (see stats)."""
+    """Collects from every worker of ``pool`` at once (`WorkerPool.take` records a result
+    entry into the ledger, whose ticket table ``tasks`` this reads), and waits on the
+    ``doorbell`` the workers ring, re-checking every ``settings.doze_time`` s (the
+    manager's `Settings`, read at each wait) that they are alive; ``caller`` is the
+    manager's record of the caller's time (see stats)."""
 
-    def __init__(self, pool, settings, take, doorbell, caller):
+    def __init__(self, pool, tasks, settings, doorbell, caller):
         self.pool = pool
         self.settings = settings
-        self.tasks = pool.tasks
-        self.take = take
+        self.tasks = tasks
         self.doorbell = doorbell
         self.caller = caller
 
@@ -35,17 +35,19 @@ class Poller:
         replace a worker found dead).  ``check_alive``: also look for dead workers (a
         caller that does not block never reaches the liveness checks of the waits)."""
         pool = self.pool
+        waiting = pool.ledger.waiting
+        take = pool.take
         for lane in pool.lanes:
             w = lane.worker
             if lane.retired:
-                if lane.waiting:
+                if waiting[w.index]:
                     pool.restart(lane)   # (its tasks go to the others)
                 continue
-            if lane.waiting or not w.has_process:
+            if waiting[w.index] or not w.has_process:
                 pool.restart(lane)
             try:
                 while True:
-                    self.take(lane, w.next_result(0))
+                    take(lane, w.next_result(0))
             except RingClosed:
                 raise RuntimeError(CLOSED_WHILE_WAITING) from None
             except _queue.Empty:

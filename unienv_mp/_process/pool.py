@@ -1,17 +1,17 @@
 """The worker pool a MultiProcessingSampleManager owns: its worker processes, started,
 checked, replaced, and at last stopped.
 
-A *lane* (`Lane`) is the pool's record of one worker: its handle, the tickets in flight on
-its process, the tasks waiting for a new process, and its counters.  A lane whose worker
-died and cannot be replaced by a process holding the copy of the data the others started
-from (`CopyGone`, see `unienv_mp._process.launch`) is *retired*: its tasks go to the other
-lanes, and no task is dealt to it again.  `Resources` is what
-must be released however the manager ends.  `WorkerPool` starts the workers left to start
-later, notices a worker that died or stalled, buries it (keeps what it published, stops and
-releases its process, and queues its unfinished tasks again) and restarts the lane with a
-new process.  It works on the manager's ticket table and slot ledger, which it is handed,
-and collects a worker's published results through the manager's ``take``; it keeps the rules
-against a Ctrl-C written at the top of `unienv_mp._process.manager`.
+A *lane* (`Lane`) is the pool's record of one worker: its handle, how its processes
+ended, and its counters (its tasks are the ledger's, `unienv_mp._process.ledger`).  A
+lane whose worker died and cannot be replaced by a process holding the copy of the data
+the others started from (`CopyGone`, see `unienv_mp._process.launch`) is *retired*: its
+tasks go to the other lanes, and no task is dealt to it again.  `Resources` is what must
+be released however the manager ends.  `WorkerPool` starts the workers left to start
+later, notices a worker that died or stalled, buries it (keeps what it published, stops
+and releases its process, and has the ledger queue its unfinished tasks again) and
+restarts the lane with a new process, pushing the tasks the ledger says wait for it.  It
+is handed the manager's `WorkLedger`, and records a worker's published results into it
+(`take`); it keeps the rules against a Ctrl-C written at the top of `unienv_mp._process.manager`.
 """
 import collections
 import queue as _queue
@@ -23,10 +23,8 @@ import numpy as np
 
 from .. import _os
 from .. import stats as _stats
-from .._transport import protocol as P
 from ..backend import CLOSED_WHILE_WAITING, no_result, respawn_refusal
 from ..errors import CodecError, RingClosed, WorkerDiedError
-from .encoder import spill_entry
 from .handle import TASK_CAPACITY, WorkerCorrupt, WorkerDied, WorkerHandle, WorkerStalled
 from .launch import CopyGone
 from .snapshot import SnapshotLate
@@ -61,16 +59,13 @@ class Settings:
 
 
 class Lane:
-    """What the manager keeps for one worker: its handle, the tickets in flight on its
-    process (in the order given), the tasks waiting for a (new) process, how many of its
-    processes died since one last produced a result, and its counters' record."""
-    __slots__ = ("worker", "inflight", "waiting", "deaths_in_a_row", "record", "stall",
-                 "retired")
+    """What the pool keeps for one worker: its handle, how many of its processes died
+    since one last produced a result, and its counters' record.  (Its tasks in flight and
+    waiting are the ledger's, under ``worker.index``.)"""
+    __slots__ = ("worker", "deaths_in_a_row", "record", "stall", "retired")
 
     def __init__(self, worker):
         self.worker = worker
-        self.inflight = collections.deque()
-        self.waiting = []
         self.deaths_in_a_row = 0
         self.record = _stats.WorkerRecord(time.monotonic_ns())
         self.stall = None   # the Stall of a process killed for stalling, not yet buried
@@ -134,9 +129,9 @@ class WorkerPool:
     """The workers of one manager: ``lanes`` of those started, in index order, and those
     left to start later.
 
-    ``tasks`` is the manager's ticket table, ``slots`` its slot ledger
-    (`SlotLedger`), ``encoder`` puts tasks on a ring; ``take(lane, entry)`` records a result
-    entry a worker published (the manager's, on its per-batch path).  ``settings``
+    ``ledger`` is the manager's `WorkLedger`: the pool asks it for the tasks to push and
+    hands it a dead process's unfinished work; `take` records a result entry a worker
+    published into it.  ``settings``
     (`Settings`: ``respawn``, ``max_respawns``, ``timeout``, ``stall_timeout``) are read
     each time they are needed.  ``closed`` starts True; the manager sets it False before
     `start` and True again when it is closed: no process starts once it is set.
@@ -175,23 +170,20 @@ class WorkerPool:
     ``TimeoutError``).
     """
 
-    def __init__(self, n_workers, settings, options, tasks, encoder, take):
+    def __init__(self, n_workers, settings, options, ledger, resources):
         self.settings = settings     # the manager's Settings (read when they are needed)
         self.closed = True           # (set by the manager: no process starts while True)
-        self.resources = Resources()
+        self.resources = resources   # (its workers: the handles the ledger gives slots to)
         self.lanes = []              # of the workers started, in index order
         self.launch = None           # what their processes start with (see start)
         self.snapshot_due = False    # the snapshot process is to start at the next push
         self.deferred = collections.deque()   # (handle, seed) of those to start later
         self.n_workers = n_workers
-        self.slots = None            # the manager's SlotLedger, given once it is made
         # start_later, seeds, start_method: fixed at construction
         vars(self).update(options)
         self.seed_rng = np.random.default_rng(
             None if self.seeds is None else [int(s) for s in self.seeds])
-        self.tasks = tasks
-        self.encoder = encoder
-        self.take = take
+        self.ledger = ledger
         self.starting = set()   # lanes whose process has not been seen taking tasks yet
 
     def start(self, launch):
@@ -359,7 +351,7 @@ class WorkerPool:
             deaths = lane.deaths_in_a_row
             stall.warn(True, stacklevel=5)
         elif stall is not None:
-            task = self.tasks.get(stall.ticket)
+            task = self.ledger.tasks.get(stall.ticket)
             if respawn_refusal(m.respawn, deaths, m.max_respawns) is not None:
                 if task is not None and not task.arrived and task.worker == w.index:
                     failed = (task, stall.error())
@@ -383,23 +375,7 @@ class WorkerPool:
         lane.stall = None
         self.starting.add(lane)   # (without a process until the restart: looked after)
         lane.record.process_ended(w.counters(), time.monotonic_ns())
-        if failed is not None:
-            task, error = failed
-            task.error = error
-            self.slots.arrived(lane, task)
-        unfinished = []
-        tasks = self.tasks
-        for t in lane.inflight:
-            task = tasks.get(t)
-            if task is None or task.arrived:
-                continue
-            task.slot = None   # (the slot numbers of the dead process are void)
-            if task.cancelled:
-                self.slots.drop(task)
-            elif task not in lane.waiting:
-                unfinished.append(task)
-        lane.inflight.clear()
-        lane.waiting[0:0] = unfinished    # before anything queued for it meanwhile
+        self.ledger.requeue(w.index, failed)
         return w.detach()
 
     def restart(self, lane, deadline=None):
@@ -425,17 +401,14 @@ class WorkerPool:
                     self.starting.add(lane)
                     if w.incarnation > 1:
                         lane.record.respawns += 1
-                waiting = lane.waiting
-                while waiting:
-                    task = waiting[0]
-                    if task.cancelled and not task.arrived:
-                        self.slots.drop(task)   # (nobody waits for it any more)
-                    # (pushed already, by a step that a Ctrl-C cut short: in flight)
-                    elif not task.arrived and task.ticket not in lane.inflight:
-                        self.make_room(lane)
-                        self.push(task, lane)
-                    del waiting[0]
-                return
+                ledger, i = self.ledger, w.index
+                while True:
+                    task = ledger.next_waiting(i)
+                    if task is None:
+                        return
+                    self.make_room(lane)
+                    self.push(task, lane)
+                    ledger.pushed_waiting(i)   # (cut short before: in flight, skipped)
             except WorkerDied as e:
                 self.bury(lane, e)
 
@@ -454,16 +427,11 @@ class WorkerPool:
         """Give the tasks waiting on the retired ``lane`` to the least busy lanes not
         retired, in order (each task moves in one step that a Ctrl-C cannot cut in two).
         Raises `CopyLost` if there is none left."""
-        while lane.waiting:
+        ledger, i = self.ledger, lane.worker.index
+        while ledger.waiting[i]:
             targets = [other for other in self.lanes if not other.retired]
             with _os.interrupts_deferred():
-                task = lane.waiting[0]
-                if task.arrived:
-                    del lane.waiting[0]
-                    continue
-                if task.cancelled:
-                    del lane.waiting[0]
-                    self.slots.drop(task)   # (nobody waits for it any more)
+                if ledger.shed_finished(i):
                     continue
                 if not targets:
                     raise CopyLost(
@@ -471,12 +439,8 @@ class WorkerPool:
                         f"from the copy of the data they started from (the process that "
                         f"keeps it is gone, and the data may have changed since)",
                         worker=lane.worker.index)
-                target = min(targets, key=lambda other: len(other.inflight)
-                             + len(other.waiting))
-                del lane.waiting[0]
-                task.slot = None   # (a slot number belongs to one process)
-                task.worker = target.worker.index
-                target.waiting.append(task)
+                target = min(targets, key=lambda other: ledger.load(other.worker.index))
+                ledger.hand_over(i, target.worker.index)
             self.restart(target, deadline)
 
     def check_all_alive(self, deadline=None):
@@ -487,7 +451,7 @@ class WorkerPool:
         for lane in self.lanes:
             w = lane.worker
             if lane.retired:
-                if lane.waiting:
+                if self.ledger.waiting[w.index]:
                     self.restart(lane, deadline)
             elif w.proc is None:          # replaced, but its replacement could not start yet
                 self.restart(lane, deadline)
@@ -504,25 +468,10 @@ class WorkerPool:
     # -- tasks onto a worker's ring ---------------------------------------------------------
 
     def push(self, task, lane):
-        """Push ``task`` onto the task ring of ``lane``'s worker; it is in
-        ``lane.inflight`` once pushed.  Raises WorkerCorrupt, a WorkerDied (not pushed),
-        if the process wrote into its task ring.  Whether it was pushed or not, the task
-        keeps the slot number it was given, for the next try (or for the ledger's drop)."""
-        seg = task.spill
-        if seg is None:
-            tag, payload, seg = self.encoder.encode(task.work)
-            if seg is not None:
-                task.spill = seg
-                self.resources.spills.append(seg)
-        else:
-            tag, payload = spill_entry(seg)   # (work given again, to a new process)
-        w = lane.worker
-        task.worker = w.index
-        task.incarnation = w.incarnation
-        if task.slot is None:
-            task.slot = w.take_slot()
-        # (the ticket goes into inflight if and only if the push happens)
-        w.push_task(tag, task.slot, task.ticket, payload, lane.inflight)
+        """Push ``task`` onto the task ring of ``lane``'s worker (`WorkLedger.push`: it is
+        in flight once pushed); raises WorkerCorrupt, a WorkerDied (not pushed), if the
+        process wrote into its task ring.  The first push may start the snapshot process."""
+        self.ledger.push(task, lane.worker)
         if self.snapshot_due:
             self._keep_snapshot()
 
@@ -545,7 +494,8 @@ class WorkerPool:
         wait for the parent while the parent waits for it."""
         w = lane.worker
         timeout = self.settings.timeout
-        while len(lane.inflight) >= TASK_CAPACITY:
+        in_flight = self.ledger.in_flight
+        while in_flight(w.index) >= TASK_CAPACITY:
             try:
                 self.take(lane, w.next_result(timeout))
             except _queue.Empty:
@@ -553,28 +503,39 @@ class WorkerPool:
             except RingClosed:
                 raise RuntimeError(CLOSED_WHILE_WAITING) from None
 
+    # -- results off the rings -------------------------------------------------------------
+
+    def take(self, lane, entry):
+        """Record ``entry``, the oldest result entry of ``lane``'s worker not recorded yet
+        (WorkerHandle.next_result), into the ledger, then let the handle drop it.
+        Interrupted anywhere, the entry stays with the handle and is recorded again next
+        time.  (The manager's per-batch wait does the same inline.)"""
+        w = lane.worker
+        if self.ledger.accept(w, entry) and lane.deaths_in_a_row:
+            lane.deaths_in_a_row = 0
+        w.result_recorded()
+
     # -- what the workers did, and the end ---------------------------------------------------
 
     def worker_stats(self, count, now, reset):
         """``(ready, workers)``: how many batches are ready to hand out, collected or
         still on the workers' rings (``count(work)`` batches a task), and a
         `WorkerStats` of each worker started."""
-        tasks = self.tasks
-        ready = sum(count(task.work) for task in tasks.values()
-                    if task.arrived and not task.cancelled and task.status == P.ST_OK
-                    and task.error is None)
         workers = []
+        published = []
         for lane in self.lanes:
             w = lane.worker
             counters = w.counters()
             if w.has_process:   # published, not yet taken off the ring: in flight order
-                for ticket in list(lane.inflight)[:w.results_published]:
-                    task = tasks.get(ticket)
-                    if task is not None and not task.arrived and not task.cancelled:
-                        ready += count(task.work)
+                published.append((w.index, w.results_published))
             workers.append(lane.record.read(w.index, w.pid, counters, now, reset,
                                             w.launched_ns if w.has_process else None))
-        return ready, workers
+        return self.ledger.ready(count, published), workers
+
+    def slot_segments(self):
+        """The result slots of the workers now, as mapped here: what a device feed
+        page-locks (see `unienv_mp._device.pins`)."""
+        return [seg for lane in self.lanes for seg in lane.worker.slot_segments()]
 
     def shut_down(self):
         """Every worker is told to stop, and every wait on them raises (a call waiting in

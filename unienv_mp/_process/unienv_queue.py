@@ -15,12 +15,12 @@ __all__ = ["UniEnvQueue"]
 
 class UniEnvQueue:
     """The tickets of ``add_work``, waiting in ``order`` for `fetch`, over the manager's
-    ticket table ``tasks``, slot ledger ``slots`` and ``poller``.  The manager submits
-    (recording into ``order``) and calls `fetch` with its lock held."""
+    ``ledger`` (`WorkLedger`) and ``poller``.  The manager submits (recording into
+    ``order``) and calls `fetch` with its lock held."""
 
-    def __init__(self, tasks, slots, poller, in_order):
-        self.tasks = tasks
-        self.slots = slots
+    def __init__(self, ledger, poller, in_order):
+        self.ledger = ledger
+        self.tasks = ledger.tasks
         self.poller = poller
         self.in_order = in_order
         self.order = collections.deque()
@@ -43,7 +43,7 @@ class UniEnvQueue:
             order.popleft()   # collected with result() meanwhile
         if not order:
             raise RuntimeError("no work to fetch: add_work() first")
-        self.slots.give_back_released()
+        self.ledger.give_back_released()
         if self.in_order:
             task = tasks[order[0]]
             if not task.arrived:
