@@ -190,6 +190,13 @@ class FakeOps(DeviceOps):
         """Operations queued and not run yet, on every stream."""
         return sum(len(s.ops) - s.completed for s in self.streams)
 
+    def pending_copies(self):
+        """Copies queued and not run yet, on every stream (not counting a stream's waits
+        for another: the caller's stream waits for each batch handed out, and those
+        waits are the caller's, run when its stream next runs)."""
+        return sum(op is not None and op[0] in ("copy", "staged")
+                   for s in self.streams for op in s.ops[s.completed:])
+
     def _run(self, stream, upto, force):
         upto = min(upto, len(stream.ops))
         while stream.completed < upto:
