@@ -174,8 +174,8 @@ class SamplerBase(BatchSampler):
 
     Its constructor takes [`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler]'s
     options less the process backend's (``ctx``, ``doze_time``, ``daemon``,
-    ``shared_memory``, ``direct_gather``, ``stall_timeout``, ``persistent_workers``), and
-    ``not_direct``: None if the workers gather batches directly (see
+    ``shared_memory``, ``direct_gather``, ``stall_timeout``), ``persistent_workers``
+    defaulting to False (a backend that keeps no workers for epochs), and ``not_direct``: None if the workers gather batches directly (see
     `unienv_mp._direct.gather`), else why not; ``manager``: the ``sample*`` workers'
     manager, if the subclass made it already (any [`Manager`][unienv_mp.backend.Manager]);
     ``placement``: where batches go (`unienv_mp._device.placement`; None: the CPU only).
@@ -201,7 +201,7 @@ class SamplerBase(BatchSampler):
 
     def __init__(self, sampler, n_workers, n_buffers, *, in_order, copy, timeout, respawn,
                  batches_per_task, not_direct, manager=None, placement=None,
-                 pin_memory=False):
+                 pin_memory=False, persistent_workers=False):
         self._closed = True   # first: __del__ -> close() must work on a half-built sampler
         # (the sample* manager made on first use, if None)
         self._pools = Pools(sampler, weakref.WeakMethod(self.new_manager),
@@ -237,6 +237,7 @@ class SamplerBase(BatchSampler):
         self._per_batch = True      # (False: streams of a state of unienv_mp 0.1)
         self._streams = {}          # method -> Stream
         self._extra = _extra_methods(self)   # (the wrapped sampler's other methods)
+        self._pools.persistent = check_persistent(persistent_workers)
         self._closed = False
 
     def __getattr__(self, attr):
@@ -868,8 +869,8 @@ class MultiprocessingSampler(SamplerBase):
         self.stall_timeout = stall_timeout
         super().__init__(sampler, n_workers, n_buffers, in_order=in_order, copy=copy,
                          timeout=timeout, respawn=respawn, batches_per_task=batches_per_task,
-                         not_direct=not_direct, placement=placement, pin_memory=pin_memory)
-        self.persistent_workers = persistent_workers   # (checked by the property)
+                         not_direct=not_direct, placement=placement, pin_memory=pin_memory,
+                         persistent_workers=persistent_workers)
 
     def chunk_size(self, name):
         if self._placement.kind == "in_process" and self.batches_per_task is None:

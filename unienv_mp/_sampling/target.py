@@ -116,7 +116,11 @@ class SamplerTarget:
         elif i == 0:
             self.reseed(seeds)
 
-    chunk_of = staticmethod(chunk_work)
+    @staticmethod
+    def chunk_of(work):
+        """``(method, seeds, k)`` of a work item that is a chunk of a ``sample*`` stream,
+        else None (see `unienv_mp._sampling.target.chunk_work`)."""
+        return chunk_work(work)
 
     @staticmethod
     def batches_in(work):

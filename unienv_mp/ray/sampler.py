@@ -427,8 +427,8 @@ class RaySampler(SamplerBase):
             super().__init__(sampler, n_workers, n_buffers, in_order=in_order, copy=copy,
                              timeout=timeout, respawn=respawn,
                              batches_per_task=batches_per_task,
-                             not_direct=not_direct, manager=manager)
-            self.persistent_workers = persistent_workers
+                             not_direct=not_direct, manager=manager,
+                             persistent_workers=persistent_workers)
             if isinstance(sampler, RemoteSampler):
                 sampler.lock = self.lock
             if not_direct is not None and None in self._asked:   # (weakly: no cycle)
