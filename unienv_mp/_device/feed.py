@@ -244,7 +244,7 @@ class DeviceFeed:
                 refreshed = True
                 if pins.covers(address):
                     continue
-            if pins.pending(address) is not None:
+            if pins.registering(address) is not None:
                 return False
         return True
 
@@ -264,7 +264,7 @@ class DeviceFeed:
                 if not refreshed:
                     pins.refresh()
                     refreshed = True
-                job = pins.pending(address)
+                job = pins.registering(address)
                 if job is not None:
                     pins.wait(job)
                 if not pins.covers(address):

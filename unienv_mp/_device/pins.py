@@ -179,7 +179,7 @@ class HostPins:
         pin = self._pins[i]
         return address < pin.address + pin.nbytes
 
-    def pending(self, address):
+    def registering(self, address):
         """The registration under way of the segment ``address`` lies in, or None."""
         for job in self._jobs:
             pin = job.pin
@@ -188,7 +188,7 @@ class HostPins:
         return None
 
     def wait(self, job):
-        """Block until ``job`` (see `pending`) ran, and take it in."""
+        """Block until ``job`` (see `registering`) ran, and take it in."""
         job.done.wait()
         self.collect()
 
