@@ -34,7 +34,7 @@ from unienv_data.samplers import StepSampler
 from unienv_mp import MultiprocessingSampler
 from unienv_mp import backend as _backend, _os
 from unienv_mp._sampling import epochs as _epochs, pools as _pools, ahead as _ahead
-from unienv_mp._process import polling as _polling, ledger as _ledger, stalls as _stalls, pool as _supervision, unienv_queue as _unienv_queue, encoder as _work_encoder, handle as _worker_handle, manager as M, launch as _launch, snapshot as _snapshot
+from unienv_mp._process import polling as _polling, ledger as _ledger, deaths as _deaths, pool as _supervision, unienv_queue as _unienv_queue, encoder as _work_encoder, handle as _worker_handle, manager as M, launch as _launch, snapshot as _snapshot
 from unienv_mp._sampling.epochs import Epochs
 from unienv_mp._sampling.streams import Stream
 
@@ -53,7 +53,7 @@ def never_interrupted(code, offset):
     return offset in targets
 PACKAGE_FILES = {M.__file__, _supervision.__file__, _ledger.__file__, _polling.__file__,
                  _unienv_queue.__file__, _worker_handle.__file__, _work_encoder.__file__,
-                 _os.__file__, _backend.__file__, _stalls.__file__, _launch.__file__,
+                 _os.__file__, _backend.__file__, _deaths.__file__, _launch.__file__,
                  _snapshot.__file__}
 
 
@@ -474,7 +474,8 @@ def interrupted(call, *args, **kwargs):
 
 
 Manager = M.MultiProcessingSampleManager
-DELIVERED = line_of(Manager._deliver, "ledger.delivered(task)", nth=2)
+Deliver = _ledger.WorkLedger.deliver
+DELIVERED = line_of(Deliver, "self.delivered(task)", nth=2)
 
 
 @pytest.mark.parametrize("copy", [False, True])
@@ -482,7 +483,7 @@ def test_a_result_asked_for_again_after_a_ctrl_c_in_its_delivery(copy):
     mgr = Manager(Fill(), n_workers=1, ctx="fork", copy=copy)
     try:
         t1 = mgr.submit(1)
-        with interrupt_at(Manager._deliver, DELIVERED) as i:
+        with interrupt_at(Deliver, DELIVERED) as i:
             assert interrupted(mgr.result, t1)
         assert i.fired
         gc.collect()
@@ -503,7 +504,7 @@ def test_a_fetch_again_after_a_ctrl_c_in_its_delivery():
     mgr = Manager(Fill(), n_workers=1, ctx="fork")
     try:
         mgr.add_work(1)
-        with interrupt_at(Manager._deliver, DELIVERED) as i:
+        with interrupt_at(Deliver, DELIVERED) as i:
             assert interrupted(mgr.fetch)
         assert i.fired
         assert mgr.remaining_work == 1

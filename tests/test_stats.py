@@ -407,15 +407,15 @@ def test_a_ctrl_c_while_a_stalled_worker_is_killed_leaves_the_sampler_working():
     never recovers from."""
     from test_stats import StuckOnFifth
     from unienv_mp import WorkerDiedError
-    from unienv_mp._process.pool import WorkerPool
+    from unienv_mp._process.handle import WorkerHandle
     rb = replay_buffer(100)
     with MultiprocessingSampler(StuckOnFifth(rb, 4, seed=0), n_workers=1, n_buffers=2,
                                 ctx="fork", batches_per_task=1, stall_timeout=0.5,
                                 respawn=False) as m:
         for _ in range(4):
             m.sample()
-        killed = line_of(WorkerPool.bury, "code = w.exit_code(1.0)")
-        with interrupt_at(WorkerPool.bury, killed) as i:
+        killed = line_of(WorkerHandle.end, "code = None if proc is None")
+        with interrupt_at(WorkerHandle.end, killed) as i:
             assert interrupted(m.sample)
         assert i.fired
         worker = m._pools.sample._lanes[0].worker

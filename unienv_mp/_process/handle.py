@@ -264,17 +264,17 @@ class WorkerHandle:
         proc = self.proc
         return proc is not None and _os.has_exited(proc)
 
-    def kill(self):
-        """Send the process SIGKILL, if it has one that has not exited (through its pidfd:
-        see `_os.send_signal`).  Its rings and slots stay with the handle until `detach`."""
-        if self.proc is not None:
-            _os.send_signal(self.proc, signal.SIGKILL)
-
-    def exit_code(self, wait=0.0):
-        """The exit code of the process, waiting up to ``wait`` seconds for its exit status;
-        None without a process, or if it is unknown (see `_os.exit_code`)."""
+    def end(self, wait, kill=False):
+        """``(code, how)``: the exit code of the process (None without a process, or if it
+        is unknown: see `_os.exit_code`), waiting up to ``wait`` seconds for its exit
+        status, and how it ended, in words.  ``kill``: send it SIGKILL first (through its
+        pidfd: see `_os.send_signal`).  Its rings and slots stay with the handle until
+        `detach`."""
         proc = self.proc
-        return None if proc is None else _os.exit_code(proc, wait)
+        if proc is not None and kill:
+            _os.send_signal(proc, signal.SIGKILL)
+        code = None if proc is None else _os.exit_code(proc, wait)
+        return code, _os.describe_exit(code)
 
     # -- process --------------------------------------------------------------------------
 

@@ -4,6 +4,9 @@ their tasks, each worker's tasks in flight and waiting, and the result slots the
 `WorkLedger` is the one owner of that state: the manager drives it (issue, deliver,
 cancel), and the worker pool asks it for the tasks to push to a process and hands it a
 dead process's work to queue again; neither changes a task or a worker's lists itself.
+The ledger puts a task on a worker's task ring (`WorkLedger.push`) and takes its results
+off the result ring (`WorkLedger.take`), so that what is on the rings and what it records
+change together.
 A worker writes each result into a slot, a segment of its own numbered per process; a
 slot number is given to one task at a time, and goes back to its worker once the task's
 result was read or dropped and no zero-copy view of it (a lease) is alive.
@@ -33,7 +36,10 @@ from .handle import WorkerCorrupt
 __all__ = ["Task", "WorkLedger"]
 
 # (globals: the per-batch path reads them once per batch)
+_ST_OK = P.ST_OK
+_ST_ERROR = P.ST_ERROR
 _ST_FATAL = P.ST_FATAL
+_decode = _codec.decode
 _AT_SLOT = P.AT_SLOT
 _untag = P.untag
 
@@ -71,17 +77,21 @@ class WorkLedger:
     for a (new) process of worker ``i``.  Both are read by the pool and the manager and
     changed only here.  ``workers``: the worker handles, by index (their slots are given
     back through them); ``encoder`` puts work on a ring, large work into a spill segment
-    kept in ``spills`` until its task's result came.  ``leases`` counts the zero-copy
+    kept in ``spills`` until its task's result came.  ``caller`` (the manager's
+    `CallerRecord`) counts the batches handed out, ``batches_in(work)`` of them a task
+    (one if ``batches_in`` is None).  ``leases`` counts the zero-copy
     results alive; ``released`` holds the tasks whose leases the garbage collector gave
     back since (see `give_back_released`)."""
 
-    def __init__(self, n_workers, workers, encoder, spills):
+    def __init__(self, n_workers, workers, encoder, spills, caller, batches_in):
         self.tasks = TicketTable()
         self.inflight = [collections.deque() for _ in range(n_workers)]
         self.waiting = [[] for _ in range(n_workers)]
         self.workers = workers
         self.encoder = encoder
         self.spills = spills
+        self.caller = caller
+        self.batches_in = batches_in
         self.leases = 0
         self.released = collections.deque()
 
@@ -191,6 +201,16 @@ class WorkLedger:
 
     # -- results --------------------------------------------------------------------------
 
+    def take(self, w, timeout):
+        """Take the oldest result entry of worker handle ``w`` not recorded yet off its
+        result ring and record it (`accept`), waiting up to ``timeout`` seconds for one
+        (see ``WorkerHandle.next_result``, which raises what ends the wait).  Interrupted
+        anywhere, the entry stays with the handle and is recorded again next time.  True
+        if it was a result the worker made (its count of deaths in a row starts again)."""
+        made = self.accept(w, w.next_result(timeout))
+        w.result_recorded()
+        return made
+
     def accept(self, w, entry):
         """Record a result entry that worker handle ``w`` published (hand nothing out
         yet).  The caller then tells the handle it is recorded; an entry whose recording
@@ -250,6 +270,37 @@ class WorkLedger:
             pass   # (removed already, by a recording cut short)
         if task.cancelled:
             self.drop(task)
+
+    def deliver(self, task, copy, max_leases):
+        """The value of an arrived ``task``'s result, handed out: zero-copy views of its
+        slot (a lease on it, see `lease`), or a copy with ``copy``, beyond ``max_leases``
+        leases alive, or for an error.  The task leaves the ledger once the value is made
+        (`delivered`): cut short before, it can be delivered again (from the slot, which
+        it still holds) or cancelled.  Raises `WorkerError` if the work raised, or the
+        error met receiving the result."""
+        status = task.status
+        seg = task.seg
+        try:
+            if task.error is not None:
+                raise task.error
+            if seg is None:
+                value = _decode(task.inline, True)   # (copy)
+            elif copy or self.leases >= max_leases or status != _ST_OK:
+                with memoryview(seg) as mv:
+                    value = _decode(mv[:task.nbytes], True)   # (copy)
+            else:
+                lease = self.lease(task, seg)
+                value = _decode(lease)
+                del lease
+        except Exception:
+            self.delivered(task)   # (the caller hears why instead)
+            raise
+        self.delivered(task)
+        if status == _ST_ERROR:
+            raise WorkerError.from_payload(value, task.worker)
+        batches_in = self.batches_in
+        self.caller.batches += 1 if batches_in is None else batches_in(task.work)
+        return value
 
     def lease(self, task, seg):
         """A zero-copy lease on ``task``'s slot segment ``seg``: the slot goes back once
@@ -344,10 +395,12 @@ class WorkLedger:
 
     # -- what is ready --------------------------------------------------------------------
 
-    def ready(self, count, published):
-        """Batches ready to hand out (``count(work)`` batches a task): those of the results
+    def ready(self, published):
+        """Batches ready to hand out (``batches_in(work)`` a task): those of the results
         collected, and of the first ``published[i]`` tickets in flight on each worker
         ``i`` (published, not yet taken off its ring)."""
+        batches_in = self.batches_in
+        count = (lambda work: 1) if batches_in is None else batches_in
         tasks = self.tasks
         n = sum(count(task.work) for task in tasks.values()
                 if task.arrived and not task.cancelled and task.status == P.ST_OK

@@ -18,7 +18,6 @@ end with the parent however the parent ends (see `unienv_mp._os`).
 import functools
 import numbers
 import os
-import queue as _queue
 import threading
 import time
 import warnings
@@ -29,7 +28,6 @@ import numpy as np
 
 from .. import _os
 from .. import stats as _stats
-from .._transport import codec as _codec
 from .._transport import protocol as P
 from .._transport.ring import DEFAULT_SPIN as _DEFAULT_SPIN
 from .._transport.ring import Event, Segment
@@ -38,7 +36,7 @@ from .._validate import (MAX_LEASES, MAX_RESPAWNS, check_bool, check_context,
                          check_workers)
 from ..backend import (CLOSED_WHILE_WAITING, Dealer, ResultT, TaskInfoT, no_result,
                        none_pending)
-from ..errors import RingClosed, WorkerError
+from ..errors import RingClosed
 from .encoder import WorkEncoder
 from .handle import RESULT_INLINE, TASK_CAPACITY, TASK_INLINE, WorkerDied
 from .launch import Launch
@@ -74,12 +72,6 @@ __all__ = ["MultiProcessingSampleManager", "TaskInfoT", "ResultT", "TASK_CAPACIT
 #   the last step; if it raises before, the task is abandoned (WorkLedger.abandon).
 # * The rare multi-step changes (replacing a worker's process) hold SIGINT back until
 #   they are done (``_os.interrupts_deferred``).
-#
-# Protocol constants as globals of this module: the per-batch path reads them once per
-# batch, and a global is cheaper to read than a module attribute.
-_ST_OK = P.ST_OK
-_ST_ERROR = P.ST_ERROR
-_decode = _codec.decode
 
 
 def _dealing(waiting, start_later):
@@ -187,11 +179,16 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         # Held by every call (see "Threads" in the class docstring); re-entrant, for a
         # call made from a signal handler or a garbage collection in the middle of one.
         self._lock = threading.RLock()
-        public, settings, n_workers, ctx, daemon, worker_seeds = _checked_options(
+        (settings, n_workers, ctx, daemon, worker_seeds, in_order, copy, spin,
+         max_leases) = _checked_options(
             target_fn, n_workers, ctx, daemon, worker_seeds, doze_time, in_order, copy,
             timeout, respawn, max_respawns, max_leases, spin, stall_timeout, start_later,
             worker_init_fn, same_copy)
-        vars(self).update(public)   # target_fn, in_order, copy, spin, max_leases, ...
+        self.target_fn = target_fn
+        self.in_order = in_order
+        self.copy = copy
+        self.spin = spin
+        self.max_leases = max_leases
         # (the settings its parts read when they act: the properties below write through)
         self._settings = settings
         self.done_event = done_event
@@ -200,24 +197,24 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         # is freed at once, and its finalizer ends the workers)
         self._resources = resources = Resources()
         # the work in flight: tickets, tasks, each worker's lists, slots (the one owner)
+        self._caller = _stats.CallerRecord()   # batches handed out, time waited (see stats)
         self._ledger = ledger = WorkLedger(n_workers, resources.workers,
                                            WorkEncoder(TASK_INLINE - P.TASK_CHECK.size),
-                                           resources.spills)
+                                           resources.spills, self._caller,
+                                           getattr(target_fn, "batches_in", None))
         self._tasks = ledger.tasks   # (ticket -> Task, not yet delivered: for reading)
         self._dealer = Dealer(_dealing(ledger.waiting, start_later))   # (see start_later)
         self._load = functools.partial(_lane_load, ledger.load)
-        self._pool = pool = WorkerPool(n_workers, settings, dict(
-            start_later=start_later, seeds=worker_seeds,
-            start_method=ctx.get_start_method()), ledger, resources)
+        self._pool = pool = WorkerPool(n_workers, worker_seeds, start_later,
+                                       ctx.get_start_method(), settings, ledger,
+                                       self._caller, resources)
         self._lanes = pool.lanes                 # (the pool's: the per-batch path reads it)
-        self._caller = _stats.CallerRecord()   # batches handed out, time waited (see stats)
         resources.done_event = done_event
         resources.doorbell_seg = Segment.create(64, "doorbell")
         self._poller = Poller(pool, ledger.tasks, settings,
                               Event(resources.doorbell_seg, 0, True), self._caller)
         self._unienv = UniEnvQueue(ledger, self._poller, self.in_order)
         self._finalizer = _mputil.Finalize(self, resources.close, exitpriority=100)
-        self._batches_in = getattr(target_fn, "batches_in", None)
         self._spot_rng = np.random.default_rng()   # (which blocks spot_check compares)
         launch = Launch(target_fn, worker_init_fn, ctx, daemon, resources.doorbell_seg,
                         done_event, settings.doze_time, self.spin, settings.stall_timeout,
@@ -324,10 +321,9 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                         if len(ledger.inflight[i]) >= TASK_CAPACITY:
                             self._pool.make_room(lane)
                         self._pool.push(task, lane)
-                    except WorkerDied as e:
-                        self._pool.bury(lane, e)
-                        ledger.enqueue(task, i)
-                        self._pool.restart(lane, self._deadline())
+                    except WorkerDied as e:   # (not pushed: it waits for the replacement)
+                        ledger.enqueue(task, i)   # (after the dead one's, see requeue)
+                        self._pool.replace(lane, e, self._deadline())
                     except RingClosed:   # (close() shut the ring, from another thread)
                         raise RuntimeError(CLOSED_WHILE_WAITING) from None
                 if record is not None:
@@ -352,80 +348,9 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
 
     # -- collecting -----------------------------------------------------------------------
 
-    def _wait(self, task, timeout):
-        """Block until ``task`` has a result (or raise); the time is counted (see stats)."""
-        t0 = time.monotonic_ns()
-        try:
-            self._wait_for(task, timeout)
-        finally:
-            self._caller.waited(t0, time.monotonic_ns(),
-                                self._lanes[task.worker].worker.started_ns)
-
-    def _wait_for(self, task, timeout):
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pool = self._pool
-        ledger = self._ledger
-        if pool.starting:
-            pool.check_starting(deadline)   # (workers no wait is on: see check_starting)
-        while not task.arrived:
-            # (the task's worker, again each time: a retired worker's tasks move)
-            lane = self._lanes[task.worker]
-            w = lane.worker
-            if ledger.waiting[task.worker] or not w.has_process:
-                pool.restart(lane, deadline)   # a replacement not finished earlier
-                continue
-            if pool.deferred and self._caller.batches and not w.results_published:
-                # (while this worker makes the result)
-                pool.start_deferred(quiet=True, deadline=deadline)
-            try:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                entry = w.next_result(left)
-                # (WorkerPool.take, inlined)
-                if ledger.accept(w, entry) and lane.deaths_in_a_row:
-                    lane.deaths_in_a_row = 0
-                w.result_recorded()
-            except _queue.Empty:
-                raise no_result(timeout, w.index) from None
-            except RingClosed:
-                raise RuntimeError(CLOSED_WHILE_WAITING) from None
-            except WorkerDied as e:
-                pool.bury(lane, e)
-                try:
-                    pool.restart(lane, deadline)
-                except CopyLost:
-                    if not task.arrived:
-                        raise
-                    # (its result came, e.g. the error of a stall: handed out first; a
-                    # wait for a task no worker is left to make raises this again)
-
     def _deliver(self, task):
-        """Turn an arrived result into the value returned to the caller.  The task leaves
-        the ledger once the value is made: cut short before, it can be delivered again
-        (from the slot, which it still holds) or cancelled.  Its slot goes back then, or
-        once the last lease on it is garbage collected (see WorkLedger.delivered)."""
-        ledger = self._ledger
-        status = task.status
-        seg = task.seg
-        try:
-            if task.error is not None:
-                raise task.error
-            if seg is None:
-                value = _decode(task.inline, True)   # (copy)
-            elif self.copy or ledger.leases >= self.max_leases or status != _ST_OK:
-                with memoryview(seg) as mv:
-                    value = _decode(mv[:task.nbytes], True)   # (copy)
-            else:
-                lease = ledger.lease(task, seg)
-                value = _decode(lease)
-                del lease
-        except Exception:
-            ledger.delivered(task)   # (the caller hears why instead)
-            raise
-        ledger.delivered(task)
-        if status == _ST_ERROR:
-            raise WorkerError.from_payload(value, task.worker)
-        self._caller.batches += 1 if self._batches_in is None else self._batches_in(task.work)
-        return value
+        """Hand out the result of an arrived ``task`` (see `WorkLedger.deliver`)."""
+        return self._ledger.deliver(task, self.copy, self.max_leases)
 
     def result(self, ticket: int, timeout: Optional[float] = None):
         """The result of a [`submit`][] ticket, waiting for it if needed.  Raises
@@ -436,8 +361,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                 self._ensure_open()   # raises
             task = self._ledger.tasks.pending(ticket)
             if not task.arrived:
-                self._wait(task, self.timeout if timeout is None else timeout)
-            return self._deliver(task)
+                self._pool.wait_for(task, self.timeout if timeout is None else timeout)
+            return self._ledger.deliver(task, self.copy, self.max_leases)
 
     def cancel(self, ticket: int) -> None:
         """Forget a ticket: its result is dropped when it arrives."""
@@ -479,7 +404,8 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         ``timeout`` expires before it arrives, as UniEnv's manager does."""
         with self._lock:
             self._ensure_open()
-            return self._unienv.fetch(block, timeout, self.timeout, self._wait, self._deliver)
+            return self._unienv.fetch(block, timeout, self.timeout, self._pool.wait_for,
+                                     self._deliver)
 
     @property
     def remaining_work(self) -> int:
@@ -548,8 +474,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         if the work function has that method, else one."""
         with self._lock:
             now = time.monotonic_ns()
-            count = (lambda work: 1) if self._batches_in is None else self._batches_in
-            ready, workers = self._pool.worker_stats(count, now, reset)
+            ready, workers = self._pool.worker_stats(now, reset)
             return self._caller.report(ready, workers, now, reset)
 
     def close(self) -> None:
@@ -614,9 +539,9 @@ _check_setting = {
 def _checked_options(target_fn, n_workers, ctx, daemon, worker_seeds, doze_time, in_order,
                      copy, timeout, respawn, max_respawns, max_leases, spin, stall_timeout,
                      start_later, worker_init_fn, same_copy):
-    """The arguments of MultiProcessingSampleManager checked and normalised: ``(public,
-    settings, n_workers, ctx, daemon, worker_seeds)``, ``public`` the dict of the
-    attributes they set, ``settings`` the `Settings` its parts read."""
+    """The arguments of MultiProcessingSampleManager checked and normalised: ``(settings,
+    n_workers, ctx, daemon, worker_seeds, in_order, copy, spin, max_leases)``,
+    ``settings`` the `Settings` its parts read."""
     if not callable(target_fn):
         raise TypeError(f"target_fn must be callable, got {type(target_fn).__name__}")
     n_workers = check_workers(n_workers)
@@ -634,15 +559,14 @@ def _checked_options(target_fn, n_workers, ctx, daemon, worker_seeds, doze_time,
         stall_timeout=_check_setting["stall_timeout"](stall_timeout),
         respawn=_check_setting["respawn"](respawn),
         max_respawns=_check_setting["max_respawns"](max_respawns))
-    public = dict(
-        target_fn=target_fn,
-        in_order=check_bool(in_order, "in_order"),
-        copy=check_bool(copy, "copy"),
-        spin=check_spin(spin),
-        max_leases=2 * n_workers + 8 if max_leases is None else check_int(
-            max_leases, "max_leases", 0, MAX_LEASES))
-    return (public, settings, n_workers, check_context(ctx),
-            check_bool(daemon, "daemon", allow_none=True), worker_seeds)
+    in_order = check_bool(in_order, "in_order")
+    copy = check_bool(copy, "copy")
+    spin = check_spin(spin)
+    max_leases = (2 * n_workers + 8 if max_leases is None
+                  else check_int(max_leases, "max_leases", 0, MAX_LEASES))
+    return (settings, n_workers, check_context(ctx),
+            check_bool(daemon, "daemon", allow_none=True), worker_seeds, in_order, copy,
+            spin, max_leases)
 
 
 def _checked_seeds(worker_seeds, n_workers):

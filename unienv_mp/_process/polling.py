@@ -17,8 +17,8 @@ __all__ = ["Poller"]
 
 
 class Poller:
-    """Collects from every worker of ``pool`` at once (`WorkerPool.take` records a result
-    entry into the ledger, whose ticket table ``tasks`` this reads), and waits on the
+    """Collects from every worker of ``pool`` at once (`WorkLedger.take` records a result
+    entry, into the ledger whose ticket table ``tasks`` this reads), and waits on the
     ``doorbell`` the workers ring, re-checking every ``settings.doze_time`` s (the
     manager's `Settings`, read at each wait) that they are alive; ``caller`` is the
     manager's record of the caller's time (see stats)."""
@@ -36,7 +36,7 @@ class Poller:
         caller that does not block never reaches the liveness checks of the waits)."""
         pool = self.pool
         waiting = pool.ledger.waiting
-        take = pool.take
+        take = pool.ledger.take
         for lane in pool.lanes:
             w = lane.worker
             if lane.retired:
@@ -47,16 +47,15 @@ class Poller:
                 pool.restart(lane)
             try:
                 while True:
-                    take(lane, w.next_result(0))
+                    if take(w, 0):
+                        lane.deaths_in_a_row = 0
             except RingClosed:
                 raise RuntimeError(CLOSED_WHILE_WAITING) from None
             except _queue.Empty:
                 if check_alive and w.has_exited():
-                    pool.bury(lane)
-                    pool.restart(lane)
+                    pool.replace(lane)
             except WorkerDied as e:
-                pool.bury(lane, e)
-                pool.restart(lane)
+                pool.replace(lane, e)
 
     def first_ready(self, tickets, block, limit):
         """A ticket among ``tickets`` whose result has arrived, waiting up to ``limit``

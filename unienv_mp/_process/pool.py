@@ -10,12 +10,12 @@ be released however the manager ends.  `WorkerPool` starts the workers left to s
 later, notices a worker that died or stalled, buries it (keeps what it published, stops
 and releases its process, and has the ledger queue its unfinished tasks again) and
 restarts the lane with a new process, pushing the tasks the ledger says wait for it.  It
-is handed the manager's `WorkLedger`, and records a worker's published results into it
-(`take`); it keeps the rules against a Ctrl-C written at the top of `unienv_mp._process.manager`.
+is handed the manager's `WorkLedger`, which takes a worker's results off its ring
+(`WorkLedger.take`); it keeps the rules against a Ctrl-C written at the top of
+`unienv_mp._process.manager`.
 """
 import collections
 import queue as _queue
-import signal
 import time
 import warnings
 
@@ -23,12 +23,12 @@ import numpy as np
 
 from .. import _os
 from .. import stats as _stats
-from ..backend import CLOSED_WHILE_WAITING, no_result, respawn_refusal
-from ..errors import CodecError, RingClosed, WorkerDiedError
+from ..backend import CLOSED_WHILE_WAITING, no_result
+from ..errors import RingClosed, WorkerDiedError
+from .deaths import Stall, judge
 from .handle import TASK_CAPACITY, WorkerCorrupt, WorkerDied, WorkerHandle, WorkerStalled
 from .launch import CopyGone
 from .snapshot import SnapshotLate
-from .stalls import Stall
 
 __all__ = ["Lane", "Resources", "Settings", "WorkerPool", "CLOSE_WAIT", "CopyLost"]
 
@@ -130,8 +130,8 @@ class WorkerPool:
     left to start later.
 
     ``ledger`` is the manager's `WorkLedger`: the pool asks it for the tasks to push and
-    hands it a dead process's unfinished work; `take` records a result entry a worker
-    published into it.  ``settings``
+    hands it a dead process's unfinished work; it takes the workers' results off their
+    rings (`WorkLedger.take`).  ``settings``
     (`Settings`: ``respawn``, ``max_respawns``, ``timeout``, ``stall_timeout``) are read
     each time they are needed.  ``closed`` starts True; the manager sets it False before
     `start` and True again when it is closed: no process starts once it is set.
@@ -170,20 +170,22 @@ class WorkerPool:
     ``TimeoutError``).
     """
 
-    def __init__(self, n_workers, settings, options, ledger, resources):
+    def __init__(self, n_workers, seeds, start_later, start_method, settings, ledger,
+                 caller, resources):
+        self.n_workers = n_workers
+        self.seeds = seeds                 # one per worker, or None (checked by the manager)
+        self.start_later = start_later
+        self.start_method = start_method   # (named in the errors)
         self.settings = settings     # the manager's Settings (read when they are needed)
-        self.closed = True           # (set by the manager: no process starts while True)
+        self.ledger = ledger
+        self.caller = caller         # the manager's CallerRecord: time waited is counted
         self.resources = resources   # (its workers: the handles the ledger gives slots to)
+        self.closed = True           # (set by the manager: no process starts while True)
         self.lanes = []              # of the workers started, in index order
         self.launch = None           # what their processes start with (see start)
         self.snapshot_due = False    # the snapshot process is to start at the next push
         self.deferred = collections.deque()   # (handle, seed) of those to start later
-        self.n_workers = n_workers
-        # start_later, seeds, start_method: fixed at construction
-        vars(self).update(options)
-        self.seed_rng = np.random.default_rng(
-            None if self.seeds is None else [int(s) for s in self.seeds])
-        self.ledger = ledger
+        self.seed_rng = np.random.default_rng(seeds)
         self.starting = set()   # lanes whose process has not been seen taking tasks yet
 
     def start(self, launch):
@@ -262,13 +264,12 @@ class WorkerPool:
             elif w.started_ns:
                 self.starting.discard(lane)
             elif w.has_exited():
-                self.bury(lane)
-                self.restart(lane, deadline)
+                self.replace(lane, None, deadline)
 
     def bury(self, lane, cause=None):
         """The process of ``lane``'s worker died (``cause``: the WorkerDied noticed), or
         stalled (a WorkerStalled: it is killed here): keep what it published, stop and
-        release it, and queue its unfinished work for the next process (see _restart).
+        release it, and queue its unfinished work for the next process (see `restart`).
         Raises WorkerDiedError if a dead worker must not (respawn=False) or should not
         (it keeps dying) be replaced: after the process is taken off the lane, so that
         the next call starts a fresh one, with the whole budget, for the work left
@@ -277,106 +278,49 @@ class WorkerPool:
         stall_timeout).  One that wrote on its rings what it could not have written (a
         WorkerCorrupt) is killed here and dies like any other, but with a warning, or a
         CodecError instead of the WorkerDiedError; nothing more is read from its
-        rings."""
+        rings.  What its death means is `unienv_mp._process.deaths.judge`'s to say."""
         w = lane.worker
-        corrupt = None
+        corrupt = cause.error if isinstance(cause, WorkerCorrupt) else None
         if isinstance(cause, WorkerStalled):
             # (kept before the kill: its death is this stall)
             lane.stall = Stall(w, cause, self.settings.stall_timeout)
-            w.kill()
-        elif isinstance(cause, WorkerCorrupt):
-            corrupt = cause.error
-            w.kill()
-        code = w.exit_code(1.0)
+        code, how = w.end(1.0, kill=corrupt is not None or lane.stall is not None)
         if w.has_process and corrupt is None:
+            take = self.ledger.take
             try:
                 while True:
-                    self.take(lane, w.next_result(0))
+                    if take(w, 0):
+                        lane.deaths_in_a_row = 0
             except (_queue.Empty, RingClosed, WorkerDied):
                 pass
-        deaths, give_up, failed = self._death_outcome(lane, code, corrupt)
+        deaths, give_up, failed = judge(w.index, w.pid, code, how, lane.deaths_in_a_row,
+                                        lane.stall, corrupt, self.settings,
+                                        self.start_method, self.ledger.tasks)
         if give_up is not None:
             # The next call starts a fresh process, with the whole budget; the unfinished
             # work waits for it (nothing is lost: its caller may ask again).
             deaths = 0
-        # One step that a Ctrl-C must not cut in two: the worker has no process, and its
-        # unfinished work waits for the next one.  A KeyboardInterrupt can land between
-        # any two statements, so SIGINT is held back until the step is done, then
+        # One step that a Ctrl-C must not cut in two: the process's end is recorded, the
+        # result of ``failed`` handed out, the unfinished work queued for the next
+        # process, and the process taken off the worker.  A KeyboardInterrupt can land
+        # between any two statements, so SIGINT is held back until the step is done, then
         # raised.  Stopping the old process and releasing its memory, which take a while
         # and may be interrupted themselves, come after, in the ``finally``: also when
         # the Ctrl-C held back is raised as the step ends.
         detached = None
         try:
             with _os.interrupts_deferred():
-                detached = self._requeue(lane, deaths, failed)
+                lane.deaths_in_a_row = deaths
+                lane.stall = None
+                self.starting.add(lane)   # (without a process until the restart: looked after)
+                lane.record.process_ended(w.counters(), time.monotonic_ns())
+                self.ledger.requeue(w.index, failed)
+                detached = w.detach()
         finally:
             if detached is not None:
                 detached.stop(1.0)
         if give_up is not None:
             raise give_up from None
-
-    def _death_outcome(self, lane, code, corrupt):
-        """What the death of ``lane``'s process (exit ``code``; ``corrupt``: the
-        CodecError of a WorkerCorrupt, or None) means: ``(deaths, give_up, failed)``,
-        its deaths in a row counting this one, the error to raise once it is buried (or
-        None: it is replaced), and the task whose result is its stall, as ``(task,
-        error)`` (or None).  Warns of a replacement the caller should hear of."""
-        w, stall, m = lane.worker, lane.stall, self.settings
-        how = _os.describe_exit(code)
-        # (a SIGINT is a terminal's Ctrl-C that reached the worker too, not a crash)
-        deaths = lane.deaths_in_a_row + (code != -signal.SIGINT)
-        give_up = failed = None
-        if code == _os.EXIT_TASK_REWRITTEN and corrupt is None:
-            corrupt = CodecError(f"worker {w.index} (pid {w.pid}) found a task in its ring "
-                                 f"rewritten (it did not match its check)")
-        if code == _os.EXIT_MAIN_REIMPORTED and stall is None:
-            # a replacement would make the same mistake: one error, with the fix
-            give_up = WorkerDiedError(
-                f"worker {w.index} {how}: started with {self.start_method!r}, it "
-                f"imported the main module, whose top level starts a sampler's workers "
-                f"again (the script has no `if __name__ == \"__main__\":` guard around "
-                f"its work).  Put the work under such a guard (see unienv_mp's docs, "
-                f"Getting started); workers started with spawn or forkserver import the main module",
-                worker=w.index, exitcode=code)
-        elif corrupt is not None:
-            verdict = respawn_refusal(m.respawn, deaths, m.max_respawns)
-            if verdict is not None:
-                give_up = CodecError(f"{corrupt}; the worker was killed; {verdict}")
-            else:
-                warnings.warn(f"{corrupt}; the worker was killed and replaced, and its "
-                              f"unfinished tasks are given to the replacement",
-                              RuntimeWarning, stacklevel=5)
-        elif stall is not None and stall.ticket is None:
-            # (it took no task: none is to blame, nor counted as failing)
-            deaths = lane.deaths_in_a_row
-            stall.warn(True, stacklevel=5)
-        elif stall is not None:
-            task = self.ledger.tasks.get(stall.ticket)
-            if respawn_refusal(m.respawn, deaths, m.max_respawns) is not None:
-                if task is not None and not task.arrived and task.worker == w.index:
-                    failed = (task, stall.error())
-                deaths = 0   # (the task that kept stalling is given up)
-            else:
-                stall.warn(task is not None and not task.cancelled, stacklevel=5)
-        else:
-            verdict = respawn_refusal(m.respawn, deaths, m.max_respawns)
-            if verdict is not None:
-                give_up = WorkerDiedError(f"worker {w.index} (pid {w.pid}) {how}; {verdict}",
-                                          worker=w.index, exitcode=code)
-        return deaths, give_up, failed
-
-    def _requeue(self, lane, deaths, failed):
-        """The step of `bury` that a Ctrl-C must not cut in two (the caller holds SIGINT
-        back): record the process's end, hand out the result of ``failed``, queue the
-        unfinished tasks for the next process, and detach the process from the lane's
-        worker.  Returns the detached process, to stop."""
-        w = lane.worker
-        lane.deaths_in_a_row = deaths
-        lane.stall = None
-        self.starting.add(lane)   # (without a process until the restart: looked after)
-        lane.record.process_ended(w.counters(), time.monotonic_ns())
-        self.ledger.requeue(w.index, failed)
-        return w.detach()
 
     def restart(self, lane, deadline=None):
         """Start a process for ``lane``'s worker if it has none, and hand it the tasks
@@ -410,7 +354,13 @@ class WorkerPool:
                     self.push(task, lane)
                     ledger.pushed_waiting(i)   # (cut short before: in flight, skipped)
             except WorkerDied as e:
-                self.bury(lane, e)
+                self.bury(lane, e)   # (and the loop starts the next process)
+
+    def replace(self, lane, cause=None, deadline=None):
+        """Bury the dead (or stalled, or corrupt: ``cause``) process of ``lane``'s worker
+        and start its replacement (`bury`, then `restart`)."""
+        self.bury(lane, cause)
+        self.restart(lane, deadline)
 
     def _retire(self, lane, why):
         """``lane``'s worker is dead and cannot be replaced from the copy of the data the
@@ -456,14 +406,12 @@ class WorkerPool:
             elif w.proc is None:          # replaced, but its replacement could not start yet
                 self.restart(lane, deadline)
             elif w.has_exited():
-                self.bury(lane)
-                self.restart(lane, deadline)
+                self.replace(lane, None, deadline)
             elif stall_ns is not None:
                 try:
                     w.check_stall(stall_ns)
                 except (WorkerStalled, WorkerCorrupt) as e:
-                    self.bury(lane, e)
-                    self.restart(lane, deadline)
+                    self.replace(lane, e, deadline)
 
     # -- tasks onto a worker's ring ---------------------------------------------------------
 
@@ -497,7 +445,8 @@ class WorkerPool:
         in_flight = self.ledger.in_flight
         while in_flight(w.index) >= TASK_CAPACITY:
             try:
-                self.take(lane, w.next_result(timeout))
+                if self.ledger.take(w, timeout):
+                    lane.deaths_in_a_row = 0
             except _queue.Empty:
                 raise no_result(timeout, w.index) from None
             except RingClosed:
@@ -505,22 +454,56 @@ class WorkerPool:
 
     # -- results off the rings -------------------------------------------------------------
 
-    def take(self, lane, entry):
-        """Record ``entry``, the oldest result entry of ``lane``'s worker not recorded yet
-        (WorkerHandle.next_result), into the ledger, then let the handle drop it.
-        Interrupted anywhere, the entry stays with the handle and is recorded again next
-        time.  (The manager's per-batch wait does the same inline.)"""
-        w = lane.worker
-        if self.ledger.accept(w, entry) and lane.deaths_in_a_row:
-            lane.deaths_in_a_row = 0
-        w.result_recorded()
+    def wait_for(self, task, timeout):
+        """Block until ``task`` has a result, replacing its worker's process if it dies;
+        raises ``TimeoutError`` after ``timeout`` seconds (None: no limit).  The time is
+        counted as the caller's wait (see `unienv_mp.stats`)."""
+        t0 = time.monotonic_ns()
+        try:
+            self._wait_for(task, timeout)
+        finally:
+            self.caller.waited(t0, time.monotonic_ns(),
+                               self.lanes[task.worker].worker.started_ns)
+
+    def _wait_for(self, task, timeout):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        ledger = self.ledger
+        if self.starting:
+            self.check_starting(deadline)   # (workers no wait is on: see check_starting)
+        while not task.arrived:
+            # (the task's worker, again each time: a retired worker's tasks move)
+            lane = self.lanes[task.worker]
+            w = lane.worker
+            if ledger.waiting[task.worker] or not w.has_process:
+                self.restart(lane, deadline)   # a replacement not finished earlier
+                continue
+            if self.deferred and self.caller.batches and not w.results_published:
+                # (while this worker makes the result)
+                self.start_deferred(quiet=True, deadline=deadline)
+            try:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if ledger.take(w, left):
+                    lane.deaths_in_a_row = 0
+            except _queue.Empty:
+                raise no_result(timeout, w.index) from None
+            except RingClosed:
+                raise RuntimeError(CLOSED_WHILE_WAITING) from None
+            except WorkerDied as e:
+                try:
+                    self.replace(lane, e, deadline)
+                except CopyLost:
+                    if not task.arrived:
+                        raise
+                    # (its result came, e.g. the error of a stall: handed out first; a
+                    # wait for a task no worker is left to make raises this again)
+
 
     # -- what the workers did, and the end ---------------------------------------------------
 
-    def worker_stats(self, count, now, reset):
+    def worker_stats(self, now, reset):
         """``(ready, workers)``: how many batches are ready to hand out, collected or
-        still on the workers' rings (``count(work)`` batches a task), and a
-        `WorkerStats` of each worker started."""
+        still on the workers' rings (see `WorkLedger.ready`), and a `WorkerStats` of each
+        worker started."""
         workers = []
         published = []
         for lane in self.lanes:
@@ -530,7 +513,7 @@ class WorkerPool:
                 published.append((w.index, w.results_published))
             workers.append(lane.record.read(w.index, w.pid, counters, now, reset,
                                             w.launched_ns if w.has_process else None))
-        return self.ledger.ready(count, published), workers
+        return self.ledger.ready(published), workers
 
     def slot_segments(self):
         """The result slots of the workers now, as mapped here: what a device feed
