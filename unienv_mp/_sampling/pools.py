@@ -49,10 +49,9 @@ class _EveryStart:
 
 class Pools:
     """A sampler's managers.  ``sampler``: the wrapped sampler (whose data the workers
-    copy); ``new_manager``: a weak reference to the sampler's ``new_manager`` hook, which
-    makes a manager; ``open_sample``: a weak reference to the sampler's method that checks
-    it is open and returns the ``sample*`` manager, made if needed (weak: the sampler owns
-    this, and this holds nothing that keeps it alive).  ``persistent``: the sampler's
+    copy).  A method that may make a manager is handed ``new_manager``, the sampler's
+    hook that makes one (this holds nothing of the sampler's but the wrapped sampler).
+    ``persistent``: the sampler's
     ``persistent_workers`` option (None, True or False; False for a backend without it: no
     workers are kept for epochs), set by the sampler whenever it changes.
 
@@ -64,10 +63,8 @@ class Pools:
     hold (`unienv_mp._sampling.copies.DataCopy`); ``watch``: what the ``sample*`` calls
     look at each time (see `sample_moved`)."""
 
-    def __init__(self, sampler, new_manager, open_sample, sample=None):
+    def __init__(self, sampler, sample=None):
         self.sampler = sampler
-        self.new_manager = new_manager
-        self.open_sample = open_sample
         self.persistent = False
         self.sample = sample
         self.sample_copy = None
@@ -83,11 +80,11 @@ class Pools:
         self._warned = False        # of a write torch does not count (warn_untracked)
         self._warned_moved = False  # (see retire_moved)
 
-    def _new(self):
-        """``(manager, copy)``: a new manager from the sampler's ``new_manager()``, and the
-        copy of the data its workers hold."""
+    def _new(self, new_manager):
+        """``(manager, copy)``: a new manager from ``new_manager()``, and the copy of the
+        data its workers hold."""
         self._next_copy = None
-        manager = self.new_manager()()
+        manager = new_manager()
         copy, self._next_copy = self._next_copy, None
         if copy is None:   # (a manager made without launch_options: its copy is now's)
             copy = DataCopy(self.sampler, self.persistent, False)
@@ -103,18 +100,18 @@ class Pools:
 
     # -- the sample* manager ---------------------------------------------------------------
 
-    def sample_manager(self):
+    def sample_manager(self, new_manager):
         """The ``sample*`` manager, made now if there is none (see `_new_sample`)."""
         sample = self.sample
         if sample is None:
             # (no worker seeds: every task carries the seed of its chunk)
-            sample, copy = self._new_sample()
+            sample, copy = self._new_sample(new_manager)
             self.sample = sample
             self.sample_copy = copy   # (second: a pool without one only costs new workers)
             self.watch = _watch_of(copy)
         return sample
 
-    def _new_sample(self):
+    def _new_sample(self, new_manager):
         # The workers kept for epochs become the sample* workers if their copy of the data
         # is the data as it is now (what new workers would copy): one pool.
         kept, copy = self.kept, self.kept_copy
@@ -123,7 +120,7 @@ class Pools:
             if not kept.closed and self._current(copy)[0]:
                 return kept, copy
             self.retire(kept, copy)   # (older data: no use to anything)
-        return self._new()
+        return self._new(new_manager)
 
     def retire_sample(self):
         """The ``sample*`` manager can make no more batches from its copy of the data
@@ -209,22 +206,16 @@ class Pools:
 
     # -- the managers of epochs ------------------------------------------------------------
 
-    def on_sample_workers(self, workers):
-        """``(the sample* manager, False)`` for an epoch, ``workers`` noted as the
-        ``(kind, reason)`` of the sampler's ``epoch_workers``."""
-        self.epoch_workers = workers
-        return self.open_sample()(), False
-
     def every_epoch_on_sample_workers(self):
         """The rule of a sampler that keeps no other workers: every epoch runs on the
-        ``sample*`` workers."""
+        ``sample*`` workers (noted in ``epoch_workers``; the sampler hands them out)."""
         sample = self.sample
         running = sample is not None and not sample.closed
-        return self.on_sample_workers(
+        self.epoch_workers = (
             ("kept", "the sample* workers serve every epoch") if running
             else ("new", "no workers were running yet (they serve every epoch)"))
 
-    def epoch_manager(self):
+    def epoch_manager(self, new_manager):
         """``(manager, own)`` for an epoch starting now, by the ``persistent_workers``
         rule: workers that exist if their copy of the data is the data as it is now (see
         `DataCopy.current`), else new ones (kept for the next epochs, unless
@@ -255,7 +246,7 @@ class Pools:
             kept, copy = self.kept, self.kept_copy
             self.kept = self.kept_copy = None
             self.retire(kept, copy)
-        manager, copy = self._new()
+        manager, copy = self._new(new_manager)
         self.epoch_workers = ("new", why)
         if keep:
             self.kept, self.kept_copy = manager, copy

@@ -17,7 +17,6 @@ import os
 import threading
 import time
 import warnings
-import weakref
 from typing import Any, Optional
 
 from unienv_data.base import BatchSampler
@@ -70,10 +69,9 @@ def _check_cpu(sampler, who):
                 f"{dev!r} in the training loop")
 
 
-def _checked(n_workers, n_buffers, timeout, in_order, copy, respawn, pin_memory,
-             batches_per_task):
-    """The options every backend has, checked, in this order."""
-    n_workers = check_int(n_workers, "n_workers")
+def _checked(n_buffers, timeout, in_order, copy, respawn, pin_memory, batches_per_task):
+    """The options every backend has, checked, in this order (``n_workers`` is checked by
+    the backend, which bounds it its own way)."""
     n_buffers = check_int(n_buffers, "n_buffers", 1, MAX_BUFFERS,
                           "batches requested ahead, each holding shared memory")
     timeout = check_seconds(timeout, "timeout")
@@ -85,8 +83,7 @@ def _checked(n_workers, n_buffers, timeout, in_order, copy, respawn, pin_memory,
         batches_per_task = check_int(
             batches_per_task, "batches_per_task", 1, MAX_BATCHES_PER_TASK,
             "a worker holds a task's batches together, in one slot")
-    return (n_workers, n_buffers, timeout, in_order, copy, respawn, pin_memory,
-            batches_per_task)
+    return n_buffers, timeout, in_order, copy, respawn, pin_memory, batches_per_task
 
 
 def _extra_methods(s):
@@ -174,7 +171,8 @@ class SamplerBase(BatchSampler):
 
     Its constructor takes [`MultiprocessingSampler`][unienv_mp.MultiprocessingSampler]'s
     options less the process backend's (``ctx``, ``doze_time``, ``daemon``,
-    ``shared_memory``, ``direct_gather``, ``stall_timeout``), ``persistent_workers``
+    ``shared_memory``, ``direct_gather``, ``stall_timeout``), ``n_workers`` checked already
+    (each backend bounds it its own way, where it enters), ``persistent_workers``
     defaulting to False (a backend that keeps no workers for epochs), and ``not_direct``: None if the workers gather batches directly (see
     `unienv_mp._direct.gather`), else why not; ``manager``: the ``sample*`` workers'
     manager, if the subclass made it already (any [`Manager`][unienv_mp.backend.Manager]);
@@ -204,8 +202,7 @@ class SamplerBase(BatchSampler):
                  pin_memory=False, persistent_workers=False):
         self._closed = True   # first: __del__ -> close() must work on a half-built sampler
         # (the sample* manager made on first use, if None)
-        self._pools = Pools(sampler, weakref.WeakMethod(self.new_manager),
-                            weakref.WeakMethod(self._ensure_manager), manager)
+        self._pools = Pools(sampler, manager)
         self._feed = None        # (see _choose_hand_out)
         self._hand_out = None
         self._owner_pid = os.getpid()
@@ -213,9 +210,9 @@ class SamplerBase(BatchSampler):
         # docstring); re-entrant, for a call from a signal handler in the middle of one.
         self._lock = threading.RLock()
         check_batch_sampler(sampler)
-        (n_workers, n_buffers, timeout, in_order, copy, respawn, pin_memory,
-         batches_per_task) = _checked(n_workers, n_buffers, timeout, in_order, copy,
-                                      respawn, pin_memory, batches_per_task)
+        (n_buffers, timeout, in_order, copy, respawn, pin_memory,
+         batches_per_task) = _checked(n_buffers, timeout, in_order, copy, respawn,
+                                      pin_memory, batches_per_task)
         super().__init__(sampler.single_space, sampler.single_metadata_space,
                          sampler.batch_size)
         self._direct = not_direct is None
@@ -285,7 +282,8 @@ class SamplerBase(BatchSampler):
         is the epoch's own (closed when the epoch ends) or one that outlives it.  It
         notes why (see [`epoch_workers`][unienv_mp.sampler.SamplerBase.epoch_workers]).
         Here: the ``sample*`` manager."""
-        return self._pools.every_epoch_on_sample_workers()
+        self._pools.every_epoch_on_sample_workers()
+        return self._ensure_manager(), False
 
     def kept_epoch_manager(self):
         """``(manager, own)`` for an epoch starting now, by the ``persistent_workers``
@@ -294,7 +292,7 @@ class SamplerBase(BatchSampler):
         whether the data changed cannot be told: then the epoch's own).  For an
         [`epoch_manager`][unienv_mp.sampler.SamplerBase.epoch_manager] that keeps
         workers between epochs."""
-        return self._pools.epoch_manager()
+        return self._pools.epoch_manager(self.new_manager)
 
     def sample_workers_have_current_data(self):
         """Note that the ``sample*`` manager given to the constructor was handed the data
@@ -319,7 +317,7 @@ class SamplerBase(BatchSampler):
     def _ensure_manager(self):
         self._ensure_open()
         self._start_clock()
-        return self._pools.sample_manager()
+        return self._pools.sample_manager(self.new_manager)
 
     def _start_clock(self):
         """stats() counts from the first request."""
@@ -902,9 +900,10 @@ class MultiprocessingSampler(SamplerBase):
     def epoch_manager(self):
         # (by the persistent_workers rule: see unienv_mp._sampling.pools)
         if self._placement.kind == "in_process":
-            return self._pools.on_sample_workers(
-                ("in_process", "the data is on a GPU: batches are made in this process, "
-                               "by no workers"))
+            self._pools.epoch_workers = (
+                "in_process", "the data is on a GPU: batches are made in this process, "
+                              "by no workers")
+            return self._ensure_manager(), False
         return self.kept_epoch_manager()
 
 
