@@ -173,7 +173,7 @@ def test_an_interrupted_wait_does_not_leak_its_task():
         with pytest.raises(TimeoutError):
             m.sample()
         assert pool._tasks[first].cancelled  # given up on, not left behind
-        assert wait_until(lambda: pool._poller.poll_all() or first not in pool._tasks, timeout=30)
+        assert wait_until(lambda: pool._pool.poll_all() or first not in pool._tasks, timeout=30)
 
 
 def test_close_while_work_is_in_flight():

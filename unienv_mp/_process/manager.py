@@ -213,7 +213,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
         resources.doorbell_seg = Segment.create(64, "doorbell")
         self._poller = Poller(pool, ledger.tasks, settings,
                               Event(resources.doorbell_seg, 0, True), self._caller)
-        self._unienv = UniEnvQueue(ledger, self._poller, self.in_order)
+        self._unienv = UniEnvQueue(ledger, pool, self._poller, self.in_order)
         self._finalizer = _mputil.Finalize(self, resources.close, exitpriority=100)
         self._spot_rng = np.random.default_rng()   # (which blocks spot_check compares)
         launch = Launch(target_fn, worker_init_fn, ctx, daemon, resources.doorbell_seg,
@@ -375,7 +375,7 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
             self._ensure_open()
             task = self._ledger.tasks.pending(ticket)
             if not task.arrived:
-                self._poller.poll_all(check_alive=True)
+                self._pool.poll_all(check_alive=True)
             return task.arrived
 
     def wait_any(self, tickets, timeout: Optional[float] = None) -> int:

@@ -6,22 +6,19 @@ collects what every worker has published, and sleeps on the doorbell that every 
 rings after publishing.  `Poller`, which the manager owns, does that over the manager's
 pool; it keeps the rules against a Ctrl-C at the top of `unienv_mp._process.manager`.
 """
-import queue as _queue
 import time
 
-from ..backend import CLOSED_WHILE_WAITING, none_pending
-from ..errors import RingClosed
-from .handle import WorkerDied
+from ..backend import none_pending
 
 __all__ = ["Poller"]
 
 
 class Poller:
-    """Collects from every worker of ``pool`` at once (`WorkLedger.take` records a result
-    entry, into the ledger whose ticket table ``tasks`` this reads), and waits on the
-    ``doorbell`` the workers ring, re-checking every ``settings.doze_time`` s (the
-    manager's `Settings`, read at each wait) that they are alive; ``caller`` is the
-    manager's record of the caller's time (see stats)."""
+    """Waits for the first of several tickets: collects from every worker of ``pool`` at
+    once (`WorkerPool.poll_all`, into the ledger whose ticket table ``tasks`` this reads),
+    and waits on the ``doorbell`` the workers ring, re-checking every
+    ``settings.doze_time`` s (the manager's `Settings`, read at each wait) that they are
+    alive; ``caller`` is the manager's record of the caller's time (see stats)."""
 
     def __init__(self, pool, tasks, settings, doorbell, caller):
         self.pool = pool
@@ -30,39 +27,12 @@ class Poller:
         self.doorbell = doorbell
         self.caller = caller
 
-    def poll_all(self, check_alive=False):
-        """Accept every result already published by any worker (never blocks, except to
-        replace a worker found dead).  ``check_alive``: also look for dead workers (a
-        caller that does not block never reaches the liveness checks of the waits)."""
-        pool = self.pool
-        waiting = pool.ledger.waiting
-        take = pool.ledger.take
-        for lane in pool.lanes:
-            w = lane.worker
-            if lane.retired:
-                if waiting[w.index]:
-                    pool.restart(lane)   # (its tasks go to the others)
-                continue
-            if waiting[w.index] or not w.has_process:
-                pool.restart(lane)
-            try:
-                while True:
-                    if take(w, 0):
-                        lane.deaths_in_a_row = 0
-            except RingClosed:
-                raise RuntimeError(CLOSED_WHILE_WAITING) from None
-            except _queue.Empty:
-                if check_alive and w.has_exited():
-                    pool.replace(lane)
-            except WorkerDied as e:
-                pool.replace(lane, e)
-
     def first_ready(self, tickets, block, limit):
         """A ticket among ``tickets`` whose result has arrived, waiting up to ``limit``
         seconds (None: no limit) if ``block``, on the doorbell that every worker rings
         after publishing; None if there is none."""
         def find():
-            self.poll_all()
+            self.pool.poll_all()
             for t in tickets:
                 task = self.tasks.get(t)
                 if task is not None and task.arrived:

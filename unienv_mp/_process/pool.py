@@ -498,6 +498,32 @@ class WorkerPool:
                     # wait for a task no worker is left to make raises this again)
 
 
+    def poll_all(self, check_alive=False):
+        """Record every result already published by any worker (never blocks, except to
+        replace a worker found dead).  ``check_alive``: also look for dead workers (a
+        caller that does not block never reaches the liveness checks of the waits)."""
+        waiting = self.ledger.waiting
+        take = self.ledger.take
+        for lane in self.lanes:
+            w = lane.worker
+            if lane.retired:
+                if waiting[w.index]:
+                    self.restart(lane)   # (its tasks go to the others)
+                continue
+            if waiting[w.index] or not w.has_process:
+                self.restart(lane)
+            try:
+                while True:
+                    if take(w, 0):
+                        lane.deaths_in_a_row = 0
+            except RingClosed:
+                raise RuntimeError(CLOSED_WHILE_WAITING) from None
+            except _queue.Empty:
+                if check_alive and w.has_exited():
+                    self.replace(lane)
+            except WorkerDied as e:
+                self.replace(lane, e)
+
     # -- what the workers did, and the end ---------------------------------------------------
 
     def worker_stats(self, now, reset):

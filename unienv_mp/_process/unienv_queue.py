@@ -15,12 +15,13 @@ __all__ = ["UniEnvQueue"]
 
 class UniEnvQueue:
     """The tickets of ``add_work``, waiting in ``order`` for `fetch`, over the manager's
-    ``ledger`` (`WorkLedger`) and ``poller``.  The manager submits (recording into
-    ``order``) and calls `fetch` with its lock held."""
+    ``ledger`` (`WorkLedger`), ``pool`` (`WorkerPool`) and ``poller``.  The manager submits
+    (recording into ``order``) and calls `fetch` with its lock held."""
 
-    def __init__(self, ledger, poller, in_order):
+    def __init__(self, ledger, pool, poller, in_order):
         self.ledger = ledger
         self.tasks = ledger.tasks
+        self.pool = pool
         self.poller = poller
         self.in_order = in_order
         self.order = collections.deque()
@@ -48,7 +49,7 @@ class UniEnvQueue:
             task = tasks[order[0]]
             if not task.arrived:
                 if not block:
-                    self.poller.poll_all(check_alive=True)
+                    self.pool.poll_all(check_alive=True)
                     if not task.arrived:
                         return None
                 else:
