@@ -745,11 +745,58 @@ def _check_replaced_and_goes_on(m, wrote, said):
         message = str(record[0].message)
         assert said in message, message
         assert f"pid {first_pid}" in message and "killed and replaced" in message
+        assert record[0].filename == __file__   # (the caller's sample(), not the package)
         worker = m._pools.sample._lanes[0].worker
         assert worker.incarnation == 2 and worker.pid != first_pid
         assert m.stats().workers[0].respawns == 1
     assert got == expected
     assert wait_until(lambda: not os.path.exists(f"/proc/{first_pid}"))
+
+
+class _CorruptOnce:
+    """Work ``w`` -> 8 int64 equal to ``w``; the worker corrupts its result ring once, at
+    work 1, if the file ``marker`` exists."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __call__(self, w):
+        if w == 1 and os.path.exists(self.marker):
+            os.unlink(self.marker)
+            _corrupt("tag")
+        return np.full(8, w, dtype=np.int64)
+
+
+@pytest.mark.parametrize("call", ["result", "ready", "fetch(block=False)"])
+def test_the_warning_of_a_worker_replaced_points_at_the_callers_line(tmp_path, call):
+    """However deep in the package the corrupt ring is found (waiting for one result,
+    polling every worker), the warning is the caller's, where it can be filtered."""
+    marker = tmp_path / "corrupt"
+    with MultiProcessingSampleManager(_CorruptOnce(str(marker)), n_workers=1,
+                                      ctx="fork", timeout=30) as mgr:
+        assert (mgr.result(mgr.submit(0)) == 0).all()
+        marker.write_text("")
+        with warnings.catch_warnings(record=True) as ws:
+            warnings.simplefilter("always")
+            if call == "result":
+                value = mgr.result(mgr.submit(1))
+            elif call == "ready":
+                t = mgr.submit(1)
+                deadline = time.monotonic() + 30
+                while not mgr.ready(t) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                value = mgr.result(t)
+            else:
+                mgr.add_work(1)
+                deadline = time.monotonic() + 30
+                value = None
+                while value is None and time.monotonic() < deadline:
+                    value = mgr.fetch(block=False)
+                    time.sleep(0.01)
+        assert (value == 1).all()
+        replaced = [w for w in ws if "killed and replaced" in str(w.message)]
+        assert len(replaced) == 1, [str(w.message) for w in ws]
+        assert replaced[0].filename == __file__, replaced[0].filename
 
 
 def _check_one_codec_error(m, match):

@@ -434,11 +434,13 @@ def line_of(func, marker, after=0, nth=1):
 
 class interrupt_at:
     """Within the block, a real SIGINT just before line ``lineno`` of ``func`` runs for the
-    first time (a KeyboardInterrupt there, unless SIGINT is held back)."""
+    first time (a KeyboardInterrupt there, unless SIGINT is held back); with ``when``, the
+    first time it runs while ``when()`` is true."""
 
-    def __init__(self, func, lineno):
+    def __init__(self, func, lineno, when=None):
         self.code = func.__code__
         self.lineno = lineno
+        self.when = when
         self.fired = False
         self.pid = os.getpid()
 
@@ -449,7 +451,8 @@ class interrupt_at:
         return self._line if frame.f_code is self.code else None
 
     def _line(self, frame, event, arg):
-        if event == "line" and frame.f_lineno == self.lineno and not self.fired:
+        if event == "line" and frame.f_lineno == self.lineno and not self.fired and (
+                self.when is None or self.when()):
             self.fired = True
             sys.settrace(None)
             frame.f_trace = None
@@ -496,6 +499,46 @@ def test_a_result_asked_for_again_after_a_ctrl_c_in_its_delivery(copy):
         assert (mgr.result(t2) == 2).all()
         assert (v1 == 1).all(), f"the result of work 1 became {np.unique(v1)}"
         check_slots(mgr)
+    finally:
+        mgr.close()
+
+
+def _kill_worker(mgr, i):
+    proc = mgr.workers[i]
+    _os.send_signal(proc, signal.SIGKILL)
+    assert wait_until(lambda: _os.has_exited(proc))
+
+
+Take = _ledger.WorkLedger.take
+Accept = _ledger.WorkLedger.accept
+RECORDING = [(Take, line_of(Take, "self.accept(w, w.next_result(timeout))")),
+             (Take, line_of(Take, "w.result_recorded()")),
+             (Accept, line_of(Accept, "w.made_result = True")),
+             (Accept, line_of(Accept, "self.arrived(task)", nth=3))]
+
+
+@pytest.mark.parametrize("func, lineno", RECORDING,
+                         ids=[f"{f.__name__}:{n - f.__code__.co_firstlineno}"
+                              for f, n in RECORDING])
+def test_a_ctrl_c_as_a_replacements_first_result_is_recorded_still_resets_its_deaths(
+        func, lineno):
+    """max_respawns=1: a worker whose replacement made a result may die once more and be
+    replaced again, wherever a Ctrl-C cut the recording of that result short."""
+    mgr = Manager(Fill(), n_workers=1, ctx="fork", max_respawns=1)
+    try:
+        assert (mgr.result(mgr.submit(1)) == 1).all()
+        _kill_worker(mgr, 0)
+        t = mgr.submit(2)
+        handle = mgr._lanes[0].worker   # (the replacement's handle is the same object)
+        with interrupt_at(func, lineno, when=lambda: handle.incarnation == 2) as i:
+            try:
+                value = mgr.result(t)
+            except KeyboardInterrupt:
+                value = mgr.result(t)   # asked for again
+        assert i.fired
+        assert (value == 2).all()
+        _kill_worker(mgr, 0)   # the replacement made a result, then dies
+        assert (mgr.result(mgr.submit(3)) == 3).all()   # replaced, not given up
     finally:
         mgr.close()
 

@@ -541,7 +541,7 @@ def test_a_state_taken_after_an_epoch_failed_to_start_continues_as_the_sampler_d
     with MultiprocessingSampler(StepSampler(rb, 6, seed=3), n_workers=2, ctx="fork") as m:
         from unienv_mp._sampling.pools import Pools
         starting = Pools.epoch_manager
-        with interrupt_at(starting, line_of(starting, "manager, copy = self._new()")) as i:
+        with interrupt_at(starting, line_of(starting, "manager, copy = self._new(new_manager)")) as i:
             assert interrupted(next, m.epoch_iter())
         assert i.fired
         state = m.state_dict()

@@ -9,7 +9,8 @@ runs.  Its sibling is `unienv_mp.ray`; both keep the contract of `unienv_mp.back
 * `.ledger`: the work in flight, owned by the manager: the tickets and their tasks, each
   worker's tasks in flight and waiting, and the result slots they hold; tasks onto a
   worker's ring, results off it, and their delivery.
-* `.polling`: waiting on every worker at once (``ready``, ``wait_any``).
+* `.polling`: waiting for the first of several tickets (``wait_any``, ``fetch`` not in
+  order).
 * `.unienv_queue`: UniEnv's ``add_work`` / ``fetch``, an adapter over a manager.
 * `.handle`: one worker seen from the parent: its process, rings and slots.
 * `.worker`: the worker's main loop, in the child.

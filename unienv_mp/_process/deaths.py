@@ -13,6 +13,8 @@ cuts the burial short, the death that follows is known to be this stall.  The st
 task goes to the replacement, with a ``RuntimeWarning`` (`Stall.warn`), or is given up,
 its result being `Stall.error` (a `WorkerStalledError`).
 """
+import inspect
+import os
 import signal
 import warnings
 
@@ -20,7 +22,22 @@ from .. import _os
 from ..backend import respawn_refusal
 from ..errors import CodecError, WorkerDiedError, WorkerStalledError
 
-__all__ = ["Stall", "judge"]
+__all__ = ["Stall", "judge", "warn_user"]
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def warn_user(message):
+    """``warnings.warn(message, RuntimeWarning)``, attributed to the line outside unienv_mp
+    that led here (the caller's ``sample()``, ``result()``, ``ready()``...), however deep in
+    the package the death was found."""
+    frame = inspect.currentframe()
+    level = 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+        level += 1
+    del frame
+    warnings.warn(message, RuntimeWarning, stacklevel=level)
 
 
 class Stall:
@@ -49,16 +66,15 @@ class Stall:
         """The result of the stalled task when it is given up."""
         return WorkerStalledError(self._message(), self.stacks, self.index, self.seconds)
 
-    def warn(self, task_wanted, stacklevel):
+    def warn(self, task_wanted):
         """Warn that the process stalled and was replaced, and that its task is given to
-        the replacement (``task_wanted``) or was no longer wanted.  ``stacklevel`` as for
-        ``warnings.warn`` called by the caller of this."""
+        the replacement (``task_wanted``) or was no longer wanted."""
         if self.ticket is None:
             fate = "Its tasks are given to the replacement."
         else:
             fate = ("Its task is given to the replacement." if task_wanted
                     else "Its task was no longer wanted.")
-        warnings.warn(f"{self._message()}\n{fate}", RuntimeWarning, stacklevel=stacklevel + 1)
+        warn_user(f"{self._message()}\n{fate}")
 
 
 def judge(index, pid, code, how, in_a_row, stall, corrupt, settings, start_method, tasks):
@@ -95,13 +111,12 @@ def judge(index, pid, code, how, in_a_row, stall, corrupt, settings, start_metho
         if refusal is not None:
             give_up = CodecError(f"{corrupt}; the worker was killed; {refusal}")
         else:
-            warnings.warn(f"{corrupt}; the worker was killed and replaced, and its "
-                          f"unfinished tasks are given to the replacement",
-                          RuntimeWarning, stacklevel=5)
+            warn_user(f"{corrupt}; the worker was killed and replaced, and its unfinished "
+                      f"tasks are given to the replacement")
     elif stall is not None and stall.ticket is None:
         # (it took no task: none is to blame, nor counted as failing)
         deaths = in_a_row
-        stall.warn(True, stacklevel=5)
+        stall.warn(True)
     elif stall is not None:
         task = tasks.get(stall.ticket)
         if refusal is not None:
@@ -109,7 +124,7 @@ def judge(index, pid, code, how, in_a_row, stall, corrupt, settings, start_metho
                 failed = (task, stall.error())
             deaths = 0   # (the task that kept stalling is given up)
         else:
-            stall.warn(task is not None and not task.cancelled, stacklevel=5)
+            stall.warn(task is not None and not task.cancelled)
     elif refusal is not None:
         give_up = WorkerDiedError(f"worker {index} (pid {pid}) {how}; {refusal}",
                                   worker=index, exitcode=code)

@@ -247,6 +247,10 @@ class WorkerHandle:
         self.launched_ns = None     # monotonic ns at which its process was started
         self._pushed = 0            # tasks pushed to this incarnation
         self._received = 0          # result entries of this incarnation recorded
+        # this incarnation made a result that was recorded (set by the ledger as it
+        # records one, before the task is marked arrived): its worker's count of deaths
+        # in a row starts again
+        self.made_result = False
         self._watch = StallWatch()  # what the stall watchdog remembers of the process
 
     @property
@@ -345,6 +349,7 @@ class WorkerHandle:
         self._next_slot = 0
         self._pushed = 0
         self._received = 0
+        self.made_result = False
         self._watch = StallWatch()
 
     def detach(self):
@@ -428,8 +433,8 @@ class WorkerHandle:
         Never waits.  Raises WorkerCorrupt if the task ring is full, shut down by no one,
         or corrupt: the process wrote into it.
 
-        Why a full ring is corrupt: ``record`` (the lane's tasks in flight) holds fewer
-        than TASK_CAPACITY tickets when the manager pushes (see _make_room), a ticket
+        Why a full ring is corrupt: ``record`` (the worker's tasks in flight) holds fewer
+        than TASK_CAPACITY tickets when a task is pushed (see ``WorkerPool.push``), a ticket
         leaves it only when its result has come, and the process takes its tasks in
         order, each off the ring (its cell free again) before it answers it.  So at most
         ``len(record)`` cells are taken, and the ring holds TASK_CAPACITY.

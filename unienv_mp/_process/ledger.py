@@ -205,18 +205,17 @@ class WorkLedger:
         """Take the oldest result entry of worker handle ``w`` not recorded yet off its
         result ring and record it (`accept`), waiting up to ``timeout`` seconds for one
         (see ``WorkerHandle.next_result``, which raises what ends the wait).  Interrupted
-        anywhere, the entry stays with the handle and is recorded again next time.  True
-        if it was a result the worker made (its count of deaths in a row starts again)."""
-        made = self.accept(w, w.next_result(timeout))
+        anywhere, the entry stays with the handle and is recorded again next time."""
+        self.accept(w, w.next_result(timeout))
         w.result_recorded()
-        return made
 
     def accept(self, w, entry):
         """Record a result entry that worker handle ``w`` published (hand nothing out
         yet).  The caller then tells the handle it is recorded; an entry whose recording
         was cut short is recorded again, so every step below gives the same state when it
-        runs twice.  True if it was a result the worker made (its count of deaths in a row
-        starts again)."""
+        runs twice.  A result the process made sets the handle's ``made_result`` before
+        the task is marked arrived (its worker's count of deaths in a row starts again,
+        see `unienv_mp._process.deaths`), so no Ctrl-C can lose it."""
         t, slot, ticket, payload = entry
         status, where = _untag(t)
         if status == _ST_FATAL:
@@ -232,12 +231,12 @@ class WorkLedger:
             except ValueError:
                 if not w.repeated:   # (a recording cut short removed it already)
                     raise WorkerCorrupt(w, f"ticket {ticket} was not given to it") from None
-            return False
+            return
         if task.arrived:
             if task.worker != w.index or not w.repeated:
                 raise WorkerCorrupt(w, f"ticket {ticket}: its result came already")
             self.arrived(task)   # (finish a recording cut short)
-            return task.status is not None
+            return
         # (pushed to this process is exactly: in its inflight, see the top)
         if task.worker != w.index or ticket not in inflight or (
                 where == _AT_SLOT and slot != task.slot):
@@ -251,14 +250,14 @@ class WorkLedger:
                 # (WorkerDied: the task stays in flight, and is redone by the replacement.)
                 task.error = e
                 self.arrived(task)
-                return False
+                return
         else:
             task.inline = payload
         if task.spill is not None:
             self.release_spill(task)
         task.status = status
+        w.made_result = True
         self.arrived(task)
-        return True
 
     def arrived(self, task):
         """The result of ``task`` is recorded: it is no longer in flight.  (``arrived``

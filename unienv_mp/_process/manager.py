@@ -318,12 +318,12 @@ class MultiProcessingSampleManager(Generic[TaskInfoT, ResultT]):
                     self._pool.restart(lane, self._deadline())
                 else:
                     try:
-                        if len(ledger.inflight[i]) >= TASK_CAPACITY:
-                            self._pool.make_room(lane)
                         self._pool.push(task, lane)
                     except WorkerDied as e:   # (not pushed: it waits for the replacement)
-                        ledger.enqueue(task, i)   # (after the dead one's, see requeue)
-                        self._pool.replace(lane, e, self._deadline())
+                        self._pool.bury(lane, e)
+                        ledger.enqueue(task, i)
+                        # (the deadline counts from now: the burial may take seconds)
+                        self._pool.restart(lane, self._deadline())
                     except RingClosed:   # (close() shut the ring, from another thread)
                         raise RuntimeError(CLOSED_WHILE_WAITING) from None
                 if record is not None:

@@ -1,10 +1,11 @@
 """Waiting on several workers at once, for a MultiProcessingSampleManager.
 
 A caller that waits for whichever of several tickets comes first (the manager's
-``wait_any``, ``fetch`` without ``in_order``) or asks without blocking (``ready``)
-collects what every worker has published, and sleeps on the doorbell that every worker
-rings after publishing.  `Poller`, which the manager owns, does that over the manager's
-pool; it keeps the rules against a Ctrl-C at the top of `unienv_mp._process.manager`.
+``wait_any``, ``fetch`` without ``in_order``) collects what every worker has published
+(`WorkerPool.poll_all`, which ``ready`` calls alone), and sleeps on the doorbell that
+every worker rings after publishing.  `Poller`, which the manager owns, does that over the
+manager's pool; it keeps the rules against a Ctrl-C at the top of
+`unienv_mp._process.manager`.
 """
 import time
 

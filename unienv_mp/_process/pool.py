@@ -25,7 +25,7 @@ from .. import _os
 from .. import stats as _stats
 from ..backend import CLOSED_WHILE_WAITING, no_result
 from ..errors import RingClosed, WorkerDiedError
-from .deaths import Stall, judge
+from .deaths import Stall, judge, warn_user
 from .handle import TASK_CAPACITY, WorkerCorrupt, WorkerDied, WorkerHandle, WorkerStalled
 from .launch import CopyGone
 from .snapshot import SnapshotLate
@@ -289,11 +289,12 @@ class WorkerPool:
             take = self.ledger.take
             try:
                 while True:
-                    if take(w, 0):
-                        lane.deaths_in_a_row = 0
+                    take(w, 0)
             except (_queue.Empty, RingClosed, WorkerDied):
                 pass
-        deaths, give_up, failed = judge(w.index, w.pid, code, how, lane.deaths_in_a_row,
+        # (its deaths in a row start again if it made a result)
+        in_a_row = 0 if w.made_result else lane.deaths_in_a_row
+        deaths, give_up, failed = judge(w.index, w.pid, code, how, in_a_row,
                                         lane.stall, corrupt, self.settings,
                                         self.start_method, self.ledger.tasks)
         if give_up is not None:
@@ -350,7 +351,6 @@ class WorkerPool:
                     task = ledger.next_waiting(i)
                     if task is None:
                         return
-                    self.make_room(lane)
                     self.push(task, lane)
                     ledger.pushed_waiting(i)   # (cut short before: in flight, skipped)
             except WorkerDied as e:
@@ -369,9 +369,9 @@ class WorkerPool:
         lane.retired = True
         self.starting.discard(lane)
         left = sum(not other.retired for other in self.lanes)
-        warnings.warn(f"unienv_mp: worker {lane.worker.index} died and is not replaced: "
-                      f"{why}; its tasks go to the {left} worker(s) that hold the copy of "
-                      f"the data the others started from", RuntimeWarning, stacklevel=4)
+        warn_user(f"unienv_mp: worker {lane.worker.index} died and is not replaced: {why}; "
+                  f"its tasks go to the {left} worker(s) that hold the copy of the data "
+                  f"the others started from")
 
     def _hand_over(self, lane, deadline=None):
         """Give the tasks waiting on the retired ``lane`` to the least busy lanes not
@@ -417,8 +417,12 @@ class WorkerPool:
 
     def push(self, task, lane):
         """Push ``task`` onto the task ring of ``lane``'s worker (`WorkLedger.push`: it is
-        in flight once pushed); raises WorkerCorrupt, a WorkerDied (not pushed), if the
-        process wrote into its task ring.  The first push may start the snapshot process."""
+        in flight once pushed), once it has fewer than TASK_CAPACITY tasks in flight (see
+        `make_room`: the one bound on a worker's tasks in flight); raises WorkerCorrupt, a
+        WorkerDied (not pushed), if the process wrote into its task ring.  The first push
+        may start the snapshot process."""
+        if len(self.ledger.inflight[lane.worker.index]) >= TASK_CAPACITY:
+            self.make_room(lane)
         self.ledger.push(task, lane.worker)
         if self.snapshot_due:
             self._keep_snapshot()
@@ -445,8 +449,7 @@ class WorkerPool:
         in_flight = self.ledger.in_flight
         while in_flight(w.index) >= TASK_CAPACITY:
             try:
-                if self.ledger.take(w, timeout):
-                    lane.deaths_in_a_row = 0
+                self.ledger.take(w, timeout)
             except _queue.Empty:
                 raise no_result(timeout, w.index) from None
             except RingClosed:
@@ -482,8 +485,7 @@ class WorkerPool:
                 self.start_deferred(quiet=True, deadline=deadline)
             try:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if ledger.take(w, left):
-                    lane.deaths_in_a_row = 0
+                ledger.take(w, left)
             except _queue.Empty:
                 raise no_result(timeout, w.index) from None
             except RingClosed:
@@ -496,7 +498,6 @@ class WorkerPool:
                         raise
                     # (its result came, e.g. the error of a stall: handed out first; a
                     # wait for a task no worker is left to make raises this again)
-
 
     def poll_all(self, check_alive=False):
         """Record every result already published by any worker (never blocks, except to
@@ -514,8 +515,7 @@ class WorkerPool:
                 self.restart(lane)
             try:
                 while True:
-                    if take(w, 0):
-                        lane.deaths_in_a_row = 0
+                    take(w, 0)
             except RingClosed:
                 raise RuntimeError(CLOSED_WHILE_WAITING) from None
             except _queue.Empty:
