@@ -400,6 +400,46 @@ def test_a_stuck_worker_gives_its_stacks_where_there_are_no_pidfds(monkeypatch):
     assert "in stuck_here" in info.value.worker_stack, info.value.worker_stack
 
 
+class StuckOnceAtZero:
+    """Work ``w`` -> 4 int64 equal to ``w``; work 0 hangs once if the file ``flag``
+    exists."""
+
+    def __init__(self, flag):
+        self.flag = flag
+
+    def __call__(self, w):
+        import numpy as np
+        if w == 0 and os.path.exists(self.flag):
+            os.remove(self.flag)
+            time.sleep(60)
+        return np.full(4, w)
+
+
+def test_a_submit_that_buries_a_slow_stalled_worker_still_starts_its_replacement(
+        tmp_path, monkeypatch):
+    """A submit that must make room on a worker (64 tasks in flight) finds it stalled; its
+    stacks take longer than ``timeout`` to come.  The replacement's start is given the
+    whole ``timeout`` from the end of the burial, not what was left of it before."""
+    from unienv_mp._process.handle import WorkerHandle
+    real_stacks = WorkerHandle.stacks
+
+    def slow_stacks(self, timeout=2.0):
+        time.sleep(3.5)
+        return real_stacks(self, timeout)
+    monkeypatch.setattr(WorkerHandle, "stacks", slow_stacks)
+    flag = tmp_path / "stall"
+    with MultiProcessingSampleManager(StuckOnceAtZero(str(flag)), n_workers=1, ctx="fork",
+                                      timeout=3.0, stall_timeout=0.3) as mgr:
+        assert (mgr.result(mgr.submit(5)) == 5).all()
+        flag.write_text("")
+        tickets = [mgr.submit(i) for i in range(64)]
+        with pytest.warns(RuntimeWarning, match="was on one task"):
+            tickets.append(mgr.submit(64))   # (makes room: the stall is found here)
+        values = [mgr.result(t) for t in tickets]
+    assert [int(v[0]) for v in values] == list(range(65))
+    assert all((v == i).all() for i, v in enumerate(values))
+
+
 def test_a_ctrl_c_while_a_stalled_worker_is_killed_leaves_the_sampler_working():
     """respawn=False: "that call raises WorkerStalledError at the first stall, and the next
     call works (with a new worker)".  A Ctrl-C right after the SIGKILL (as the manager
