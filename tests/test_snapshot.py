@@ -81,8 +81,9 @@ def test_with_the_snapshot_process_gone_a_worker_is_forked_from_here_with_a_warn
         snapshot.proc.join(5)
         reader.value = "changed"
         _kill_and_wait(mgr)
-        with pytest.warns(RuntimeWarning, match="snapshot.*it ended"):
+        with pytest.warns(RuntimeWarning, match="snapshot.*it ended") as record:
             again = mgr.result(mgr.submit(1))
+        assert record[0].filename == __file__   # (the caller's line, not the package's)
         assert again[0] == "changed"   # (as the warning says: this process's memory now)
         with warnings.catch_warnings():
             warnings.simplefilter("error")

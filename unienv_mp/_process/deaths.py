@@ -30,7 +30,7 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 def warn_user(message):
     """``warnings.warn(message, RuntimeWarning)``, attributed to the line outside unienv_mp
     that led here (the caller's ``sample()``, ``result()``, ``ready()``...), however deep in
-    the package the death was found."""
+    the package it was found that a process died, stalled or could not start."""
     frame = inspect.currentframe()
     level = 1
     while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):

@@ -26,9 +26,9 @@ import os
 import pickle
 import threading
 import time
-import warnings
 
 from .. import _os
+from .deaths import warn_user
 from .snapshot import Held, Snapshot, SnapshotLost
 from .transfer import Parcel, ParcelChanged
 from .worker import worker_main
@@ -232,10 +232,9 @@ class Launch:
 
 
 def _warn_no_snapshot(why):
-    warnings.warn(f"unienv_mp: the process that keeps the workers' snapshot of the data "
-                  f"(fork) is not there: {why}; a worker started from now on is forked "
-                  f"from this process, and only while the data is provably what the first "
-                  f"workers copied", RuntimeWarning, stacklevel=4)
+    warn_user(f"unienv_mp: the process that keeps the workers' snapshot of the data (fork) "
+              f"is not there: {why}; a worker started from now on is forked from this "
+              f"process, and only while the data is provably what the first workers copied")
 
 
 def _not_picklable(method, error):

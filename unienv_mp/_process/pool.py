@@ -17,7 +17,6 @@ is handed the manager's `WorkLedger`, which takes a worker's results off its rin
 import collections
 import queue as _queue
 import time
-import warnings
 
 import numpy as np
 
@@ -238,10 +237,9 @@ class WorkerPool:
                     raise
                 left = len(self.deferred)
                 self.deferred.clear()
-                warnings.warn(f"unienv_mp: could not start a worker after the first "
-                              f"({type(e).__name__}: {e}); going on with "
-                              f"{len(self.lanes)} worker(s), {left} not started",
-                              RuntimeWarning, stacklevel=3)
+                warn_user(f"unienv_mp: could not start a worker after the first "
+                          f"({type(e).__name__}: {e}); going on with {len(self.lanes)} "
+                          f"worker(s), {left} not started")
                 return False
             self.deferred.popleft()
             lane = Lane(w)
